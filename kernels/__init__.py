@@ -1,0 +1,29 @@
+"""KV movement between engine paged layouts and kvmesh's L1 chunk format.
+
+Public API:
+
+- :class:`KVLayoutKind`, :class:`PagedKVCache` — the engine's per-layer paged
+  tensors, validated once.
+- :func:`gather_chunks` (store: paged → chunks) and :func:`scatter_chunks`
+  (retrieve: chunks → paged), the fast ops.
+- :func:`ref_gather_chunks` / :func:`ref_scatter_chunks` — the plain reference
+  implementation the tests compare against.
+"""
+
+from kernels._plan import BlockIds, blocks_for_tokens
+from kernels.layouts import SUPPORTED_DTYPES, KVLayoutKind, PagedKVCache, paged_layer_shape
+from kernels.ops import gather_chunks, scatter_chunks
+from kernels.reference import ref_gather_chunks, ref_scatter_chunks
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "BlockIds",
+    "KVLayoutKind",
+    "PagedKVCache",
+    "blocks_for_tokens",
+    "gather_chunks",
+    "paged_layer_shape",
+    "ref_gather_chunks",
+    "ref_scatter_chunks",
+    "scatter_chunks",
+]

@@ -1,0 +1,99 @@
+"""The contract every L2 backend implements, and the errors it raises.
+
+An adapter is a thin, blocking, thread-safe client of one backend (a
+directory, a Redis server, an S3 bucket, a NIXL agent, or memory). It knows
+nothing of L1, locks or eviction policy: the store and prefetch controllers
+call it from their worker threads, so a slow backend never blocks an RPC
+handler. Objects are opaque byte strings of exactly the size they were
+written with; an adapter never serves a partial ("torn") object.
+
+Failure model: a missing object is not an error (``get_into`` returns
+False). A backend that cannot be reached or answers garbage raises
+:class:`L2Unavailable` within the adapter's configured timeout — it never
+hangs — and the storage node then degrades to L1-only for that adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from services.common.errors import Unavailable
+from services.common.keys import ObjectKey
+
+
+class L2Unavailable(Unavailable):
+    """The backend is down, timed out, or returned something unusable."""
+
+    default_reason = "L2_UNAVAILABLE"
+
+
+class L2ObjectCorrupt(L2Unavailable):
+    """A stored object failed its integrity check; it is treated as missing and removed."""
+
+    default_reason = "L2_OBJECT_CORRUPT"
+
+
+@dataclass(frozen=True, slots=True)
+class L2Entry:
+    """One stored object as listed by :meth:`L2Adapter.iter_entries`."""
+
+    key: ObjectKey
+    size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class L2Usage:
+    """Bytes held by an adapter and its declared capacity (0 = undeclared)."""
+
+    used_bytes: int
+    capacity_bytes: int
+    object_count: int
+
+
+@runtime_checkable
+class L2Adapter(Protocol):
+    """A blocking, thread-safe client of one L2 backend."""
+
+    #: Backend name reported in cache events and metrics ("disk", "redis", "s3", ...).
+    backend: str
+    #: True when several nodes mount the same pool (an S3 bucket, a shared Redis).
+    shared: bool
+
+    def put_many(self, items: Sequence[tuple[ObjectKey, memoryview]]) -> list[bool]:
+        """Store each object atomically; returns per-item success.
+
+        A key that already exists is overwritten (content for a key never
+        changes, so this is idempotent). Raises L2Unavailable when the
+        backend is down as a whole.
+        """
+        ...
+
+    def get_into(self, keys: Sequence[ObjectKey], outs: Sequence[memoryview]) -> list[bool]:
+        """Read each object into the matching buffer; per-key True when loaded.
+
+        False means missing, or stored with a size different from the
+        buffer's (never a partial copy that is reported as loaded).
+        """
+        ...
+
+    def contains(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Per-key presence."""
+        ...
+
+    def delete_many(self, keys: Sequence[ObjectKey]) -> int:
+        """Delete the objects that exist; returns how many were removed. Idempotent."""
+        ...
+
+    def iter_entries(self) -> Iterator[L2Entry]:
+        """Every stored object, for index rebuilds and reporting at start."""
+        ...
+
+    def usage(self) -> L2Usage:
+        """Current byte usage and declared capacity."""
+        ...
+
+    def close(self) -> None:
+        """Release connections and files. Stored objects persist."""
+        ...
