@@ -7,6 +7,11 @@ field). Any other exception becomes INTERNAL with a message that carries the
 trace id, and is logged with its traceback — the caller always gets an answer
 (LMCache's "raise → no reply → client waits 300 s" cannot happen here).
 
+A call this handler made to another kvmesh service that failed (the gateway
+calling storage, say) is relayed with the downstream code, message and
+ErrorInfo, so the engine sees "block id 9000 is out of range" rather than an
+opaque INTERNAL.
+
 Both jobs live in one interceptor because each interceptor layer costs a few
 microseconds per call and lookups must stay well under a millisecond.
 """
@@ -141,6 +146,8 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 await _abort(context, exc)
             except grpc.aio.AbortError:
                 raise
+            except grpc.RpcError as exc:
+                await _pass_through(context, exc)
             except Exception:
                 code = "INTERNAL"
                 trace_id = current_trace_id()
@@ -156,13 +163,23 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             start = time.perf_counter()
             code: str | None = None
             try:
-                async for response in inner(request, context):
-                    yield response
+                result = inner(request, context)
+                if hasattr(result, "__aiter__"):
+                    async for response in result:
+                        yield response
+                elif inspect.isawaitable(result):
+                    # A handler that streams with context.write() (e.g. Health/Watch).
+                    await result
+                else:
+                    for response in result:
+                        yield response
             except KvmeshError as exc:
                 code = exc.code
                 await _abort(context, exc)
             except grpc.aio.AbortError:
                 raise
+            except grpc.RpcError as exc:
+                await _pass_through(context, exc)
             except Exception:
                 code = "INTERNAL"
                 trace_id = current_trace_id()
@@ -172,6 +189,17 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 self._record(method, context, code, start)
 
         return behaviour
+
+
+async def _pass_through(context: grpc.aio.ServicerContext[Any, Any], exc: grpc.RpcError) -> None:
+    """Relay a failed downstream call (e.g. gateway → storage) with its code and details."""
+    failed: Any = exc
+    code = failed.code() if callable(getattr(failed, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = failed.details() if callable(getattr(failed, "details", None)) else str(exc)
+    trailing = getattr(failed, "trailing_metadata", None)
+    metadata: Any = trailing() if callable(trailing) else ()
+    kept = tuple((key, value) for key, value in (metadata or ()) if key == STATUS_DETAILS_KEY)
+    await context.abort(code, details or code.name, trailing_metadata=kept)
 
 
 async def _internal(

@@ -139,15 +139,38 @@ def validate_object_key(key: ObjectKey, field: str = "key") -> None:
 def object_name(key: ObjectKey) -> str:
     """Stable, parseable name of a key for L2 backends (files, Redis keys, S3 objects).
 
-    ``<model with '/' as '-SEP-'>@<kv_rank 08x>@<group x>@<hash hex>[@<salt>]`` —
-    LMCache's fs naming without the ``.data`` suffix. '@' cannot appear in a
-    model name or salt, so the name splits back unambiguously.
+    ``<model>@<kv_rank 08x>@<group x>@<hash hex>[@<salt>]`` — LMCache's naming,
+    except that '%' and '/' in the model name are percent-encoded (LMCache
+    writes '/' as '-SEP-', which makes models "a/b" and "a-SEP-b" collide).
+    '@' cannot appear in a model name or salt, so the name splits back
+    unambiguously.
     """
-    model = key.model_name.replace("/", "-SEP-")
+    model = key.model_name.replace("%", "%25").replace("/", "%2F")
     name = f"{model}@{key.kv_rank:08x}@{key.object_group_id:x}@{key.chunk_hash.hex()}"
     if key.cache_salt:
         name += f"@{key.cache_salt}"
     return name
+
+
+def _unquote_model(text: str) -> str:
+    out = []
+    i = 0
+    while i < len(text):
+        if text[i] == "%":
+            code = text[i + 1 : i + 3]
+            if code == "25":
+                out.append("%")
+            elif code == "2F":
+                out.append("/")
+            else:
+                raise ValueError(f"bad escape in {text!r}")
+            i += 3
+        else:
+            if text[i] == "/":
+                raise ValueError(f"unescaped '/' in {text!r}")
+            out.append(text[i])
+            i += 1
+    return "".join(out)
 
 
 def parse_object_name(name: str) -> ObjectKey:
@@ -158,7 +181,7 @@ def parse_object_name(name: str) -> ObjectKey:
     try:
         key = ObjectKey(
             chunk_hash=bytes.fromhex(parts[3]),
-            model_name=parts[0].replace("-SEP-", "/"),
+            model_name=_unquote_model(parts[0]),
             kv_rank=int(parts[1], 16),
             object_group_id=int(parts[2], 16),
             cache_salt=parts[4] if len(parts) == 5 else "",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -201,6 +202,9 @@ def _bind(server: grpc.aio.Server, settings: ServerSettings) -> tuple[str, int]:
             raise ConfigError(f"cannot listen on {target}: {exc}") from exc
         return target, 0
     target = f"{settings.host}:{settings.port}"
+    # Probe first: gRPC core would log its own multi-line error before raising.
+    if settings.port and _port_in_use(settings):
+        raise ConfigError(f"cannot listen on {target}: address in use")
     try:
         port = server.add_insecure_port(target)
     except RuntimeError as exc:
@@ -214,11 +218,12 @@ def _bind(server: grpc.aio.Server, settings: ServerSettings) -> tuple[str, int]:
 
 
 def _port_in_use(settings: ServerSettings) -> bool:
-    with socket.socket() as probe:
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    with socket.socket(family) as probe:
         try:
             probe.bind((settings.host, settings.port))
-        except OSError:
-            return True
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
     return False
 
 

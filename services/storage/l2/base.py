@@ -11,6 +11,16 @@ Failure model: a missing object is not an error (``get_into`` returns
 False). A backend that cannot be reached or answers garbage raises
 :class:`L2Unavailable` within the adapter's configured timeout — it never
 hangs — and the storage node then degrades to L1-only for that adapter.
+
+Rules every adapter follows (the conformance suite in tests/integration/l2
+checks them against the real backends):
+- 0-byte objects are valid objects;
+- on a miss or a size mismatch the output buffer is left untouched;
+- an object that fails its integrity check is a miss and is removed (it is
+  not an exception: one bad object must not fail the whole batch);
+- after ``close()`` every call raises L2Unavailable;
+- ``usage()`` and ``iter_entries()`` may scan the whole backend (Redis, S3):
+  keep them off hot paths.
 """
 
 from __future__ import annotations
@@ -19,8 +29,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from services.common.errors import Unavailable
-from services.common.keys import ObjectKey
+from services.common.errors import InvalidArgument, Unavailable
+from services.common.keys import ObjectKey, validate_object_key
 
 
 class L2Unavailable(Unavailable):
@@ -30,7 +40,8 @@ class L2Unavailable(Unavailable):
 
 
 class L2ObjectCorrupt(L2Unavailable):
-    """A stored object failed its integrity check; it is treated as missing and removed."""
+    """A stored object is unusable. Adapters report corrupt objects as misses instead;
+    this type is for callers that wrap an adapter and want to tell the cases apart."""
 
     default_reason = "L2_OBJECT_CORRUPT"
 
@@ -97,3 +108,39 @@ class L2Adapter(Protocol):
     def close(self) -> None:
         """Release connections and files. Stored objects persist."""
         ...
+
+
+def byte_view(buf: memoryview, *, writable: bool = False, field: str = "buffer") -> memoryview:
+    """Return ``buf`` as a flat unsigned-byte view (no copy).
+
+    Callers hand in views of torch tensors or numpy arrays whose item size is
+    not 1; every adapter works on bytes, so the view is cast once here.
+    """
+    if writable and buf.readonly:
+        raise InvalidArgument(f"{field} must be writable", field=field)
+    if buf.format == "B" and buf.ndim == 1:
+        return buf
+    if not buf.c_contiguous:
+        raise InvalidArgument(f"{field} must be C-contiguous", field=field)
+    return buf.cast("B")
+
+
+def check_put_items(items: Sequence[tuple[ObjectKey, memoryview]]) -> list[memoryview]:
+    """Validate the keys of a put batch and return flat byte views of the payloads.
+
+    A key that breaks the key rules would be stored under a name that cannot
+    be parsed back (so it could never be listed or deleted by key), hence the
+    check before anything is written.
+    """
+    views: list[memoryview] = []
+    for i, (key, data) in enumerate(items):
+        validate_object_key(key, field=f"items[{i}].key")
+        views.append(byte_view(data, field=f"items[{i}].data"))
+    return views
+
+
+def check_get_args(keys: Sequence[ObjectKey], outs: Sequence[memoryview]) -> list[memoryview]:
+    """Check that there is one writable buffer per key; return flat byte views."""
+    if len(keys) != len(outs):
+        raise InvalidArgument(f"got {len(keys)} keys but {len(outs)} output buffers", field="outs")
+    return [byte_view(out, writable=True, field=f"outs[{i}]") for i, out in enumerate(outs)]

@@ -164,30 +164,64 @@ class ResyncCommand(_message.Message):
 Global___ResyncCommand: _TypeAlias = ResyncCommand  # noqa: Y015
 
 @_typing.final
+class SetQuotaCommand(_message.Message):
+    """Set or remove a salt's byte quota on the node."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    LIMIT_BYTES_FIELD_NUMBER: _builtins.int
+    cache_salt: _builtins.str
+    tier: _common_pb2.Tier.ValueType
+    limit_bytes: _builtins.int
+    """Absent removes the salt's quota."""
+    def __init__(
+        self,
+        *,
+        cache_salt: _builtins.str = ...,
+        tier: _common_pb2.Tier.ValueType = ...,
+        limit_bytes: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_limit_bytes", b"_limit_bytes", "limit_bytes", b"limit_bytes"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_limit_bytes", b"_limit_bytes", "cache_salt", b"cache_salt", "limit_bytes", b"limit_bytes", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__limit_bytes: _TypeAlias = _typing.Literal["limit_bytes"]  # noqa: Y015
+    _WhichOneofArgType__limit_bytes: _TypeAlias = _typing.Literal["_limit_bytes", b"_limit_bytes"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__limit_bytes) -> _WhichOneofReturnType__limit_bytes | None: ...
+
+Global___SetQuotaCommand: _TypeAlias = SetQuotaCommand  # noqa: Y015
+
+@_typing.final
 class NodeCommand(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     COMMAND_ID_FIELD_NUMBER: _builtins.int
     DELETE_KEYS_FIELD_NUMBER: _builtins.int
     RESYNC_FIELD_NUMBER: _builtins.int
+    SET_QUOTA_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     """Unique per command; echoed in CommandResult."""
     @_builtins.property
     def delete_keys(self) -> Global___DeleteKeysCommand: ...
     @_builtins.property
     def resync(self) -> Global___ResyncCommand: ...
+    @_builtins.property
+    def set_quota(self) -> Global___SetQuotaCommand: ...
     def __init__(
         self,
         *,
         command_id: _builtins.str = ...,
         delete_keys: Global___DeleteKeysCommand | None = ...,
         resync: Global___ResyncCommand | None = ...,
+        set_quota: Global___SetQuotaCommand | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["delete_keys", b"delete_keys", "kind", b"kind", "resync", b"resync"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["delete_keys", b"delete_keys", "kind", b"kind", "resync", b"resync", "set_quota", b"set_quota"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_id", b"command_id", "delete_keys", b"delete_keys", "kind", b"kind", "resync", b"resync"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command_id", b"command_id", "delete_keys", b"delete_keys", "kind", b"kind", "resync", b"resync", "set_quota", b"set_quota"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["delete_keys", "resync"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["delete_keys", "resync", "set_quota"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -198,25 +232,36 @@ class CommandResult(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     COMMAND_ID_FIELD_NUMBER: _builtins.int
-    OK_FIELD_NUMBER: _builtins.int
-    ERROR_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
     AFFECTED_FIELD_NUMBER: _builtins.int
+    EFFECTS_THROUGH_SEQ_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
-    ok: _builtins.bool
-    error: _builtins.str
-    """Why it failed; empty when ok."""
+    code: _builtins.str
+    """Name of a gRPC status code ("OK", "INVALID_ARGUMENT", ...), so a failure
+    can be told apart by machine.
+    """
+    message: _builtins.str
+    """Why it failed; empty when code is "OK"."""
     affected: _builtins.int
+    """Keys the command affected."""
+    effects_through_seq: _builtins.int
+    """The command's effects are in the node's event stream at or below this
+    seq: once the coordinator's cursor for the node reaches it, they are
+    applied.
+    """
     def __init__(
         self,
         *,
         command_id: _builtins.str = ...,
-        ok: _builtins.bool = ...,
-        error: _builtins.str = ...,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
         affected: _builtins.int = ...,
+        effects_through_seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["affected", b"affected", "command_id", b"command_id", "error", b"error", "ok", b"ok"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["affected", b"affected", "code", b"code", "command_id", b"command_id", "effects_through_seq", b"effects_through_seq", "message", b"message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -243,7 +243,9 @@ class LookupRequest(_message.Message):
     world_size: _builtins.int
     cache_salt: _builtins.str
     end_token: _builtins.int
-    """Look up [0, end_token); 0 means every complete chunk of token_ids."""
+    """Look up [0, end_token) rounded down to whole chunks; 0 means every
+    complete chunk of token_ids. Must be <= len(token_ids).
+    """
     num_kv_readers: _builtins.int
     """Read locks taken per found chunk (MLA: several TP ranks read one copy).
     0 is read as 1.

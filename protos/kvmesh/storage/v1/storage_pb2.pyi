@@ -386,13 +386,17 @@ class RetrieveChunksRequest(_message.Message):
     engine_id: _builtins.str
     chunk_tokens: _builtins.int
     skip_first_n_tokens: _builtins.int
-    release_lookup_locks: _builtins.bool
-    """Release one lookup read lock per retrieved chunk after the copy."""
     producer_event_handle: _builtins.bytes
     @_builtins.property
     def keys(self) -> _common_pb2.ChunkKeys: ...
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def release_lookup_locks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Per chunk (may be shorter than the keys; missing = false): release one
+        lookup read lock on the chunk's key after the copy.
+        """
+
     def __init__(
         self,
         *,
@@ -401,7 +405,7 @@ class RetrieveChunksRequest(_message.Message):
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         chunk_tokens: _builtins.int = ...,
         skip_first_n_tokens: _builtins.int = ...,
-        release_lookup_locks: _builtins.bool = ...,
+        release_lookup_locks: _abc.Iterable[_builtins.bool] | None = ...,
         producer_event_handle: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
@@ -1231,12 +1235,15 @@ class CommitRetrieveRequest(_message.Message):
     TRANSACTION_ID_FIELD_NUMBER: _builtins.int
     RELEASE_LOOKUP_LOCKS_FIELD_NUMBER: _builtins.int
     transaction_id: _builtins.str
-    release_lookup_locks: _builtins.bool
+    @_builtins.property
+    def release_lookup_locks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Per chunk of the PrepareRetrieve's keys; missing = false."""
+
     def __init__(
         self,
         *,
         transaction_id: _builtins.str = ...,
-        release_lookup_locks: _builtins.bool = ...,
+        release_lookup_locks: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...

@@ -191,8 +191,10 @@ class StorageServiceServicer:
 
     def GetPrefetchStatus(self, request, context):
         """Status of a LookupAndLock, optionally waiting up to wait_timeout_ms.
-        A finished result is returned on every call until released with
-        ReleasePrefetch. Errors: NOT_FOUND (unknown or released prefetch_id).
+        A completed result is delivered once: after LookupAndLock or
+        GetPrefetchStatus has answered completed = true, the prefetch_id is
+        forgotten (the gateway keeps the result for its own callers).
+        Errors: NOT_FOUND (unknown, delivered or released prefetch_id).
         Deadline: wait_timeout_ms + 2 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -200,9 +202,10 @@ class StorageServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleasePrefetch(self, request, context):
-        """Forgets a prefetch. If it is still running its locks are released when
-        it finishes; if finished, locks it still holds are NOT released (use
-        ReleaseLocks for those). Idempotent. Deadline: 2 s.
+        """Abandons a prefetch that is still running: every lock it takes is
+        released when it finishes. A finished (or unknown) prefetch is only
+        forgotten: the locks it handed over stay (release them with
+        ReleaseLocks). Idempotent. Deadline: 2 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -211,10 +214,13 @@ class StorageServiceServicer:
     def RetrieveChunks(self, request, context):
         """Scatters cached chunks into the engine's blocks, skipping the blocks of
         the first skip_first_n_tokens tokens. Copies the longest prefix whose
-        objects are resident (read-locked by a lookup, or lockable now); with
-        release_lookup_locks, releases one lookup read lock per retrieved chunk.
+        objects are resident in L1 (each object is read-locked for the duration
+        of its copy, so eviction cannot race it). Afterwards releases one lookup
+        read lock on every chunk flagged in release_lookup_locks, whether or not
+        it was copied (the caller knows which locks it holds).
         Errors: FAILED_PRECONDITION (engine not registered), INVALID_ARGUMENT
-        (as StoreChunks; skip beyond the range). Deadline: 30 s.
+        (as StoreChunks; skip beyond the range; release_lookup_locks longer than
+        the keys). Deadline: 30 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -322,15 +328,17 @@ class StorageServiceServicer:
 
     def PrepareRetrieve(self, request, context):
         """Returns the slots of the resident prefix of the keys, read-locked until
-        CommitRetrieve. Deadline: 10 s.
+        CommitRetrieve (or until the read TTL, if the engine never commits).
+        Errors: INVALID_ARGUMENT (bad keys or chunk_bytes). Deadline: 10 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CommitRetrieve(self, request, context):
-        """Releases a PrepareRetrieve's locks (and, with release_lookup_locks, one
-        lookup lock per chunk). Idempotent. Errors: NOT_FOUND (unknown
+        """Releases a PrepareRetrieve's locks and one lookup read lock on every
+        chunk flagged in release_lookup_locks. Idempotent: a second commit of
+        the same transaction releases nothing. Errors: NOT_FOUND (unknown
         transaction). Deadline: 10 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

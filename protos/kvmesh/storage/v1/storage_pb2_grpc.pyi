@@ -75,22 +75,28 @@ class StorageServiceStub:
     """
     GetPrefetchStatus: _grpc.UnaryUnaryMultiCallable[_storage_pb2.GetPrefetchStatusRequest, _storage_pb2.GetPrefetchStatusResponse]
     """Status of a LookupAndLock, optionally waiting up to wait_timeout_ms.
-    A finished result is returned on every call until released with
-    ReleasePrefetch. Errors: NOT_FOUND (unknown or released prefetch_id).
+    A completed result is delivered once: after LookupAndLock or
+    GetPrefetchStatus has answered completed = true, the prefetch_id is
+    forgotten (the gateway keeps the result for its own callers).
+    Errors: NOT_FOUND (unknown, delivered or released prefetch_id).
     Deadline: wait_timeout_ms + 2 s.
     """
     ReleasePrefetch: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ReleasePrefetchRequest, _storage_pb2.ReleasePrefetchResponse]
-    """Forgets a prefetch. If it is still running its locks are released when
-    it finishes; if finished, locks it still holds are NOT released (use
-    ReleaseLocks for those). Idempotent. Deadline: 2 s.
+    """Abandons a prefetch that is still running: every lock it takes is
+    released when it finishes. A finished (or unknown) prefetch is only
+    forgotten: the locks it handed over stay (release them with
+    ReleaseLocks). Idempotent. Deadline: 2 s.
     """
     RetrieveChunks: _grpc.UnaryUnaryMultiCallable[_storage_pb2.RetrieveChunksRequest, _storage_pb2.RetrieveChunksResponse]
     """Scatters cached chunks into the engine's blocks, skipping the blocks of
     the first skip_first_n_tokens tokens. Copies the longest prefix whose
-    objects are resident (read-locked by a lookup, or lockable now); with
-    release_lookup_locks, releases one lookup read lock per retrieved chunk.
+    objects are resident in L1 (each object is read-locked for the duration
+    of its copy, so eviction cannot race it). Afterwards releases one lookup
+    read lock on every chunk flagged in release_lookup_locks, whether or not
+    it was copied (the caller knows which locks it holds).
     Errors: FAILED_PRECONDITION (engine not registered), INVALID_ARGUMENT
-    (as StoreChunks; skip beyond the range). Deadline: 30 s.
+    (as StoreChunks; skip beyond the range; release_lookup_locks longer than
+    the keys). Deadline: 30 s.
     """
     ReleaseLocks: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ReleaseLocksRequest, _storage_pb2.ReleaseLocksResponse]
     """Releases `count` read locks on each key of the grid (default 1).
@@ -144,11 +150,13 @@ class StorageServiceStub:
     """
     PrepareRetrieve: _grpc.UnaryUnaryMultiCallable[_storage_pb2.PrepareRetrieveRequest, _storage_pb2.PrepareRetrieveResponse]
     """Returns the slots of the resident prefix of the keys, read-locked until
-    CommitRetrieve. Deadline: 10 s.
+    CommitRetrieve (or until the read TTL, if the engine never commits).
+    Errors: INVALID_ARGUMENT (bad keys or chunk_bytes). Deadline: 10 s.
     """
     CommitRetrieve: _grpc.UnaryUnaryMultiCallable[_storage_pb2.CommitRetrieveRequest, _storage_pb2.CommitRetrieveResponse]
-    """Releases a PrepareRetrieve's locks (and, with release_lookup_locks, one
-    lookup lock per chunk). Idempotent. Errors: NOT_FOUND (unknown
+    """Releases a PrepareRetrieve's locks and one lookup read lock on every
+    chunk flagged in release_lookup_locks. Idempotent: a second commit of
+    the same transaction releases nothing. Errors: NOT_FOUND (unknown
     transaction). Deadline: 10 s.
     """
 
@@ -185,22 +193,28 @@ class StorageServiceAsyncStub(StorageServiceStub):
     """
     GetPrefetchStatus: _aio.UnaryUnaryMultiCallable[_storage_pb2.GetPrefetchStatusRequest, _storage_pb2.GetPrefetchStatusResponse]  # type: ignore[assignment]
     """Status of a LookupAndLock, optionally waiting up to wait_timeout_ms.
-    A finished result is returned on every call until released with
-    ReleasePrefetch. Errors: NOT_FOUND (unknown or released prefetch_id).
+    A completed result is delivered once: after LookupAndLock or
+    GetPrefetchStatus has answered completed = true, the prefetch_id is
+    forgotten (the gateway keeps the result for its own callers).
+    Errors: NOT_FOUND (unknown, delivered or released prefetch_id).
     Deadline: wait_timeout_ms + 2 s.
     """
     ReleasePrefetch: _aio.UnaryUnaryMultiCallable[_storage_pb2.ReleasePrefetchRequest, _storage_pb2.ReleasePrefetchResponse]  # type: ignore[assignment]
-    """Forgets a prefetch. If it is still running its locks are released when
-    it finishes; if finished, locks it still holds are NOT released (use
-    ReleaseLocks for those). Idempotent. Deadline: 2 s.
+    """Abandons a prefetch that is still running: every lock it takes is
+    released when it finishes. A finished (or unknown) prefetch is only
+    forgotten: the locks it handed over stay (release them with
+    ReleaseLocks). Idempotent. Deadline: 2 s.
     """
     RetrieveChunks: _aio.UnaryUnaryMultiCallable[_storage_pb2.RetrieveChunksRequest, _storage_pb2.RetrieveChunksResponse]  # type: ignore[assignment]
     """Scatters cached chunks into the engine's blocks, skipping the blocks of
     the first skip_first_n_tokens tokens. Copies the longest prefix whose
-    objects are resident (read-locked by a lookup, or lockable now); with
-    release_lookup_locks, releases one lookup read lock per retrieved chunk.
+    objects are resident in L1 (each object is read-locked for the duration
+    of its copy, so eviction cannot race it). Afterwards releases one lookup
+    read lock on every chunk flagged in release_lookup_locks, whether or not
+    it was copied (the caller knows which locks it holds).
     Errors: FAILED_PRECONDITION (engine not registered), INVALID_ARGUMENT
-    (as StoreChunks; skip beyond the range). Deadline: 30 s.
+    (as StoreChunks; skip beyond the range; release_lookup_locks longer than
+    the keys). Deadline: 30 s.
     """
     ReleaseLocks: _aio.UnaryUnaryMultiCallable[_storage_pb2.ReleaseLocksRequest, _storage_pb2.ReleaseLocksResponse]  # type: ignore[assignment]
     """Releases `count` read locks on each key of the grid (default 1).
@@ -254,11 +268,13 @@ class StorageServiceAsyncStub(StorageServiceStub):
     """
     PrepareRetrieve: _aio.UnaryUnaryMultiCallable[_storage_pb2.PrepareRetrieveRequest, _storage_pb2.PrepareRetrieveResponse]  # type: ignore[assignment]
     """Returns the slots of the resident prefix of the keys, read-locked until
-    CommitRetrieve. Deadline: 10 s.
+    CommitRetrieve (or until the read TTL, if the engine never commits).
+    Errors: INVALID_ARGUMENT (bad keys or chunk_bytes). Deadline: 10 s.
     """
     CommitRetrieve: _aio.UnaryUnaryMultiCallable[_storage_pb2.CommitRetrieveRequest, _storage_pb2.CommitRetrieveResponse]  # type: ignore[assignment]
-    """Releases a PrepareRetrieve's locks (and, with release_lookup_locks, one
-    lookup lock per chunk). Idempotent. Errors: NOT_FOUND (unknown
+    """Releases a PrepareRetrieve's locks and one lookup read lock on every
+    chunk flagged in release_lookup_locks. Idempotent: a second commit of
+    the same transaction releases nothing. Errors: NOT_FOUND (unknown
     transaction). Deadline: 10 s.
     """
 
@@ -322,8 +338,10 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.GetPrefetchStatusResponse, _abc.Awaitable[_storage_pb2.GetPrefetchStatusResponse]]:
         """Status of a LookupAndLock, optionally waiting up to wait_timeout_ms.
-        A finished result is returned on every call until released with
-        ReleasePrefetch. Errors: NOT_FOUND (unknown or released prefetch_id).
+        A completed result is delivered once: after LookupAndLock or
+        GetPrefetchStatus has answered completed = true, the prefetch_id is
+        forgotten (the gateway keeps the result for its own callers).
+        Errors: NOT_FOUND (unknown, delivered or released prefetch_id).
         Deadline: wait_timeout_ms + 2 s.
         """
 
@@ -333,9 +351,10 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _storage_pb2.ReleasePrefetchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.ReleasePrefetchResponse, _abc.Awaitable[_storage_pb2.ReleasePrefetchResponse]]:
-        """Forgets a prefetch. If it is still running its locks are released when
-        it finishes; if finished, locks it still holds are NOT released (use
-        ReleaseLocks for those). Idempotent. Deadline: 2 s.
+        """Abandons a prefetch that is still running: every lock it takes is
+        released when it finishes. A finished (or unknown) prefetch is only
+        forgotten: the locks it handed over stay (release them with
+        ReleaseLocks). Idempotent. Deadline: 2 s.
         """
 
     @_abc_1.abstractmethod
@@ -346,10 +365,13 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_storage_pb2.RetrieveChunksResponse, _abc.Awaitable[_storage_pb2.RetrieveChunksResponse]]:
         """Scatters cached chunks into the engine's blocks, skipping the blocks of
         the first skip_first_n_tokens tokens. Copies the longest prefix whose
-        objects are resident (read-locked by a lookup, or lockable now); with
-        release_lookup_locks, releases one lookup read lock per retrieved chunk.
+        objects are resident in L1 (each object is read-locked for the duration
+        of its copy, so eviction cannot race it). Afterwards releases one lookup
+        read lock on every chunk flagged in release_lookup_locks, whether or not
+        it was copied (the caller knows which locks it holds).
         Errors: FAILED_PRECONDITION (engine not registered), INVALID_ARGUMENT
-        (as StoreChunks; skip beyond the range). Deadline: 30 s.
+        (as StoreChunks; skip beyond the range; release_lookup_locks longer than
+        the keys). Deadline: 30 s.
         """
 
     @_abc_1.abstractmethod
@@ -481,7 +503,8 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.PrepareRetrieveResponse, _abc.Awaitable[_storage_pb2.PrepareRetrieveResponse]]:
         """Returns the slots of the resident prefix of the keys, read-locked until
-        CommitRetrieve. Deadline: 10 s.
+        CommitRetrieve (or until the read TTL, if the engine never commits).
+        Errors: INVALID_ARGUMENT (bad keys or chunk_bytes). Deadline: 10 s.
         """
 
     @_abc_1.abstractmethod
@@ -490,8 +513,9 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _storage_pb2.CommitRetrieveRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.CommitRetrieveResponse, _abc.Awaitable[_storage_pb2.CommitRetrieveResponse]]:
-        """Releases a PrepareRetrieve's locks (and, with release_lookup_locks, one
-        lookup lock per chunk). Idempotent. Errors: NOT_FOUND (unknown
+        """Releases a PrepareRetrieve's locks and one lookup read lock on every
+        chunk flagged in release_lookup_locks. Idempotent: a second commit of
+        the same transaction releases nothing. Errors: NOT_FOUND (unknown
         transaction). Deadline: 10 s.
         """
 

@@ -1,0 +1,107 @@
+"""The ``kvmesh`` command line: run a service, a local fleet, and the tools around them.
+
+Every problem with the command line or configuration ends the program with a
+one-line reason and exit status 2 — never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from services.common.config import ConfigError, add_config_arguments, describe, resolve
+from services.common.server import ServerSettings, ServiceApp, create_server, run_until_signalled
+from services.common.telemetry import configure_logging
+
+logger = logging.getLogger(__name__)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+@dataclass(frozen=True)
+class ServiceCommand:
+    """A ``kvmesh <service>`` subcommand: its config class and app factory (by import path)."""
+
+    name: str
+    help: str
+    config: str  # "module:Class"
+    app: str  # "module:Class"
+
+    def load(self, ref: str) -> Any:
+        module, _, attr = ref.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+SERVICES: list[ServiceCommand] = [
+    ServiceCommand(
+        "gateway",
+        "run the engine-facing gateway of one node",
+        "services.gateway.config:GatewayConfig",
+        "services.gateway.app:GatewayApp",
+    ),
+]
+
+
+async def _serve(settings: ServerSettings, factory: Callable[[Any], ServiceApp]) -> None:
+    app = factory(settings)
+    server = create_server(settings, app)
+    await run_until_signalled(server)
+
+
+def run_service(command: ServiceCommand, settings: ServerSettings) -> int:
+    """Run one service in this process until SIGTERM/SIGINT."""
+    configure_logging(command.name, settings.log_level)
+    for line in describe(settings):
+        logger.debug("config: %s", line)
+    factory = command.load(command.app)
+    asyncio.run(_serve(settings, factory))
+    return 0
+
+
+def build_parser() -> OneLineParser:
+    """The whole command line."""
+    parser = OneLineParser(
+        prog="kvmesh",
+        description="kvmesh: a KV-cache layer for LLM inference (gateway, storage, coordinator).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    for command in SERVICES:
+        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        add_config_arguments(p, command.load(command.config), command.name)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvmesh`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        for command in SERVICES:
+            if args.command == command.name:
+                flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+                settings = resolve(
+                    command.load(command.config), command.name, flags=flags, yaml_path=args.config
+                )
+                return run_service(command, settings)
+        handler: Callable[[argparse.Namespace], int] = args.handler
+        return handler(args)
+    except ConfigError as exc:
+        print(f"kvmesh {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

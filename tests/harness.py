@@ -1,0 +1,122 @@
+"""Helpers to run real kvmesh servers from synchronous tests.
+
+``ServerThread`` runs an asyncio loop on a background thread; servers
+created there listen on free loopback ports and are stopped when the
+context exits. Tests then talk to them with the real typed clients over
+real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry
+
+from services.common.server import Server, ServerSettings, ServiceApp, create_server
+
+T = TypeVar("T")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ServerThread:
+    """An event loop on its own thread, hosting servers for a test."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.servers: list[Server] = []
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        """Run a coroutine on the loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self, settings: ServerSettings, factory: Callable[[Any], ServiceApp]) -> Server:
+        """Create, bind and start a server whose app is ``factory(settings)``."""
+
+        async def _start() -> Server:
+            app = factory(settings)
+            server = create_server(settings, app, registry=CollectorRegistry())
+            await server.start()
+            return server
+
+        server = self.run(_start())
+        self.servers.append(server)
+        return server
+
+    def stop(self, server: Server, grace: float = 0.5) -> None:
+        """Stop one server."""
+        self.run(server.stop(grace))
+        if server in self.servers:
+            self.servers.remove(server)
+
+    def close(self) -> None:
+        """Stop every server and the loop."""
+        for server in list(reversed(self.servers)):
+            try:
+                self.stop(server)
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
+
+
+@contextmanager
+def server_thread() -> Iterator[ServerThread]:
+    """A ServerThread that is always closed."""
+    thread = ServerThread()
+    try:
+        yield thread
+    finally:
+        thread.close()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> None:
+    """Poll ``predicate`` until true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def kvmesh_cli(*args: str, timeout: float = 60.0, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``kvmesh ARGS`` in a subprocess with this interpreter; returns the completed process."""
+    return subprocess.run(  # noqa: S603 - our own CLI
+        [sys.executable, "-m", "services.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+        check=False,
+        **kwargs,
+    )
+
+
+def spawn_cli(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
+    """Start ``kvmesh ARGS`` in the background."""
+    return subprocess.Popen(  # noqa: S603 - our own CLI
+        [sys.executable, "-m", "services.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+        **kwargs,
+    )
