@@ -5,14 +5,15 @@ Public API:
 - :class:`KVLayoutKind`, :class:`PagedKVCache` — the engine's per-layer paged
   tensors, validated once.
 - :func:`gather_chunks` (store: paged → chunks) and :func:`scatter_chunks`
-  (retrieve: chunks → paged), the fast ops.
+  (retrieve: chunks → paged), the fast ops; :func:`set_copy_threads` /
+  :func:`copy_threads` for how many threads one CPU copy uses.
 - :func:`ref_gather_chunks` / :func:`ref_scatter_chunks` — the plain reference
   implementation the tests compare against.
 """
 
 from kernels._plan import BlockIds, blocks_for_tokens
 from kernels.layouts import SUPPORTED_DTYPES, KVLayoutKind, PagedKVCache, paged_layer_shape
-from kernels.ops import gather_chunks, scatter_chunks
+from kernels.ops import copy_threads, gather_chunks, scatter_chunks, set_copy_threads
 from kernels.reference import ref_gather_chunks, ref_scatter_chunks
 
 __all__ = [
@@ -21,9 +22,11 @@ __all__ = [
     "KVLayoutKind",
     "PagedKVCache",
     "blocks_for_tokens",
+    "copy_threads",
     "gather_chunks",
     "paged_layer_shape",
     "ref_gather_chunks",
     "ref_scatter_chunks",
     "scatter_chunks",
+    "set_copy_threads",
 ]

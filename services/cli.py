@@ -45,6 +45,12 @@ class ServiceCommand:
 
 SERVICES: list[ServiceCommand] = [
     ServiceCommand(
+        "storage",
+        "run the storage service of one node (L1 memory, L2 adapters, event emitter)",
+        "services.storage.config:StorageConfig",
+        "services.storage.app:StorageApp",
+    ),
+    ServiceCommand(
         "gateway",
         "run the engine-facing gateway of one node",
         "services.gateway.config:GatewayConfig",

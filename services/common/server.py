@@ -155,8 +155,16 @@ class Server:
         return self.address
 
     async def start(self) -> None:
-        """Serve, start the app's background work, then report SERVING."""
+        """Serve, start the app's background work, then report SERVING.
+
+        An app that needs its own bound addresses (a storage node registers
+        them with the coordinator) gets them through an optional
+        ``on_bound(grpc_address, metrics_address)`` hook first.
+        """
         await self.grpc_server.start()
+        on_bound = getattr(self.app, "on_bound", None)
+        if callable(on_bound):
+            on_bound(self.address, self.metrics.address if self.metrics else "")
         await self.app.start()
         for name in ["", *self.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -220,6 +228,8 @@ def _bind(server: grpc.aio.Server, settings: ServerSettings) -> tuple[str, int]:
 def _port_in_use(settings: ServerSettings) -> bool:
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     with socket.socket(family) as probe:
+        # Like the real listener: connections in TIME_WAIT must not count as "in use".
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((settings.host, settings.port))
         except OSError as exc:

@@ -7,8 +7,9 @@ matches the "Deadline:" line of the RPC's comment.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
+import grpc
 from kvmesh.coordinator.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -35,6 +36,27 @@ class EventIngestClient(SyncClient):
 
     def _bind(self) -> None:
         self._stub = ingest_pb2_grpc.EventIngestServiceStub(self.channel)
+
+    def stream_events(
+        self,
+        requests: Iterator[ingest_pb2.StreamEventsRequest],
+        *,
+        metadata: tuple[tuple[str, str | bytes], ...] | None = None,
+        wait_for_ready: bool = False,
+    ) -> grpc._CallIterator[ingest_pb2.StreamEventsResponse]:
+        """``StreamEvents``: open a storage node's bidirectional event stream.
+
+        The call has no deadline: it lives as long as the node (the .proto's
+        "Deadline: none (long-lived)"). ``StreamEvents``'s policy timeout is
+        instead how long a caller waits for the coordinator to be reachable
+        before opening the stream (the storage node's ``GrpcEventTransport``
+        does so with a health check), and the call is never retried here: the
+        caller reconnects and resends unacked batches. ``requests`` is
+        consumed on a gRPC thread until it ends; the returned object iterates
+        the responses and is a ``grpc.Call`` whose ``cancel()`` ends the
+        stream.
+        """
+        return self._stub.StreamEvents(requests, metadata=metadata, wait_for_ready=wait_for_ready)
 
     def ingest_batches(
         self,

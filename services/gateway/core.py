@@ -36,7 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.common.hashing import NONE_HASH, TokenHasher
 from services.common.keys import validate_cache_salt, validate_model_name, worker_kv_rank
 
@@ -107,8 +107,8 @@ class KeyGridSpec:
 class NodeStorage(Protocol):
     """What the gateway needs from its node's storage service."""
 
-    async def register_engine(self, engine_id: str, registration: object) -> bool:
-        """Map an engine's KV memory; True when it was registered already."""
+    async def register_engine(self, engine_id: str, registration: object) -> tuple[bool, str]:
+        """Map an engine's KV memory; (registered already, the node's instance id)."""
         ...
 
     async def unregister_engine(self, engine_id: str) -> bool:
@@ -319,6 +319,7 @@ class Gateway:
         self._sessions: dict[str, _Session] = {}
         # Engine-driven retrieve transaction id -> request id.
         self._txn_sessions: dict[str, str] = {}
+        self.storage_instance_id = ""
         self.counters = GatewayStats()
 
     # ------------------------------------------------------------------ engines
@@ -352,19 +353,23 @@ class Gateway:
     ) -> bool:
         """Register an engine's KV memory (LMCache-driven path); True if already registered.
 
+        ``storage_instance_id`` is learned from the node's answer.
+
         ``registration`` is forwarded to storage untouched; ``fingerprint``
         identifies the layout so a re-register with another one is refused.
         """
         self._check_engine_spec(spec)
         existing = self._engines.get(spec.engine_id)
         if existing is not None and (existing.spec != spec or existing.fingerprint != fingerprint):
-            raise InvalidArgument(
+            raise AlreadyExists(
                 f"engine {spec.engine_id!r} is registered with a different layout; "
                 "unregister it first",
-                field="engine_id",
                 reason="ENGINE_LAYOUT_MISMATCH",
+                metadata={"engine_id": spec.engine_id},
             )
-        already = await self.storage.register_engine(spec.engine_id, registration)
+        already, self.storage_instance_id = await self.storage.register_engine(
+            spec.engine_id, registration
+        )
         now = self._clock()
         if existing is None:
             self._engines[spec.engine_id] = _Engine(
@@ -409,10 +414,10 @@ class Gateway:
         now = self._clock()
         if existing is not None:
             if existing.spec != spec or existing.chunk_shape != shape:
-                raise InvalidArgument(
+                raise AlreadyExists(
                     f"engine {spec.engine_id!r} is registered with a different geometry",
-                    field="engine_id",
                     reason="ENGINE_LAYOUT_MISMATCH",
+                    metadata={"engine_id": spec.engine_id},
                 )
             existing.last_seen = now
             return shape, True

@@ -69,10 +69,10 @@ class GrpcNodeStorage:
     def __init__(self, client: StorageClient) -> None:
         self.client = client
 
-    async def register_engine(self, engine_id: str, registration: object) -> bool:
+    async def register_engine(self, engine_id: str, registration: object) -> tuple[bool, str]:
         assert isinstance(registration, storage_pb2.RegisterEngineMemoryRequest)
         response = await self.client.register_engine_memory(registration)
-        return response.already_registered
+        return response.already_registered, response.instance_id
 
     async def unregister_engine(self, engine_id: str) -> bool:
         response = await self.client.unregister_engine_memory(

@@ -79,7 +79,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             spec, forward, _fingerprint(request.layout, *request.layers)
         )
         return gateway_pb2.RegisterKVCacheResponse(
-            chunk_size=self.core.chunk_size, already_registered=already
+            chunk_size=self.core.chunk_size,
+            storage_instance_id=self.core.storage_instance_id,
+            already_registered=already,
         )
 
     async def UnregisterKVCache(

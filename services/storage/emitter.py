@@ -88,12 +88,15 @@ class DeleteKeysCommand:
 
 @dataclass(frozen=True, slots=True)
 class QuotaChangedCommand:
-    """A per-``cache_salt`` byte quota for one tier changed (``quota_bytes`` 0 = removed)."""
+    """A per-``cache_salt`` byte quota for one tier changed (``quota_bytes`` None = removed).
+
+    0 is a real quota: the salt may keep nothing on that tier.
+    """
 
     command_id: str
     cache_salt: str
     tier: Tier
-    quota_bytes: int
+    quota_bytes: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1056,6 +1059,9 @@ class CacheEventEmitter:
             )
 
 
+_UINT32_LIMIT = 1 << 32
+
+
 def _check_record(
     event_type: EventType, tier: Tier, backend: str, entries: Sequence[CacheEventEntry]
 ) -> None:
@@ -1079,6 +1085,8 @@ def _check_record(
             raise InvalidArgument(
                 "token_offset must be >= 0 or -1", field=f"entries[{i}].token_offset"
             )
+        if entry.token_ids and not all(0 <= t < _UINT32_LIMIT for t in entry.token_ids):
+            raise InvalidArgument("token_ids must fit in 32 bits", field=f"entries[{i}].token_ids")
 
 
 def _close_quietly(session: EventSession) -> None:

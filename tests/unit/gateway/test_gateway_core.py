@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.common.hashing import TokenHasher
 from services.common.keys import ObjectKey, worker_kv_rank
 from services.gateway.core import (
@@ -55,10 +55,10 @@ class FakeStorage:
             for r in grid.kv_ranks
         ]
 
-    async def register_engine(self, engine_id: str, registration: object) -> bool:
+    async def register_engine(self, engine_id: str, registration: object) -> tuple[bool, str]:
         already = engine_id in self.engines
         self.engines[engine_id] = registration
-        return already
+        return already, "node-test"
 
     async def unregister_engine(self, engine_id: str) -> bool:
         return self.engines.pop(engine_id, None) is not None
@@ -87,7 +87,9 @@ class FakeStorage:
     ) -> PrefetchState:
         self.next_id += 1
         pid = f"p{self.next_id}"
-        needs_l2 = any(k in self.l2 and k not in self.resident for row in self.keys(grid) for k in row)
+        needs_l2 = any(
+            k in self.l2 and k not in self.resident for row in self.keys(grid) for k in row
+        )
         if needs_l2 and not self.l2_release.is_set():
             self.pending[pid] = (grid, readers)
             return PrefetchState(pid, False)
@@ -101,7 +103,9 @@ class FakeStorage:
             return PrefetchState(prefetch_id, False)
         grid, readers = self.pending.pop(prefetch_id)
         state = self._finish(grid, readers)
-        return PrefetchState(prefetch_id, True, state.hit_chunks, state.l1_hit_chunks, state.l2_hit_chunks)
+        return PrefetchState(
+            prefetch_id, True, state.hit_chunks, state.l1_hit_chunks, state.l2_hit_chunks
+        )
 
     async def release_prefetch(self, prefetch_id: str) -> None:
         self.pending.pop(prefetch_id, None)
@@ -130,7 +134,9 @@ class FakeStorage:
         release_mask: Sequence[bool],
     ) -> int:
         self.retrieve_masks.append(list(release_mask))
-        keys = [ObjectKey(h, row.model_name, row.kv_rank, 0, row.cache_salt) for h in row.chunk_hashes]
+        keys = [
+            ObjectKey(h, row.model_name, row.kv_rank, 0, row.cache_salt) for h in row.chunk_hashes
+        ]
         got = 0
         for k in keys:
             if k not in self.resident:
@@ -196,7 +202,9 @@ def make(storage: FakeStorage | None = None, **kw: object) -> tuple[Gateway, Fak
 
 
 def register(gw: Gateway, engine_id: str = "e0", world: int = 1, worker: int = 0) -> None:
-    asyncio.run(gw.register_kv_cache(EngineSpec(engine_id, MODEL, world, worker, BLOCK), object(), "fp"))
+    asyncio.run(
+        gw.register_kv_cache(EngineSpec(engine_id, MODEL, world, worker, BLOCK), object(), "fp")
+    )
 
 
 def run(coro):  # type: ignore[no-untyped-def]
@@ -408,8 +416,9 @@ def test_reregister_with_same_layout_is_idempotent_and_other_layout_refused() ->
     spec = EngineSpec("e", MODEL, 1, 0, BLOCK)
     assert run(gw.register_kv_cache(spec, object(), "fp")) is False
     assert run(gw.register_kv_cache(spec, object(), "fp")) is True
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(AlreadyExists) as err:
         run(gw.register_kv_cache(spec, object(), "other"))
+    assert err.value.reason == "ENGINE_LAYOUT_MISMATCH"
 
 
 @pytest.mark.parametrize(
@@ -446,7 +455,9 @@ def test_store_before_register_is_failed_precondition() -> None:
         (0, 2 * CHUNK, 7, "block_ids"),  # too few block ids
     ],
 )
-def test_bad_store_ranges_are_invalid_argument(start: int, end: int, n_blocks: int, field: str) -> None:
+def test_bad_store_ranges_are_invalid_argument(
+    start: int, end: int, n_blocks: int, field: str
+) -> None:
     gw, storage, _ = make()
     register(gw)
     from services.gateway.core import PromptRangeSpec

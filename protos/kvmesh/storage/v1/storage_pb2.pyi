@@ -88,15 +88,19 @@ class RegisterEngineMemoryResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ALREADY_REGISTERED_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
     already_registered: _builtins.bool
+    instance_id: _builtins.str
+    """This node's instance id (as reported to the coordinator)."""
     def __init__(
         self,
         *,
         already_registered: _builtins.bool = ...,
+        instance_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_registered", b"already_registered"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_registered", b"already_registered", "instance_id", b"instance_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

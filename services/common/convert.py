@@ -1,0 +1,188 @@
+"""Conversions between the core's cache-event types and ``kvmesh.events.v1`` / ``common.v1``.
+
+Shared by the storage node's event link (core → proto) and the coordinator's
+ingest servicer (proto → core), so both ends agree on every field:
+
+* enum values are the proto numbers (:mod:`services.common.events`), so an
+  enum converts with ``int()``; a proto value the core has no member for
+  (``UNSPECIFIED``, ``TIER_ALL``, a number from a newer contract) is
+  :class:`~services.common.errors.InvalidArgument` naming the field;
+* ``token_offset`` is ``optional`` on the wire: absent means unknown, which
+  the core spells ``-1`` (:data:`~services.common.events.UNKNOWN_TOKEN_OFFSET`);
+  ``0`` is a real position. Unknown is written as absent (the canonical form,
+  and 11 bytes shorter than a varint ``-1``);
+* ``token_ids`` come back as tuples, keys as :class:`ObjectKey`.
+
+These functions convert; they do not validate. A converted batch still goes
+through :func:`services.common.events.validate_batch` (the coordinator) or was
+checked when it was recorded (the emitter).
+
+:func:`batch_from_proto` is on the coordinator's ingest hot path (the target
+is well over 200k entries/s), so it builds the NamedTuples with
+``tuple.__new__`` and reads each proto field exactly once.
+"""
+
+from __future__ import annotations
+
+from kvmesh.common.v1 import common_pb2
+from kvmesh.events.v1 import events_pb2
+
+from services.common.errors import InvalidArgument
+from services.common.events import (
+    UNKNOWN_TOKEN_OFFSET,
+    CacheEventBatch,
+    CacheEventEntry,
+    EventType,
+    Tier,
+)
+from services.common.keys import ObjectKey
+
+__all__ = [
+    "batch_from_proto",
+    "batch_to_proto",
+    "event_type_from_proto",
+    "key_from_proto",
+    "key_to_proto",
+    "tier_from_proto",
+]
+
+# Lookup tables instead of ``EventType(value)``: a dict hit is cheaper than the
+# enum constructor and an unknown value is a plain miss, not an exception.
+_EVENT_TYPES: dict[int, EventType] = {int(t): t for t in EventType}
+_TIERS: dict[int, Tier] = {int(t): t for t in Tier}
+
+
+def key_to_proto(key: ObjectKey) -> common_pb2.ObjectKey:
+    """The wire form of ``key``."""
+    return common_pb2.ObjectKey(
+        chunk_hash=key.chunk_hash,
+        model_name=key.model_name,
+        kv_rank=key.kv_rank,
+        object_group_id=key.object_group_id,
+        cache_salt=key.cache_salt,
+    )
+
+
+def key_from_proto(msg: common_pb2.ObjectKey) -> ObjectKey:
+    """The core form of a wire key (not validated: see ``validate_object_key``)."""
+    return ObjectKey(
+        msg.chunk_hash, msg.model_name, msg.kv_rank, msg.object_group_id, msg.cache_salt
+    )
+
+
+def event_type_from_proto(value: int, field: str = "event_type") -> EventType:
+    """The core event type of a proto ``CacheEventType``; InvalidArgument naming ``field``."""
+    event_type = _EVENT_TYPES.get(value)
+    if event_type is None:
+        raise InvalidArgument(f"{field} {value} is not a known event type", field=field)
+    return event_type
+
+
+def tier_from_proto(value: int, field: str = "tier") -> Tier:
+    """The core tier of a proto ``Tier`` (L1 or L2 only); InvalidArgument naming ``field``."""
+    tier = _TIERS.get(value)
+    if tier is None:
+        raise InvalidArgument(
+            f"{field} must be a concrete tier (TIER_L1 or TIER_L2), got {value}", field=field
+        )
+    return tier
+
+
+def _fill_entry(entry: CacheEventEntry, out: events_pb2.CacheEventEntry) -> None:
+    """Fill ``out`` (a fresh ``entries.add()``) from ``entry``."""
+    key = entry.key
+    wire_key = out.key
+    wire_key.chunk_hash = key.chunk_hash
+    wire_key.model_name = key.model_name
+    wire_key.kv_rank = key.kv_rank
+    wire_key.object_group_id = key.object_group_id
+    wire_key.cache_salt = key.cache_salt
+    out.size_bytes = entry.size_bytes
+    if entry.token_ids:
+        out.token_ids.extend(entry.token_ids)
+    # Unknown travels as absent; anything else (even an invalid < -1) is sent
+    # as is so the coordinator's validation names it instead of us hiding it.
+    if entry.token_offset != UNKNOWN_TOKEN_OFFSET:
+        out.token_offset = entry.token_offset
+
+
+def batch_to_proto(batch: CacheEventBatch) -> events_pb2.CacheEventBatch:
+    """The wire form of ``batch``.
+
+    Raises ValueError or TypeError when a value does not fit its wire type
+    (a token id outside uint32, a size outside int64).
+    """
+    msg = events_pb2.CacheEventBatch(
+        instance_id=batch.instance_id,
+        incarnation=batch.incarnation,
+        seq=batch.seq,
+        # Same numbers by design (services.common.events).
+        event_type=events_pb2.CacheEventType.ValueType(batch.event_type),
+        tier=common_pb2.Tier.ValueType(batch.tier),
+        backend=batch.backend,
+        shared=batch.shared,
+        ts=batch.ts,
+        capacity_bytes=batch.capacity_bytes,
+        capacity_revision=batch.capacity_revision,
+    )
+    add = msg.entries.add
+    for entry in batch.entries:
+        _fill_entry(entry, add())
+    return msg
+
+
+def batch_from_proto(msg: events_pb2.CacheEventBatch, field: str = "batch") -> CacheEventBatch:
+    """The core form of a wire batch; ``field`` prefixes the names in errors.
+
+    Raises InvalidArgument only for an ``event_type`` or ``tier`` the core has
+    no member for; every other invariant is :func:`validate_batch`'s job.
+    """
+    # Members are IntEnums >= 1, so a miss (None) is the only falsy lookup.
+    event_type = _EVENT_TYPES.get(msg.event_type) or event_type_from_proto(
+        msg.event_type, f"{field}.event_type"
+    )
+    tier = _TIERS.get(msg.tier) or tier_from_proto(msg.tier, f"{field}.tier")
+    # Hot loop: tuple.__new__ skips the NamedTuples' Python-level __new__
+    # (a frame per key and per entry); locals avoid global lookups.
+    new = tuple.__new__
+    key_cls = ObjectKey
+    entry_cls = CacheEventEntry
+    unknown = UNKNOWN_TOKEN_OFFSET
+    entries: list[CacheEventEntry] = []
+    append = entries.append
+    for wire in msg.entries:
+        k = wire.key
+        tokens = wire.token_ids
+        offset = wire.token_offset
+        # Absent reads as 0, so presence only needs checking for a 0.
+        if not offset and not wire.HasField("token_offset"):
+            offset = unknown
+        append(
+            new(
+                entry_cls,
+                (
+                    new(
+                        key_cls,
+                        (k.chunk_hash, k.model_name, k.kv_rank, k.object_group_id, k.cache_salt),
+                    ),
+                    wire.size_bytes,
+                    # Slicing copies the repeated field in one call; tuple() over
+                    # the container itself iterates it element by element.
+                    tuple(tokens[:]) if tokens else (),
+                    offset,
+                ),
+            )
+        )
+    return CacheEventBatch(
+        instance_id=msg.instance_id,
+        incarnation=msg.incarnation,
+        seq=msg.seq,
+        event_type=event_type,
+        tier=tier,
+        backend=msg.backend,
+        entries=tuple(entries),
+        shared=msg.shared,
+        ts=msg.ts,
+        capacity_bytes=msg.capacity_bytes,
+        capacity_revision=msg.capacity_revision,
+    )
