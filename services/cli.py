@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -75,6 +76,43 @@ def run_service(command: ServiceCommand, settings: ServerSettings) -> int:
     return 0
 
 
+# ``kvmesh bench <name>``: module with add_arguments(parser), run(args) -> dict, format_table(dict).
+BENCHES = {
+    "datapath": ("bench.datapath", "store/retrieve GB/s of 32 MiB chunks vs memcpy (same run)"),
+}
+
+
+def add_bench_command(sub: Any) -> None:
+    """Register ``kvmesh bench <name> [options]``.
+
+    A benchmark module (and torch with it) is imported only when that
+    benchmark runs, so ``kvmesh --help`` and the services start quickly.
+    """
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark and print its figures (--json for one JSON object)",
+        description="Run a benchmark: "
+        + "; ".join(f"{name}: {text}" for name, (_, text) in BENCHES.items()),
+    )
+    bench.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="its options (see NAME --help)")
+    bench.set_defaults(handler=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Handler of ``kvmesh bench``: parse the benchmark's own options and run it."""
+    module_name, help_text = BENCHES[args.name]
+    module = importlib.import_module(module_name)
+    parser = OneLineParser(prog=f"kvmesh bench {args.name}", description=help_text)
+    module.add_arguments(parser)
+    if not any(a.dest == "json" for a in parser._actions):
+        parser.add_argument("--json", action="store_true", help="print one JSON object")
+    options = parser.parse_args(args.options)
+    result = module.run(options)
+    print(json.dumps(result, indent=2) if options.json else module.format_table(result))
+    return 0
+
+
 def build_parser() -> OneLineParser:
     """The whole command line."""
     parser = OneLineParser(
@@ -85,6 +123,10 @@ def build_parser() -> OneLineParser:
     for command in SERVICES:
         p = sub.add_parser(command.name, help=command.help, description=command.help)
         add_config_arguments(p, command.load(command.config), command.name)
+    from services.status import add_status_command
+
+    add_status_command(sub)
+    add_bench_command(sub)
     return parser
 
 

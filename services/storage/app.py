@@ -9,6 +9,8 @@ registration.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import Sequence
@@ -217,6 +219,7 @@ class StorageApp:
         self.emitter: CacheEventEmitter | None = None
         self.registrar: Registrar | None = None
         self._handler = _DeferredHandler()
+        self._sweeper: asyncio.Task[None] | None = None
         sink = None
         if config.coordinator_target:
             from services.storage.coordinator_link import GrpcEventTransport
@@ -233,6 +236,7 @@ class StorageApp:
             sink = EmitterSink(self.emitter)
         options = StorageOptions(
             segment_bytes=config.l1_segment_bytes,
+            initial_l1_bytes=config.l1_prefault_bytes or None,
             shm_dir=config.shm_dir,
             read_ttl_s=config.read_ttl_seconds,
             write_ttl_s=config.write_ttl_seconds,
@@ -313,8 +317,22 @@ class StorageApp:
             self.emitter.start()
         if self.registrar is not None:
             self.registrar.start()
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="storage-txn-sweeper")
+
+    async def _sweep_loop(self) -> None:
+        period = max(0.5, min(self.config.read_ttl_seconds, self.config.write_ttl_seconds) / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.node.expire_transactions()
+            except Exception:
+                logger.exception("expiring engine-driven transactions failed")
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         if self.registrar is not None:
             self.registrar.stop()
         self.node.close()

@@ -38,7 +38,7 @@ class StorageClient(AsyncClient):
         "PrepareStore": CallPolicy(timeout=10.0, idempotent=False),
         "CommitStore": CallPolicy(timeout=10.0, idempotent=True),
         "PrepareRetrieve": CallPolicy(timeout=10.0, idempotent=False),
-        "CommitRetrieve": CallPolicy(timeout=10.0, idempotent=False),
+        "CommitRetrieve": CallPolicy(timeout=10.0, idempotent=True),
     }
 
     def _bind(self) -> None:

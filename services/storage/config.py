@@ -31,6 +31,9 @@ class StorageConfig(ServerSettings):
     )
     l1_size_bytes: int = setting(2 * 1024**3, "L1 CPU memory, grown lazily up to this size")
     l1_segment_bytes: int = setting(256 * 1024**2, "L1 grows by shared-memory segments this big")
+    l1_prefault_bytes: int = setting(
+        0, "L1 mapped and pre-faulted at start, off the request path (0 = one segment)"
+    )
     shm_dir: str = setting("/dev/shm", "directory of the L1 shared-memory segments")
     allowed_memory_dir: str = setting(
         "/dev/shm", "engines' KV shared-memory files must lie inside this directory"
@@ -91,6 +94,8 @@ class StorageConfig(ServerSettings):
             raise ConfigError("l1_size_bytes must be at least 1MiB")
         if self.l1_segment_bytes < 4096 or self.l1_segment_bytes > self.l1_size_bytes:
             raise ConfigError("l1_segment_bytes must be in [4KiB, l1_size_bytes]")
+        if not 0 <= self.l1_prefault_bytes <= self.l1_size_bytes:
+            raise ConfigError("l1_prefault_bytes must be in [0, l1_size_bytes]")
         if not 0.0 < self.eviction_watermark <= 1.0:
             raise ConfigError("eviction_watermark must be in (0, 1]")
         if not 0.0 < self.eviction_ratio <= 1.0:

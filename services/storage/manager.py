@@ -342,13 +342,19 @@ class StorageManager:
     # -- deletes --------------------------------------------------------------
 
     def delete(
-        self, keys: Sequence[ObjectKey], tier: Tier | None = None, *, force: bool = False
+        self,
+        keys: Sequence[ObjectKey],
+        tier: Tier | None = None,
+        *,
+        force: bool = False,
+        backend: str = "",
     ) -> tuple[int, int]:
         """Delete keys from L1, L2 or both (``tier=None``); returns ``(deleted, skipped)``.
 
         Counted per key and tier. Skipped: locked in L1, pinned by a running
         prefetch in L2 (both overridden by ``force``), or on a degraded
-        adapter.
+        adapter. ``backend`` limits the L2 part to one adapter (by backend or
+        adapter name).
         """
         deleted = skipped = 0
         if tier in (None, Tier.L1):
@@ -359,6 +365,8 @@ class StorageManager:
                     skipped += 1
         if tier in (None, Tier.L2):
             for l2 in self.tiers:
+                if backend and backend not in (l2.backend, l2.name):
+                    continue
                 d, s = self._delete_l2(l2, keys, force)
                 deleted += d
                 skipped += s

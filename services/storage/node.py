@@ -23,9 +23,10 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,8 +101,11 @@ class StorageNode:
         transfer: TransferEngine,
         *,
         max_chunks_per_request: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.manager = manager
+        self._clock = clock
+        self._txn_deadlines: dict[str, float] = {}
         self.transfer = transfer
         self.max_chunks = max_chunks_per_request
         self._prefetches: dict[str, _Prefetch] = {}
@@ -400,22 +404,18 @@ class StorageNode:
                     f"unknown backend {backend!r}; this node has {sorted(names)}",
                     field="backend",
                 )
-        # Counted per key and tier; absent keys count as skipped (the contract), and
-        # a backend limits the L2 part to that adapter (manager.delete has no such
-        # filter, so the adapters are walked here).
-        deleted = skipped = 0
+        # Counted per key and tier: absent keys count as skipped (the contract).
+        deleted = 0
+        tiers = 0
         if tier in (None, Tier.L1):
-            done, _ = self.manager.delete(keys, Tier.L1, force=force)
-            deleted += done
-            skipped += len(keys) - done
+            deleted += self.manager.delete(keys, Tier.L1, force=force)[0]
+            tiers += 1
         if tier in (None, Tier.L2):
-            for l2 in self.manager.tiers:
-                if backend and backend not in (l2.backend, l2.name):
-                    continue
-                done, _ = self.manager._delete_l2(l2, keys, force)
-                deleted += done
-                skipped += len(keys) - done
-        return deleted, skipped
+            deleted += self.manager.delete(keys, Tier.L2, force=force, backend=backend)[0]
+            tiers += sum(
+                1 for t in self.manager.tiers if not backend or backend in (t.backend, t.name)
+            )
+        return deleted, len(keys) * tiers - deleted
 
     def clear(self, force: bool) -> int:
         """Drop L1 objects (locked ones too with force)."""
@@ -453,12 +453,14 @@ class StorageNode:
         txn = self._new_id("store")
         with self._lock:
             self._store_txns[txn] = [k for k in keys if k in reserved]
+            self._txn_deadlines[txn] = self._clock() + self.manager.l1.write_ttl_s
         return txn, slots, cached, skipped
 
     def commit_store(self, transaction_id: str) -> int:
         """Publish a prepared store."""
         with self._lock:
             keys = self._store_txns.pop(transaction_id, None)
+            self._txn_deadlines.pop(transaction_id, None)
         if keys is None:
             raise NotFound(
                 f"unknown store transaction {transaction_id!r}", reason="UNKNOWN_TRANSACTION"
@@ -499,12 +501,14 @@ class StorageNode:
         txn = self._new_id("read")
         with self._lock:
             self._read_txns[txn] = _ReadTxn(list(keys), held)
+            self._txn_deadlines[txn] = self._clock() + self.manager.l1.read_ttl_s
         return txn, slots
 
     def commit_retrieve(self, transaction_id: str, release_mask: Sequence[bool]) -> int:
         """Release a prepared retrieve's locks and the flagged lookup locks."""
         with self._lock:
             txn = self._read_txns.pop(transaction_id, None)
+            self._txn_deadlines.pop(transaction_id, None)
             repeat = txn is None and transaction_id in self._committed_reads
             if txn is not None:
                 self._committed_reads[transaction_id] = None
@@ -521,6 +525,29 @@ class StorageNode:
         if flagged:
             self.manager.finish_read(flagged, 1)
         return len(txn.held)
+
+    def expire_transactions(self) -> int:
+        """Forget engine-driven transactions older than their lock TTL (engine gone).
+
+        An expired store's reservation is discarded at once; an expired
+        retrieve's read locks have lapsed already (TTL locks). A later commit
+        of either is NOT_FOUND. Returns how many expired.
+        """
+        now = self._clock()
+        with self._lock:
+            expired = [t for t, deadline in self._txn_deadlines.items() if deadline <= now]
+            stores = []
+            for txn in expired:
+                del self._txn_deadlines[txn]
+                keys = self._store_txns.pop(txn, None)
+                if keys is not None:
+                    stores.append(keys)
+                self._read_txns.pop(txn, None)
+        for keys in stores:
+            self.manager.abort_write(keys, tag=PREPARE_TAG)
+        if expired:
+            logger.warning("%d engine-driven transactions expired uncommitted", len(expired))
+        return len(expired)
 
     # -------------------------------------------------------------- commands
 

@@ -1,0 +1,67 @@
+"""Engine-driven transactions of the StorageNode expire with their lock TTLs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from services.common.errors import NotFound
+from services.storage.manager import StorageManager, StorageOptions
+from services.storage.node import StorageNode
+from services.storage.transfer import TransferEngine
+from tests.unit.storage.helpers import MIB, FakeClock, make_key
+
+
+@pytest.fixture
+def node(shm_dir: str, clock: FakeClock) -> Iterator[StorageNode]:
+    manager = StorageManager(
+        "txn",
+        8 * MIB,
+        options=StorageOptions(
+            segment_bytes=4 * MIB,
+            shm_dir=shm_dir,
+            background_threads=False,
+            read_ttl_s=30.0,
+            write_ttl_s=60.0,
+        ),
+        clock=clock,
+    )
+    transfer = TransferEngine(shm_dir)
+    node = StorageNode(manager, transfer, clock=clock)
+    try:
+        yield node
+    finally:
+        manager.close()
+        transfer.close()
+
+
+def test_uncommitted_store_expires_after_the_write_ttl(node: StorageNode, clock: FakeClock) -> None:
+    keys = [make_key(1), make_key(2)]
+    txn, slots, _, _ = node.prepare_store(keys, 4096)
+    assert len(slots) == 2
+    clock.advance(59.0)
+    assert node.expire_transactions() == 0
+    clock.advance(2.0)
+    assert node.expire_transactions() == 1
+    with pytest.raises(NotFound):
+        node.commit_store(txn)
+    assert node.manager.l1.contains(keys) == [False, False]
+    # The slots were given back: the same keys can be prepared again.
+    txn2, slots2, _, _ = node.prepare_store(keys, 4096)
+    assert len(slots2) == 2
+    assert node.commit_store(txn2) == 2
+
+
+def test_uncommitted_retrieve_expires_after_the_read_ttl(node: StorageNode, clock: FakeClock) -> None:
+    keys = [make_key(3)]
+    txn, _, _, _ = node.prepare_store(keys, 4096)
+    node.commit_store(txn)
+    read, slots = node.prepare_retrieve(keys, 4096)
+    assert len(slots) == 1
+    clock.advance(31.0)
+    assert node.expire_transactions() == 1
+    with pytest.raises(NotFound):
+        node.commit_retrieve(read, [])
+    # The lapsed read lock no longer blocks a plain delete.
+    assert node.delete(keys, None, "", False)[0] == 1
