@@ -46,6 +46,12 @@ class ServiceCommand:
 
 SERVICES: list[ServiceCommand] = [
     ServiceCommand(
+        "coordinator",
+        "run the fleet coordinator (event ingest, directory, membership, policy)",
+        "services.coordinator.config:CoordinatorConfig",
+        "services.coordinator.app:CoordinatorApp",
+    ),
+    ServiceCommand(
         "storage",
         "run the storage service of one node (L1 memory, L2 adapters, event emitter)",
         "services.storage.config:StorageConfig",
@@ -123,8 +129,10 @@ def build_parser() -> OneLineParser:
     for command in SERVICES:
         p = sub.add_parser(command.name, help=command.help, description=command.help)
         add_config_arguments(p, command.load(command.config), command.name)
+    from services import fleet
     from services.status import add_status_command
 
+    fleet.add_up_command(sub)
     add_status_command(sub)
     add_bench_command(sub)
     return parser

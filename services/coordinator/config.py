@@ -29,10 +29,10 @@ class CoordinatorConfig(ServerSettings):
     trigger_watermark: float = setting(
         1.0, "evict when a salt's bytes reach this fraction of its quota"
     )
-    ready_delay_seconds: float = setting(
-        -1.0,
-        "no eviction until this long after start, so nodes can report first "
-        "(-1 = one instance timeout)",
+    heartbeat_interval_seconds: float = setting(
+        5.0,
+        "how often nodes are told to heartbeat; eviction also waits this long after a start "
+        "so nodes can report first",
     )
     checkpoint_path: str = setting("", "checkpoint file of the fleet view ('' disables)")
     checkpoint_interval_seconds: float = setting(
@@ -50,6 +50,10 @@ class CoordinatorConfig(ServerSettings):
             raise ConfigError("chunk_size must be >= 1")
         if self.instance_timeout_seconds <= 0:
             raise ConfigError("instance_timeout_seconds must be > 0")
+        if not 0 < self.heartbeat_interval_seconds < self.instance_timeout_seconds:
+            raise ConfigError(
+                "heartbeat_interval_seconds must be > 0 and below instance_timeout_seconds"
+            )
         for name in (
             "health_check_interval_seconds",
             "eviction_check_interval_seconds",

@@ -615,7 +615,11 @@ class Coordinator:
         return n
 
     def pin_tokens(
-        self, model_name: str, world_size: int, cache_salt: str, token_ids: Sequence[int]
+        self,
+        model_name: str,
+        world_size: int,
+        cache_salt: str,
+        token_ids: Sequence[int] | np.ndarray,
     ) -> PinResult:
         """Pin every key of a token sequence (resolved locally, §2.7)."""
         keys, chunks = resolve_token_keys(
@@ -624,7 +628,11 @@ class Coordinator:
         return PinResult(chunks, self.pin_keys(keys) if keys else 0)
 
     def unpin_tokens(
-        self, model_name: str, world_size: int, cache_salt: str, token_ids: Sequence[int]
+        self,
+        model_name: str,
+        world_size: int,
+        cache_salt: str,
+        token_ids: Sequence[int] | np.ndarray,
     ) -> PinResult:
         """Unpin every key of a token sequence."""
         keys, chunks = resolve_token_keys(

@@ -218,21 +218,30 @@ class ListKeysResponse(_message.Message):
     TOTAL_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     total: _builtins.int
-    """Keys matching the filters at the time of the call."""
+    """Keys in the whole directory, when the listing is unfiltered; absent
+    with filters (an exact filtered count would need a full scan).
+    """
     @_builtins.property
-    def keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeyPlacements]: ...
+    def keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeyPlacements]:
+        """May hold fewer than page_size keys while more remain (each call looks
+        at a bounded number of keys so it never holds the directory for long):
+        keep calling until next_page_token is empty.
+        """
+
     def __init__(
         self,
         *,
         keys: _abc.Iterable[Global___KeyPlacements] | None = ...,
         next_page_token: _builtins.str = ...,
-        total: _builtins.int = ...,
+        total: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_total", b"_total", "total", b"total"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "next_page_token", b"next_page_token", "total", b"total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_total", b"_total", "keys", b"keys", "next_page_token", b"next_page_token", "total", b"total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__total: _TypeAlias = _typing.Literal["total"]  # noqa: Y015
+    _WhichOneofArgType__total: _TypeAlias = _typing.Literal["_total", b"_total"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__total) -> _WhichOneofReturnType__total | None: ...
 
 Global___ListKeysResponse: _TypeAlias = ListKeysResponse  # noqa: Y015
 

@@ -73,8 +73,9 @@ class DirectoryServiceServicer:
 
     def ListKeys(self, request, context):
         """Pages through the directory, filtered by tier, instance and backend.
-        Errors: INVALID_ARGUMENT (bad page token, page_size above 10 000,
-        TIER_UNSPECIFIED is read as TIER_ALL). Deadline: 10 s.
+        Page tokens are valid within one coordinator process. TIER_UNSPECIFIED
+        is read as TIER_ALL. Errors: INVALID_ARGUMENT (bad page token,
+        page_size above 10 000). Deadline: 10 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

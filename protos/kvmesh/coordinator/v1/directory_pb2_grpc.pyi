@@ -43,8 +43,9 @@ class DirectoryServiceStub:
     """
     ListKeys: _grpc.UnaryUnaryMultiCallable[_directory_pb2.ListKeysRequest, _directory_pb2.ListKeysResponse]
     """Pages through the directory, filtered by tier, instance and backend.
-    Errors: INVALID_ARGUMENT (bad page token, page_size above 10 000,
-    TIER_UNSPECIFIED is read as TIER_ALL). Deadline: 10 s.
+    Page tokens are valid within one coordinator process. TIER_UNSPECIFIED
+    is read as TIER_ALL. Errors: INVALID_ARGUMENT (bad page token,
+    page_size above 10 000). Deadline: 10 s.
     """
     GetStats: _grpc.UnaryUnaryMultiCallable[_directory_pb2.GetStatsRequest, _directory_pb2.GetStatsResponse]
     """Directory totals. O(1) in the number of keys. Deadline: 2 s."""
@@ -67,8 +68,9 @@ class DirectoryServiceAsyncStub(DirectoryServiceStub):
     """
     ListKeys: _aio.UnaryUnaryMultiCallable[_directory_pb2.ListKeysRequest, _directory_pb2.ListKeysResponse]  # type: ignore[assignment]
     """Pages through the directory, filtered by tier, instance and backend.
-    Errors: INVALID_ARGUMENT (bad page token, page_size above 10 000,
-    TIER_UNSPECIFIED is read as TIER_ALL). Deadline: 10 s.
+    Page tokens are valid within one coordinator process. TIER_UNSPECIFIED
+    is read as TIER_ALL. Errors: INVALID_ARGUMENT (bad page token,
+    page_size above 10 000). Deadline: 10 s.
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_directory_pb2.GetStatsRequest, _directory_pb2.GetStatsResponse]  # type: ignore[assignment]
     """Directory totals. O(1) in the number of keys. Deadline: 2 s."""
@@ -100,8 +102,9 @@ class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_directory_pb2.ListKeysResponse, _abc.Awaitable[_directory_pb2.ListKeysResponse]]:
         """Pages through the directory, filtered by tier, instance and backend.
-        Errors: INVALID_ARGUMENT (bad page token, page_size above 10 000,
-        TIER_UNSPECIFIED is read as TIER_ALL). Deadline: 10 s.
+        Page tokens are valid within one coordinator process. TIER_UNSPECIFIED
+        is read as TIER_ALL. Errors: INVALID_ARGUMENT (bad page token,
+        page_size above 10 000). Deadline: 10 s.
         """
 
     @_abc_1.abstractmethod
