@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,9 @@ class Fleet:
         self.run_dir = self.data_dir / "run"
         self.log_dir = self.data_dir / "logs"
         self.children: list[Child] = []
-        self.shm_prefixes: list[str] = []
+        # A shared-memory directory of its own, so fleets on one host never collide
+        # and everything the nodes map is removed with one rmtree.
+        self.shm_dir = Path("/dev/shm") / f"kvmesh-fleet-{uuid.uuid4().hex[:12]}"
 
     def _child(self, name: str, service: str, args: list[str]) -> Child:
         ready = self.run_dir / f"{name}.ready.json"
@@ -125,6 +128,7 @@ class Fleet:
         """Start every service in dependency order; raises RuntimeError if one fails."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.shm_dir.mkdir(mode=0o700)
         opts = self.options
         try:
             coordinator = self._child(
@@ -142,7 +146,6 @@ class Fleet:
             storages = []
             for i in range(opts.nodes):
                 node = f"node-{i}"
-                self.shm_prefixes.append(f"kvmesh-l1-{node}-")
                 storage = self._child(
                     f"{node}-storage",
                     "storage",
@@ -151,6 +154,7 @@ class Fleet:
                         "--coordinator-target", coordinator.endpoints["grpc"],
                         "--data-dir", str(self.data_dir / node),
                         "--l1-size-bytes", str(opts.l1_size_bytes),
+                        "--shm-dir", str(self.shm_dir),
                         *opts.extra_storage_args,
                     ],
                 )  # fmt: skip
@@ -206,10 +210,7 @@ class Fleet:
         for child in self.children:
             with contextlib.suppress(FileNotFoundError):
                 child.ready_file.unlink()
-        for prefix in self.shm_prefixes:
-            for leftover in Path("/dev/shm").glob(prefix + "*"):
-                with contextlib.suppress(OSError):
-                    leftover.unlink()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
         if self._owns_data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
         self.children = []
@@ -272,6 +273,7 @@ def run_up(args: argparse.Namespace) -> int:
     print("kvmesh fleet is up:", flush=True)
     for line in fleet.describe():
         print(line, flush=True)
+    print(f"  shared memory in {fleet.shm_dir}", flush=True)
     print(f"  data and logs in {fleet.data_dir}  (Ctrl-C to stop)", flush=True)
     try:
         while not stop.wait(0.5):

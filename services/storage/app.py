@@ -235,7 +235,7 @@ class StorageApp:
             )
             sink = EmitterSink(self.emitter)
         options = StorageOptions(
-            segment_bytes=config.l1_segment_bytes,
+            segment_bytes=config.segment_bytes(),
             initial_l1_bytes=config.l1_prefault_bytes or None,
             shm_dir=config.shm_dir,
             read_ttl_s=config.read_ttl_seconds,

@@ -30,7 +30,9 @@ class StorageConfig(ServerSettings):
         "", "node state: incarnation counter, default disk L2 ('' = <tmp>/kvmesh/<instance_id>)"
     )
     l1_size_bytes: int = setting(2 * 1024**3, "L1 CPU memory, grown lazily up to this size")
-    l1_segment_bytes: int = setting(256 * 1024**2, "L1 grows by shared-memory segments this big")
+    l1_segment_bytes: int = setting(
+        0, "L1 grows by shared-memory segments this big (0 = min(256MiB, l1_size_bytes))"
+    )
     l1_prefault_bytes: int = setting(
         0, "L1 mapped and pre-faulted at start, off the request path (0 = one segment)"
     )
@@ -57,6 +59,10 @@ class StorageConfig(ServerSettings):
     max_chunks_per_request: int = setting(4096, "largest store/retrieve/lookup, in chunks")
     heartbeat_seconds: float = setting(5.0, "how often to heartbeat the coordinator")
     event_flush_ms: int = setting(50, "cache events are batched for at most this long")
+
+    def segment_bytes(self) -> int:
+        """The L1 segment size in effect."""
+        return self.l1_segment_bytes or min(256 * 1024**2, self.l1_size_bytes)
 
     def resolved_instance_id(self, bound_port: int) -> str:
         """The configured id, or one derived from host name and port (never random)."""
@@ -92,8 +98,8 @@ class StorageConfig(ServerSettings):
         self.validate_server()
         if self.l1_size_bytes < 1024**2:
             raise ConfigError("l1_size_bytes must be at least 1MiB")
-        if self.l1_segment_bytes < 4096 or self.l1_segment_bytes > self.l1_size_bytes:
-            raise ConfigError("l1_segment_bytes must be in [4KiB, l1_size_bytes]")
+        if self.l1_segment_bytes and not 4096 <= self.l1_segment_bytes <= self.l1_size_bytes:
+            raise ConfigError("l1_segment_bytes must be 0 (auto) or in [4KiB, l1_size_bytes]")
         if not 0 <= self.l1_prefault_bytes <= self.l1_size_bytes:
             raise ConfigError("l1_prefault_bytes must be in [0, l1_size_bytes]")
         if not 0.0 < self.eviction_watermark <= 1.0:
