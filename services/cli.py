@@ -89,34 +89,50 @@ BENCHES = {
 
 
 def add_bench_command(sub: Any) -> None:
-    """Register ``kvmesh bench <name> [options]``.
-
-    A benchmark module (and torch with it) is imported only when that
-    benchmark runs, so ``kvmesh --help`` and the services start quickly.
-    """
-    bench = sub.add_parser(
+    """List ``kvmesh bench`` in the help; main() runs it (see run_bench)."""
+    sub.add_parser(
         "bench",
         help="run a benchmark and print its figures (--json for one JSON object)",
         description="Run a benchmark: "
         + "; ".join(f"{name}: {text}" for name, (_, text) in BENCHES.items()),
+        add_help=False,
     )
-    bench.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
-    bench.add_argument("options", nargs=argparse.REMAINDER, help="its options (see NAME --help)")
-    bench.set_defaults(handler=run_bench)
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    """Handler of ``kvmesh bench``: parse the benchmark's own options and run it."""
-    module_name, help_text = BENCHES[args.name]
+def run_bench(argv: Sequence[str]) -> int:
+    """``kvmesh bench NAME [options]``; a benchmark (and torch) is imported only when it runs."""
+    names = OneLineParser(
+        prog="kvmesh bench",
+        description="Run a benchmark: "
+        + "; ".join(f"{name}: {text}" for name, (_, text) in BENCHES.items()),
+    )
+    names.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    if not argv or argv[0] in ("-h", "--help"):
+        names.parse_args(argv or ["--help"])
+    chosen = names.parse_args(argv[:1])
+    module_name, help_text = BENCHES[chosen.name]
     module = importlib.import_module(module_name)
-    parser = OneLineParser(prog=f"kvmesh bench {args.name}", description=help_text)
+    parser = OneLineParser(prog=f"kvmesh bench {chosen.name}", description=help_text)
     module.add_arguments(parser)
     if not any(a.dest == "json" for a in parser._actions):
         parser.add_argument("--json", action="store_true", help="print one JSON object")
-    options = parser.parse_args(args.options)
+    options = parser.parse_args(argv[1:])
     result = module.run(options)
     print(json.dumps(result, indent=2) if options.json else module.format_table(result))
     return 0
+
+
+def run_demo(argv: Sequence[str]) -> int:
+    """``kvmesh demo [options]``: torch and the engine are imported only here."""
+    from services import demo
+
+    parser = OneLineParser(prog="kvmesh demo", description=demo.DESCRIPTION)
+    demo.add_arguments(parser)
+    return demo.run_demo(parser.parse_args(argv))
+
+
+# Commands that parse their own options (and import heavy modules only when they run).
+DEFERRED: dict[str, Callable[[Sequence[str]], int]] = {"bench": run_bench, "demo": run_demo}
 
 
 def build_parser() -> OneLineParser:
@@ -134,12 +150,26 @@ def build_parser() -> OneLineParser:
 
     fleet.add_up_command(sub)
     add_status_command(sub)
+    sub.add_parser(
+        "demo",
+        help="drive a small real transformer through a local fleet: TTFT cold vs warm",
+        add_help=False,
+    )
     add_bench_command(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvmesh`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DEFERRED:
+        try:
+            return DEFERRED[argv[0]](argv[1:])
+        except ConfigError as exc:
+            print(f"kvmesh {argv[0]}: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

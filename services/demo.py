@@ -86,17 +86,17 @@ class Progress:
         self._phase = ""
 
 
-def add_demo_command(subparsers: Any) -> None:
-    """Register ``kvmesh demo`` on the CLI's subparsers."""
+DESCRIPTION = (
+    "Run a small decoder-only transformer (paged KV cache in shared memory) through kvmesh's "
+    "vLLM-shaped connector: a long prompt cold and warm, and a second prompt sharing a long "
+    "prefix. Prints time-to-first-token, speedup, tokens served from the cache and whether "
+    "the logits matched bit for bit. Starts a local fleet unless --gateway is given."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``kvmesh demo``."""
     defaults = ModelConfig()
-    p = subparsers.add_parser(
-        "demo",
-        help="drive a small real transformer through kvmesh; time-to-first-token cold vs warm",
-        description="Run a small decoder-only transformer (paged KV cache in shared memory) "
-        "through kvmesh's vLLM-shaped connector: a long prompt cold and warm, and a second "
-        "prompt sharing a long prefix. Prints time-to-first-token, speedup, tokens served "
-        "from the cache and whether the logits matched bit for bit.",
-    )
     p.add_argument(
         "--gateway",
         metavar="ADDR",
@@ -135,7 +135,6 @@ def add_demo_command(subparsers: Any) -> None:
     fleet.add_argument(
         "--chunk-size", type=int, default=256, help="tokens per chunk (default: 256)"
     )
-    p.set_defaults(handler=run_demo)
 
 
 def _model_config(args: argparse.Namespace) -> ModelConfig:
@@ -311,9 +310,8 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         if args.gateway is None:
             progress.phase("starting a local fleet (coordinator, storage, gateway)")
-            fleet = Fleet(
-                FleetOptions(l1_size_bytes=parse_size(args.l1_size), chunk_size=args.chunk_size)
-            )
+            l1 = parse_size(args.l1_size)
+            fleet = Fleet(FleetOptions(l1_size_bytes=l1, chunk_size=args.chunk_size))
             fleet.start()
             gateway = fleet.endpoint("node-0-gateway")
         else:

@@ -242,11 +242,17 @@ class LookupAndLockRequest(_message.Message):
     NUM_KV_READERS_FIELD_NUMBER: _builtins.int
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     num_kv_readers: _builtins.int
     """Read locks per found key; 0 is read as 1. At most 128."""
     wait_timeout_ms: _builtins.int
     request_id: _builtins.str
     """Caller's label for logs and traces (the engine request id)."""
+    chunk_bytes: _builtins.int
+    """Size of one chunk object under the engine's layout, so L2 objects that
+    another node wrote after this one started can be loaded; 0 = unknown
+    (sizes then come from this node's L2 index).
+    """
     @_builtins.property
     def keys(self) -> _common_pb2.KeyGrid: ...
     def __init__(
@@ -256,10 +262,11 @@ class LookupAndLockRequest(_message.Message):
         num_kv_readers: _builtins.int = ...,
         wait_timeout_ms: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        chunk_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "num_kv_readers", b"num_kv_readers", "request_id", b"request_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "keys", b"keys", "num_kv_readers", b"num_kv_readers", "request_id", b"request_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,81 @@
+"""Plain data that flows through the connector: requests, scheduler output, per-step ops.
+
+These mirror the vLLM objects the KV-connector API passes around, reduced to
+what kvmesh needs, so a vLLM adapter only has to copy fields across.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    """An engine request as the connector sees it (vLLM's ``Request``, reduced).
+
+    ``block_ids`` is the request's block table, filled in by the engine once
+    blocks are allocated.
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    cache_salt: str = ""
+    block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What the scheduler decided this step (vLLM's ``SchedulerOutput``, reduced)."""
+
+    #: request id → tokens the model computes for it in this step.
+    num_scheduled_tokens: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class RetrieveOp:
+    """Load ``[start, end)`` of a request from kvmesh into its blocks (reference §6.3 step 4).
+
+    ``block_ids`` covers exactly ``[start, end)``; the first
+    ``skip_first_n_tokens`` tokens are already in the engine's own prefix cache
+    and are not overwritten.
+    """
+
+    request_id: str
+    token_ids: Sequence[int]
+    cache_salt: str
+    start: int
+    end: int
+    skip_first_n_tokens: int
+    block_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class StoreOp:
+    """Save the newly computed complete chunks ``[start, end)`` of a request into kvmesh."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    cache_salt: str
+    start: int
+    end: int
+    block_ids: Sequence[int]
+
+
+@dataclass
+class ConnectorMetadata:
+    """What the scheduler-side connector hands the workers for one step."""
+
+    retrieve_ops: list[RetrieveOp] = field(default_factory=list)
+    store_ops: list[StoreOp] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.retrieve_ops or self.store_ops)

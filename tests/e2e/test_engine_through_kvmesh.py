@@ -1,0 +1,163 @@
+"""A real transformer through the connector and a real fleet: cache hits never change logits.
+
+Every test compares, bit for bit, the logits (and a few greedy tokens) of a
+run whose prefix KV came from kvmesh with a run of the same prompt computed
+without kvmesh — from L1, and from L2 after L1 was dropped (a second node
+sharing only L2: test_shared_l2.py). One single-node fleet serves the module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import grpc
+import pytest
+from kvmesh.gateway.v1 import gateway_pb2
+
+from connector import KVConnectorRole, KVMeshConnector, KVMeshConnectorConfig, Request
+from engine import Engine, EngineConfig
+from services.demo import add_demo_command
+from services.fleet import Fleet
+from services.gateway.client import GatewayClient
+from tests.e2e.support import (
+    L1,
+    L2,
+    MODEL,
+    run_prompt,
+    same_output,
+    stored_chunks,
+    tokens,
+)
+from tests.harness import free_port, wait_for
+
+
+def test_logits_with_the_prefix_served_from_kvmesh_equal_logits_computed_without_it(
+    engine: Engine, reference: Engine, salt: str
+) -> None:
+    prompt = tokens(1500, seed=1)
+    expected = run_prompt(reference, prompt, "")
+
+    cold = run_prompt(engine, prompt, salt)
+    warm = run_prompt(engine, prompt, salt)
+
+    assert cold.tokens_from_cache == 0
+    assert (warm.lookup_hit_tokens, warm.tokens_from_cache) == (1280, 1280)
+    assert not warm.load_failed
+    assert not cold.store_failed
+    assert same_output(cold, expected)
+    assert same_output(warm, expected)
+
+
+def test_a_fully_cached_prompt_recomputes_only_its_last_block(
+    engine: Engine, reference: Engine, salt: str
+) -> None:
+    prompt = tokens(1024, seed=2)
+    run_prompt(engine, prompt, salt)
+
+    warm = run_prompt(engine, prompt, salt)
+
+    assert (warm.lookup_hit_tokens, warm.tokens_from_cache) == (1024, 1008)
+    assert same_output(warm, run_prompt(reference, prompt, ""))
+
+
+def test_a_prompt_sharing_a_prefix_is_served_its_complete_shared_chunks(
+    engine: Engine, reference: Engine, salt: str
+) -> None:
+    first = tokens(1300, seed=3)
+    second = first[:1000] + tokens(700, seed=4)
+    run_prompt(engine, first, salt)
+
+    out = run_prompt(engine, second, salt)
+
+    assert out.tokens_from_cache == 768
+    assert same_output(out, run_prompt(reference, second, ""))
+
+
+def test_another_cache_salt_sees_nothing(engine: Engine, salt: str) -> None:
+    prompt = tokens(600, seed=5)
+    run_prompt(engine, prompt, salt)
+
+    assert run_prompt(engine, prompt, salt + "-other").tokens_from_cache == 0
+
+
+def test_chunks_dropped_from_l1_come_back_from_l2_with_identical_logits(
+    fleet: Fleet, engine: Engine, reference: Engine, salt: str
+) -> None:
+    prompt = tokens(1200, seed=6)
+    storage = fleet.endpoint("node-0-storage")
+    cold = run_prompt(engine, prompt, salt)
+    # L1 → L2 is asynchronous: wait until the disk L2 holds all four chunks.
+    wait_for(lambda: stored_chunks(storage, L2, salt) == 4, timeout=60)
+
+    with GatewayClient(fleet.endpoint("node-0-gateway")) as client:
+        cleared = client.clear(gateway_pb2.ClearRequest(force=True)).cleared_objects
+    assert cleared >= 4
+    assert stored_chunks(storage, L1, salt) == 0
+
+    warm = run_prompt(engine, prompt, salt)
+
+    assert (warm.tokens_from_cache, warm.lookup_l2_hit_chunks) == (1024, 4)
+    assert same_output(warm, cold)
+    assert same_output(warm, run_prompt(reference, prompt, ""))
+
+
+def test_a_scheduler_whose_gateway_is_down_answers_zero_instead_of_waiting() -> None:
+    config = KVMeshConnectorConfig(
+        gateway=f"127.0.0.1:{free_port()}", model_name="m", rpc_timeout_s=2.0
+    )
+    sched = KVMeshConnector(config, KVConnectorRole.SCHEDULER)
+    try:
+        request = Request("r", tokens(600, seed=8))
+        assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert sched.request_finished(request) is False
+    finally:
+        sched.shutdown()
+
+
+def test_an_engine_that_cannot_register_leaves_no_shared_memory() -> None:
+    def engine_files() -> set[str]:
+        return {f for f in os.listdir("/dev/shm") if f.startswith("kvmesh-engine-")}
+
+    before = engine_files()
+    config = EngineConfig(
+        model=MODEL, num_blocks=16, gateway=f"127.0.0.1:{free_port()}", rpc_timeout_s=2.0
+    )
+    with pytest.raises(grpc.RpcError):
+        Engine(config)
+    assert engine_files() <= before
+
+
+def test_kvmesh_demo_reports_a_warm_hit_with_matching_logits(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_demo_command(parser.add_subparsers())
+    args = parser.parse_args(
+        [
+            "demo",
+            "--gateway", fleet.endpoint("node-0-gateway"),
+            "--prompt-tokens", "1024",
+            "--shared-prefix-tokens", "700",
+            "--layers", "2",
+            "--json",
+            "--no-progress",
+        ]
+    )  # fmt: skip
+
+    assert args.handler(args) == 0
+
+    result = json.loads(capsys.readouterr().out)
+    assert result["prompt_tokens"] == 1024
+    assert result["logits_match"] is True
+    assert result["tokens_from_cache"] == 1008
+    assert result["cold"]["tokens_from_cache"] == 0
+    assert result["ttft_cold_ms"] > 0
+    assert result["ttft_warm_ms"] > 0
+    assert result["speedup"] > 0
+    assert result["shared_prefix"]["tokens_from_cache"] == 512
+    assert result["shared_prefix"]["logits_match"] is True
+    params = result["parameters"]
+    assert (params["chunk_size"], params["gateway"]) == (256, fleet.endpoint("node-0-gateway"))
+    assert params["model"]["num_layers"] == 2
