@@ -85,6 +85,8 @@ def run_service(command: ServiceCommand, settings: ServerSettings) -> int:
 # ``kvmesh bench <name>``: module with add_arguments(parser), run(args) -> dict, format_table(dict).
 BENCHES = {
     "datapath": ("bench.datapath", "store/retrieve GB/s of 32 MiB chunks vs memcpy (same run)"),
+    "ingest": ("bench.ingest", "coordinator ingest entries/s, ack p99, stalls, lookups, bytes/key"),
+    "lookup": ("bench.lookup", "gateway lookup p50/p99 of a 32-chunk prefix in L1, empty RTT"),
 }
 
 

@@ -20,17 +20,23 @@ Differences from LMCache 0.5.6, on purpose:
 - unknown request ids are NOT_FOUND rather than a silent 0, and every
   expected failure is a status code, never a missing reply;
 - a chunk size that the engine's block size does not divide is rejected at
-  registration, instead of silently giving 0 % hits.
+  registration, instead of silently giving 0 % hits;
+- a Lookup whose engine goes away mid-call (closed channel, passed deadline)
+  still gives back the locks storage took for it, and locks whose release
+  storage refused or never received stay counted until a retry, EndSession
+  or expiry releases them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,6 +49,22 @@ from services.common.keys import validate_cache_salt, validate_model_name, worke
 logger = logging.getLogger(__name__)
 
 MAX_KV_READERS = 128
+# Committed engine-driven store transactions remembered, so a retried commit is harmless.
+_COMMITTED_STORES_KEPT = 4096
+
+
+class StorageRejected(Exception):
+    """Storage refused a request before it changed anything; ``error`` is its answer.
+
+    A :class:`NodeStorage` raises it from the calls that also release lookup
+    locks (``retrieve_chunks``, ``commit_retrieve``) when the refusal means
+    those locks were *not* released, so the core can keep counting them as
+    held. The core re-raises ``error`` so the engine sees storage's status.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class StoreOutcome(enum.IntEnum):
@@ -96,12 +118,17 @@ class KeyRow:
 
 @dataclass(frozen=True, slots=True)
 class KeyGridSpec:
-    """Every kv rank × every chunk (``kvmesh.common.v1.KeyGrid``)."""
+    """Every kv rank × every chunk (``kvmesh.common.v1.KeyGrid``).
+
+    ``chunk_bytes`` (0 = unknown) is the size of one chunk object under the
+    engines' layout; storage needs it to load L2 objects it has not indexed.
+    """
 
     model_name: str
     cache_salt: str
     kv_ranks: Sequence[int]
     chunk_hashes: Sequence[bytes]
+    chunk_bytes: int = 0
 
 
 class NodeStorage(Protocol):
@@ -144,7 +171,11 @@ class NodeStorage(Protocol):
         skip_first_n_tokens: int,
         release_mask: Sequence[bool],
     ) -> int:
-        """Copy the cached prefix of the row into the engine's blocks; chunks copied."""
+        """Copy the cached prefix of the row into the engine's blocks; chunks copied.
+
+        Releases one lookup lock per chunk flagged in ``release_mask``, also when
+        the copy fails, unless it raises :class:`StorageRejected`.
+        """
         ...
 
     async def release_locks(self, grid: KeyGridSpec, count: int) -> int:
@@ -172,7 +203,10 @@ class NodeStorage(Protocol):
         ...
 
     async def commit_retrieve(self, transaction_id: str, release_mask: Sequence[bool]) -> int:
-        """Release a prepared retrieve's locks (and flagged lookup locks)."""
+        """Release a prepared retrieve's locks (and flagged lookup locks).
+
+        Raises :class:`StorageRejected` when nothing was released.
+        """
         ...
 
 
@@ -319,6 +353,9 @@ class Gateway:
         self._sessions: dict[str, _Session] = {}
         # Engine-driven retrieve transaction id -> request id.
         self._txn_sessions: dict[str, str] = {}
+        self._committed_stores: OrderedDict[str, None] = OrderedDict()
+        # Clean-ups of calls whose engine went away mid-call (kept so they are not collected).
+        self._tasks: set[asyncio.Task[None]] = set()
         self.storage_instance_id = ""
         self.counters = GatewayStats()
 
@@ -349,7 +386,11 @@ class Gateway:
         self._check_block_size(spec.block_size)
 
     async def register_kv_cache(
-        self, spec: EngineSpec, registration: object, fingerprint: object
+        self,
+        spec: EngineSpec,
+        registration: object,
+        fingerprint: object,
+        chunk_bytes: int = 0,
     ) -> bool:
         """Register an engine's KV memory (LMCache-driven path); True if already registered.
 
@@ -373,7 +414,7 @@ class Gateway:
         now = self._clock()
         if existing is None:
             self._engines[spec.engine_id] = _Engine(
-                spec, False, 0, (), now, now, fingerprint=fingerprint
+                spec, False, chunk_bytes, (), now, now, fingerprint=fingerprint
             )
             logger.info(
                 "engine %s registered: model %s, worker %d/%d, block size %d",
@@ -457,6 +498,14 @@ class Gateway:
             for e in self._engines.values()
         )
 
+    def _chunk_bytes_for(self, model_name: str, world_size: int) -> int:
+        """Chunk object size of this model's engines (0 = unknown)."""
+        for e in self._engines.values():
+            same = e.spec.model_name == model_name and e.spec.world_size == world_size
+            if same and e.chunk_bytes:
+                return e.chunk_bytes
+        return 0
+
     # ----------------------------------------------------------------- sessions
 
     def _session(self, request_id: str, create: bool) -> _Session | None:
@@ -523,40 +572,53 @@ class Gateway:
         return await self._release_remaining(lookup, 0, lookup.hit_chunks)
 
     async def _release_remaining(self, lookup: _Lookup, first: int, last: int) -> int:
-        """Release the locks still held on chunks [first, last) of every rank."""
+        """Release the locks still held on chunks [first, last) of every rank.
+
+        Callers hold the session lock. A cell is zeroed only after storage took
+        its release, so when storage is unreachable the locks stay counted and
+        a retried EndSession (or the session's expiry) releases them later.
+        """
         ranks = lookup.kv_ranks()
         released = 0
         # Group rows by identical remaining counts so one RPC covers many keys.
         batches: dict[tuple[int, int, int], list[int]] = {}
         for r in range(len(ranks)):
             row = lookup.remaining[r] if r < len(lookup.remaining) else []
+            stop = min(last, len(row))
             c = first
-            while c < min(last, len(row)):
+            while c < stop:
                 count = row[c]
                 if count <= 0:
                     c += 1
                     continue
-                end = c
-                while end < min(last, len(row)) and row[end] == count:
-                    row[end] = 0
+                end = c + 1
+                while end < stop and row[end] == count:
                     end += 1
-                batches.setdefault((count, c, end), []).append(ranks[r])
+                batches.setdefault((count, c, end), []).append(r)
                 c = end
-        for (count, lo, hi), rank_list in batches.items():
+        for (count, lo, hi), rows in batches.items():
             grid = KeyGridSpec(
-                lookup.model_name, lookup.cache_salt, rank_list, lookup.chunk_hashes[lo:hi]
+                lookup.model_name,
+                lookup.cache_salt,
+                [ranks[r] for r in rows],
+                lookup.chunk_hashes[lo:hi],
             )
             await self.storage.release_locks(grid, count)
-            released += count * len(rank_list) * (hi - lo)
-        self.counters.locks_released += released
+            for r in rows:
+                lookup.remaining[r][lo:hi] = [0] * (hi - lo)
+            batch = count * len(rows) * (hi - lo)
+            released += batch
+            self.counters.locks_released += batch
         return released
 
-    def _complete(self, lookup: _Lookup, state: PrefetchState) -> None:
+    def _complete(self, lookup: _Lookup, state: PrefetchState, *, counted: bool = True) -> None:
         lookup.completed = True
         lookup.hit_chunks = min(state.hit_chunks, lookup.requested_chunks)
         lookup.l1_hit_chunks = state.l1_hit_chunks
         lookup.l2_hit_chunks = state.l2_hit_chunks
         lookup.remaining = [[lookup.readers] * lookup.hit_chunks for _ in range(lookup.world_size)]
+        if not counted:
+            return
         self.counters.lookup_hit_tokens += lookup.hit_chunks * self.chunk_size
         self.counters.lookup_l1_hit_chunks += lookup.l1_hit_chunks
         self.counters.lookup_l2_hit_chunks += lookup.l2_hit_chunks
@@ -620,22 +682,71 @@ class Gateway:
                 session.lookup = lookup
                 return self._status(lookup), n_chunks
             ranks = [worker_kv_rank(world_size, r) for r in range(world_size)]
-            grid = KeyGridSpec(model_name, cache_salt, ranks, hashes)
-            state = await self.storage.lookup_and_lock(request_id, grid, readers, wait_ms)
-            lookup = _Lookup(
-                model_name, world_size, cache_salt, readers, n_chunks, hashes, state.prefetch_id
+            grid = KeyGridSpec(
+                model_name, cache_salt, ranks, hashes, self._chunk_bytes_for(model_name, world_size)
             )
+            lookup = _Lookup(model_name, world_size, cache_salt, readers, n_chunks, hashes, "")
+            call = asyncio.ensure_future(
+                self.storage.lookup_and_lock(request_id, grid, readers, wait_ms)
+            )
+            try:
+                # Shielded: if the engine goes away mid-call (channel closed, deadline
+                # passed), storage still answers and the locks it took are given back.
+                state = await asyncio.shield(call)
+            except asyncio.CancelledError:
+                self._background(self._release_abandoned(lookup, call))
+                raise
+            lookup.prefetch_id = state.prefetch_id
             if state.completed:
                 self._complete(lookup, state)
             session.lookup = lookup
             return self._status(lookup), n_chunks
+
+    def _background(self, coro: Coroutine[object, object, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release_abandoned(
+        self, lookup: _Lookup, call: asyncio.Future[PrefetchState]
+    ) -> None:
+        """Give back what a lookup locked after its caller went away (no session knows it)."""
+        try:
+            state = await call
+        except Exception:  # storage failed the lookup, so it locked nothing
+            return
+        lookup.prefetch_id = state.prefetch_id
+        if state.completed:
+            self._complete(lookup, state, counted=False)
+        try:
+            await self._release_lookup(lookup)
+        except Exception:
+            logger.exception("releasing the locks of an abandoned lookup failed")
+
+    def _late_status(self, lookup: _Lookup, call: asyncio.Future[PrefetchState]) -> None:
+        """Record a prefetch status that arrived after its caller went away.
+
+        Storage delivers a completed result once; recording it keeps the locks
+        counted so EndSession or expiry releases them. A lookup released in the
+        meantime is marked completed already and ignores it.
+        """
+        if call.cancelled() or call.exception() is not None:
+            return
+        state = call.result()
+        if state.completed and not lookup.completed:
+            self._complete(lookup, state)
 
     async def _poll(self, session: _Session, wait_ms: int) -> PrefetchStatus:
         lookup = session.lookup
         if lookup is None:
             raise NotFound(f"request {session.request_id!r} has no lookup", reason="NO_LOOKUP")
         if not lookup.completed:
-            state = await self.storage.prefetch_status(lookup.prefetch_id, wait_ms)
+            call = asyncio.ensure_future(self.storage.prefetch_status(lookup.prefetch_id, wait_ms))
+            try:
+                state = await asyncio.shield(call)
+            except asyncio.CancelledError:
+                call.add_done_callback(functools.partial(self._late_status, lookup))
+                raise
             if state.completed and not lookup.completed:
                 self._complete(lookup, state)
         return self._status(lookup)
@@ -653,6 +764,11 @@ class Gateway:
     async def query_prefetch_status(self, request_id: str) -> PrefetchStatus:
         """Non-blocking status of a request's lookup."""
         session = self._existing_session(request_id)
+        lookup = session.lookup
+        if lookup is not None and session.lock.locked():
+            # Another call of this request holds the session, typically a parked
+            # WaitPrefetchStatus: answer from what is known instead of queueing behind it.
+            return self._status(lookup)
         async with session.lock:
             return await self._poll(session, 0)
 
@@ -680,11 +796,12 @@ class Gateway:
 
     async def free_lookup_locks(self, request_id: str, start_token: int, end_token: int) -> int:
         """Release the lookup locks held on chunks in [start_token, end_token)."""
-        first, last = self._chunk_range(start_token, end_token, None)
+        self._chunk_range(start_token, end_token, None)
         session = self._existing_session(request_id)
         async with session.lock:
             if session.lookup is None:
                 raise NotFound(f"request {request_id!r} has no lookup", reason="NO_LOOKUP")
+            first, last = self._chunk_range(start_token, end_token, session.tokens.size)
             status = await self._poll(session, 0)
             if not status.completed or first >= last:
                 return 0
@@ -696,21 +813,37 @@ class Gateway:
         if session is None:
             return False, 0
         async with session.lock:
-            return True, await self._close_session(session, touch=True)
+            try:
+                return True, await self._close_session(session, touch=True)
+            except BaseException:
+                # Storage did not take the release (unreachable): keep the session, so
+                # the engine's retry, or the session's expiry, releases the locks later.
+                self._sessions.setdefault(request_id, session)
+                raise
 
     async def _close_session(self, session: _Session, touch: bool) -> int:
         lookup = session.lookup
         if lookup is None:
             return 0
-        released = await self._release_lookup(lookup)
         if touch and lookup.chunk_hashes:
-            await self.storage.touch(
-                KeyGridSpec(
-                    lookup.model_name, lookup.cache_salt, lookup.kv_ranks(), lookup.chunk_hashes
-                )
+            # The LRU refresh does not depend on the release: one storage round trip
+            # for both instead of two in a row (EndSession is on every request's path).
+            released, _ = await asyncio.gather(
+                self._release_lookup(lookup), self._touch(session.request_id, lookup)
             )
+        else:
+            released = await self._release_lookup(lookup)
         session.lookup = None
         return released
+
+    async def _touch(self, request_id: str, lookup: _Lookup) -> None:
+        grid = KeyGridSpec(
+            lookup.model_name, lookup.cache_salt, lookup.kv_ranks(), lookup.chunk_hashes
+        )
+        try:
+            await self.storage.touch(grid)
+        except Exception:  # LRU recency only: never fails the release
+            logger.warning("refreshing the LRU recency of request %s failed", request_id)
 
     # ------------------------------------------------------------------ transfers
 
@@ -761,6 +894,40 @@ class Gateway:
                 mask[c - first] = True
         return mask
 
+    async def _restore_mask(
+        self,
+        session: _Session,
+        lookup: _Lookup | None,
+        worker_id: int,
+        first: int,
+        mask: Sequence[bool],
+    ) -> None:
+        """Count lookup locks consumed by a refused transfer as held again.
+
+        Storage refused the call before releasing them; without this they
+        would be released by no one until storage's read TTL. If the lookup
+        has been replaced or ended since, nobody counts them any more, so they
+        are released here.
+        """
+        if lookup is None or not any(mask):
+            return
+        async with session.lock:
+            current = session.lookup is lookup and self._sessions.get(session.request_id) is session
+            if current and worker_id < len(lookup.remaining):
+                row = lookup.remaining[worker_id]
+                for i, flag in enumerate(mask):
+                    if flag:
+                        row[first + i] += 1
+                return
+        hashes = [h for h, flag in zip(lookup.chunk_hashes[first:], mask, strict=False) if flag]
+        grid = KeyGridSpec(
+            lookup.model_name,
+            lookup.cache_salt,
+            [worker_kv_rank(lookup.world_size, worker_id)],
+            hashes,
+        )
+        await self.storage.release_locks(grid, 1)
+
     async def store(
         self, engine_id: str, rng: PromptRangeSpec, block_ids: Sequence[int]
     ) -> StoreResult:
@@ -800,13 +967,18 @@ class Gateway:
                     "skip_first_n_tokens is beyond the range", field="skip_first_n_tokens"
                 )
             self._check_block_ids(engine, block_ids, last - first)
+            lookup = session.lookup
             mask = self._release_mask(session, rng, engine.spec.worker_id, first, last)
         self.counters.retrieves += 1
         if last == first:
             return 0
-        got = await self.storage.retrieve_chunks(
-            engine_id, row, block_ids, self.chunk_size, skip_first_n_tokens, mask
-        )
+        try:
+            got = await self.storage.retrieve_chunks(
+                engine_id, row, block_ids, self.chunk_size, skip_first_n_tokens, mask
+            )
+        except StorageRejected as rejected:
+            await self._restore_mask(session, lookup, engine.spec.worker_id, first, mask)
+            raise rejected.error from None
         self.counters.retrieved_chunks += got
         self.counters.retrieve_missed_chunks += (last - first) - got
         return got
@@ -840,9 +1012,16 @@ class Gateway:
         return await self.storage.prepare_store(row, engine.chunk_bytes)
 
     async def commit_store(self, engine_id: str, transaction_id: str) -> int:
-        """Publish a prepared store."""
+        """Publish a prepared store; a repeated commit (a retry) publishes nothing, harmlessly."""
         self._engine(engine_id, engine_driven=True)
+        if transaction_id in self._committed_stores:
+            return 0
         committed = await self.storage.commit_store(transaction_id)
+        # Storage forgets a committed transaction (a second commit there is NOT_FOUND);
+        # the contract promises engines that committing twice is harmless.
+        self._committed_stores[transaction_id] = None
+        while len(self._committed_stores) > _COMMITTED_STORES_KEPT:
+            self._committed_stores.popitem(last=False)
         self.counters.stored_chunks += committed
         return committed
 
@@ -871,18 +1050,26 @@ class Gateway:
         mask: list[bool] = []
         request_id = self._txn_sessions.pop(transaction_id, None)
         session = self._sessions.get(request_id) if request_id else None
+        lookup: _Lookup | None = None
+        worker = first = 0
         if session is not None:
             async with session.lock:
                 info = session.retrieves.pop(transaction_id, None)
                 if info is not None and session.lookup is not None:
                     worker, first, last = info
-                    lk = session.lookup
+                    lookup = session.lookup
                     rng = PromptRangeSpec(
-                        request_id or "", lk.model_name, lk.world_size, lk.cache_salt,
-                        session.tokens, first * self.chunk_size, last * self.chunk_size,
+                        request_id or "", lookup.model_name, lookup.world_size,
+                        lookup.cache_salt, session.tokens, first * self.chunk_size,
+                        last * self.chunk_size,
                     )  # fmt: skip
                     mask = self._release_mask(session, rng, worker, first, last)
-        released = await self.storage.commit_retrieve(transaction_id, mask)
+        try:
+            released = await self.storage.commit_retrieve(transaction_id, mask)
+        except StorageRejected as rejected:
+            if session is not None:
+                await self._restore_mask(session, lookup, worker, first, mask)
+            raise rejected.error from None
         self.counters.retrieved_chunks += released
         return released
 
@@ -903,6 +1090,8 @@ class Gateway:
                 async with session.lock:
                     await self._close_session(session, touch=False)
             except Exception:
+                # Kept (unless the request came back meanwhile): the next sweep retries.
+                self._sessions.setdefault(session.request_id, session)
                 logger.exception(
                     "releasing the locks of expired session %s failed", session.request_id
                 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import grpc
 from kvmesh.common.v1 import common_pb2
 from kvmesh.storage.v1 import storage_pb2
 
@@ -20,9 +21,29 @@ from services.gateway.core import (
     PrefetchState,
     PreparedSlots,
     SlotRef,
+    StorageRejected,
     StoreOutcome,
 )
 from services.storage.client import StorageClient
+
+# Codes with which storage refuses RetrieveChunks / CommitRetrieve before it
+# releases any lock (it validates everything first; an unknown transaction
+# releases nothing). Other failures (UNAVAILABLE, a deadline, INTERNAL from a
+# copy) may come after the release, so the gateway must not count those locks
+# as still held: a double release could take another request's lock.
+_REFUSED = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+
+
+def _refused(exc: grpc.aio.AioRpcError) -> BaseException:
+    """``StorageRejected`` wrapping ``exc`` when storage refused the call, else ``exc``."""
+    return StorageRejected(exc) if exc.code() in _REFUSED else exc
 
 
 def _row(row: KeyRow) -> common_pb2.ChunkKeys:
@@ -89,6 +110,7 @@ class GrpcNodeStorage:
                 num_kv_readers=readers,
                 wait_timeout_ms=wait_ms,
                 request_id=request_id,
+                chunk_bytes=grid.chunk_bytes,
             )
         )
         return _state(response.prefetch_id, response.completed, response.result)
@@ -123,16 +145,19 @@ class GrpcNodeStorage:
         skip_first_n_tokens: int,
         release_mask: Sequence[bool],
     ) -> int:
-        response = await self.client.retrieve_chunks(
-            storage_pb2.RetrieveChunksRequest(
-                engine_id=engine_id,
-                keys=_row(row),
-                block_ids=block_ids,
-                chunk_tokens=chunk_tokens,
-                skip_first_n_tokens=skip_first_n_tokens,
-                release_lookup_locks=release_mask,
+        try:
+            response = await self.client.retrieve_chunks(
+                storage_pb2.RetrieveChunksRequest(
+                    engine_id=engine_id,
+                    keys=_row(row),
+                    block_ids=block_ids,
+                    chunk_tokens=chunk_tokens,
+                    skip_first_n_tokens=skip_first_n_tokens,
+                    release_lookup_locks=release_mask,
+                )
             )
-        )
+        except grpc.aio.AioRpcError as exc:
+            raise _refused(exc) from None
         return response.retrieved_chunks
 
     async def release_locks(self, grid: KeyGridSpec, count: int) -> int:
@@ -172,9 +197,12 @@ class GrpcNodeStorage:
         return _prepared(response.transaction_id, response.slots)
 
     async def commit_retrieve(self, transaction_id: str, release_mask: Sequence[bool]) -> int:
-        response = await self.client.commit_retrieve(
-            storage_pb2.CommitRetrieveRequest(
-                transaction_id=transaction_id, release_lookup_locks=release_mask
+        try:
+            response = await self.client.commit_retrieve(
+                storage_pb2.CommitRetrieveRequest(
+                    transaction_id=transaction_id, release_lookup_locks=release_mask
+                )
             )
-        )
+        except grpc.aio.AioRpcError as exc:
+            raise _refused(exc) from None
         return response.released_chunks

@@ -50,6 +50,13 @@ def _status(status: PrefetchStatus) -> gateway_pb2.PrefetchStatus:
     )
 
 
+def _chunk_bytes(layout: common_pb2.KVLayout, chunk_size: int) -> int:
+    """Bytes of one chunk object under ``layout`` (0 when the layout is incomplete)."""
+    itemsize = _ITEMSIZE.get(layout.dtype, 0)
+    planes = 1 if layout.kind == common_pb2.KV_LAYOUT_KIND_MLA else 2
+    return planes * layout.num_layers * chunk_size * layout.kv_heads * layout.head_dim * itemsize
+
+
 def _fingerprint(*messages: _message.Message) -> bytes:
     return b"|".join(m.SerializeToString(deterministic=True) for m in messages)
 
@@ -76,7 +83,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             engine_id=request.engine_id, layout=request.layout, layers=request.layers
         )
         already = await self.core.register_kv_cache(
-            spec, forward, _fingerprint(request.layout, *request.layers)
+            spec,
+            forward,
+            _fingerprint(request.layout, *request.layers),
+            chunk_bytes=_chunk_bytes(request.layout, self.core.chunk_size),
         )
         return gateway_pb2.RegisterKVCacheResponse(
             chunk_size=self.core.chunk_size,

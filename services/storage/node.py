@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 MAX_DELETE_KEYS = 10_000
 MAX_CHUNK_BYTES = 1 << 31
 PREPARE_TAG = "engine-driven"
-_COMMITTED_READS_KEPT = 4096
+_COMMITTED_KEPT = 4096
 
 
 class StoreOutcome:
@@ -113,7 +113,8 @@ class StorageNode:
         self._store_txns: dict[str, list[ObjectKey]] = {}
         self._read_txns: dict[str, _ReadTxn] = {}
         # Recently committed retrieve transactions, so a repeated commit answers 0.
-        self._committed_reads: OrderedDict[str, None] = OrderedDict()
+        # Recently committed transactions, so a retried commit is harmless (idempotent).
+        self._committed: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -255,9 +256,18 @@ class StorageNode:
         )
 
     async def lookup_and_lock(
-        self, request_id: str, rows: Sequence[Sequence[ObjectKey]], readers: int, wait_ms: int
+        self,
+        request_id: str,
+        rows: Sequence[Sequence[ObjectKey]],
+        readers: int,
+        wait_ms: int,
+        chunk_bytes: int = 0,
     ) -> PrefetchStatus:
-        """Lock the prefix present in every row (loading L2 hits); maybe wait for it."""
+        """Lock the prefix present in every row (loading L2 hits); maybe wait for it.
+
+        ``chunk_bytes`` (0 = unknown) sizes L2 objects this node has not indexed
+        (written by another node of a shared pool since this one started).
+        """
         if not rows:
             raise InvalidArgument("the key grid has no kv_ranks", field="keys.kv_ranks")
         width = len(rows[0])
@@ -267,11 +277,22 @@ class StorageNode:
             self._check_keys(row, field=f"keys.rows[{r}]")
         if readers > 128:
             raise InvalidArgument("num_kv_readers must be <= 128", field="num_kv_readers")
-        handle = self.manager.submit_prefetch(request_id, rows, max(readers, 1))
+        if chunk_bytes > MAX_CHUNK_BYTES:
+            raise InvalidArgument("chunk_bytes is too large", field="chunk_bytes")
+        row_nbytes = [chunk_bytes] * len(rows) if chunk_bytes else None
+        handle = self.manager.submit_prefetch(
+            request_id, rows, max(readers, 1), row_nbytes=row_nbytes
+        )
         prefetch_id = self._new_id("prefetch")
         with self._lock:
             self._prefetches[prefetch_id] = _Prefetch(handle)
-        return await self.prefetch_status(prefetch_id, wait_ms)
+        try:
+            return await self.prefetch_status(prefetch_id, wait_ms)
+        except asyncio.CancelledError:
+            # The caller went away while waiting and never learned the prefetch id, so
+            # nobody else could release its locks before the read TTL: give them back.
+            self.release_prefetch(prefetch_id)
+            raise
 
     async def prefetch_status(self, prefetch_id: str, wait_ms: int) -> PrefetchStatus:
         """Status of a prefetch; a completed result is delivered once, then forgotten."""
@@ -457,10 +478,15 @@ class StorageNode:
         return txn, slots, cached, skipped
 
     def commit_store(self, transaction_id: str) -> int:
-        """Publish a prepared store."""
+        """Publish a prepared store. A repeated commit (lost reply) publishes nothing more."""
         with self._lock:
             keys = self._store_txns.pop(transaction_id, None)
             self._txn_deadlines.pop(transaction_id, None)
+            repeat = keys is None and transaction_id in self._committed
+            if keys is not None:
+                self._remember_committed(transaction_id)
+        if repeat:
+            return 0
         if keys is None:
             raise NotFound(
                 f"unknown store transaction {transaction_id!r}", reason="UNKNOWN_TRANSACTION"
@@ -509,11 +535,9 @@ class StorageNode:
         with self._lock:
             txn = self._read_txns.pop(transaction_id, None)
             self._txn_deadlines.pop(transaction_id, None)
-            repeat = txn is None and transaction_id in self._committed_reads
+            repeat = txn is None and transaction_id in self._committed
             if txn is not None:
-                self._committed_reads[transaction_id] = None
-                while len(self._committed_reads) > _COMMITTED_READS_KEPT:
-                    self._committed_reads.popitem(last=False)
+                self._remember_committed(transaction_id)
         if repeat:
             return 0  # a retried commit (lost reply): idempotent, releases nothing
         if txn is None:
@@ -525,6 +549,12 @@ class StorageNode:
         if flagged:
             self.manager.finish_read(flagged, 1)
         return len(txn.held)
+
+    def _remember_committed(self, transaction_id: str) -> None:
+        """Call with ``self._lock`` held."""
+        self._committed[transaction_id] = None
+        while len(self._committed) > _COMMITTED_KEPT:
+            self._committed.popitem(last=False)
 
     def expire_transactions(self) -> int:
         """Forget engine-driven transactions older than their lock TTL (engine gone).

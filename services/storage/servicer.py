@@ -175,6 +175,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
             grid_rows(request.keys),
             request.num_kv_readers,
             request.wait_timeout_ms,
+            request.chunk_bytes,
         )
         completed, result = _status(status)
         return storage_pb2.LookupAndLockResponse(

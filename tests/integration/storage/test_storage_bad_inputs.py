@@ -427,15 +427,21 @@ def test_commit_of_an_unknown_transaction_is_not_found(base: Baseline, method: s
     base.assert_intact()
 
 
-def test_commit_store_twice_is_not_found_and_keeps_the_chunks(base: Baseline) -> None:
+def test_commit_store_twice_commits_nothing_more_and_keeps_the_chunks(base: Baseline) -> None:
     hashes = new_hashes(1)
     prepared = base.node.call(
         "prepare_store", storage_pb2.PrepareStoreRequest(keys=row(hashes), chunk_bytes=CHUNK_BYTES)
     )
     request = storage_pb2.CommitStoreRequest(transaction_id=prepared.transaction_id)
     assert base.node.call("commit_store", request).committed_chunks == 1
-    assert base.code("commit_store", request) == "NOT_FOUND"
+    assert base.node.call("commit_store", request).committed_chunks == 0  # a retried commit
     assert base.node.l1_hashes() == {*base.hashes, *hashes}
+
+
+def test_commit_of_a_never_prepared_store_is_not_found(base: Baseline) -> None:
+    request = storage_pb2.CommitStoreRequest(transaction_id="store-never-prepared")
+    assert base.code("commit_store", request) == "NOT_FOUND"
+    base.assert_intact()
 
 
 @pytest.mark.parametrize("method", ["prepare_store", "prepare_retrieve"])

@@ -319,8 +319,9 @@ class StorageServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CommitStore(self, request, context):
-        """Publishes the slots of a PrepareStore. Errors: NOT_FOUND (unknown or
-        expired transaction). Deadline: 10 s.
+        """Publishes the slots of a PrepareStore. A repeated commit (a retry after
+        a lost reply) publishes nothing more and answers committed_chunks = 0.
+        Errors: NOT_FOUND (unknown or expired transaction). Deadline: 10 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -145,8 +145,9 @@ class StorageServiceStub:
     chunk_bytes), RESOURCE_EXHAUSTED (nothing fits). Deadline: 10 s.
     """
     CommitStore: _grpc.UnaryUnaryMultiCallable[_storage_pb2.CommitStoreRequest, _storage_pb2.CommitStoreResponse]
-    """Publishes the slots of a PrepareStore. Errors: NOT_FOUND (unknown or
-    expired transaction). Deadline: 10 s.
+    """Publishes the slots of a PrepareStore. A repeated commit (a retry after
+    a lost reply) publishes nothing more and answers committed_chunks = 0.
+    Errors: NOT_FOUND (unknown or expired transaction). Deadline: 10 s.
     """
     PrepareRetrieve: _grpc.UnaryUnaryMultiCallable[_storage_pb2.PrepareRetrieveRequest, _storage_pb2.PrepareRetrieveResponse]
     """Returns the slots of the resident prefix of the keys, read-locked until
@@ -263,8 +264,9 @@ class StorageServiceAsyncStub(StorageServiceStub):
     chunk_bytes), RESOURCE_EXHAUSTED (nothing fits). Deadline: 10 s.
     """
     CommitStore: _aio.UnaryUnaryMultiCallable[_storage_pb2.CommitStoreRequest, _storage_pb2.CommitStoreResponse]  # type: ignore[assignment]
-    """Publishes the slots of a PrepareStore. Errors: NOT_FOUND (unknown or
-    expired transaction). Deadline: 10 s.
+    """Publishes the slots of a PrepareStore. A repeated commit (a retry after
+    a lost reply) publishes nothing more and answers committed_chunks = 0.
+    Errors: NOT_FOUND (unknown or expired transaction). Deadline: 10 s.
     """
     PrepareRetrieve: _aio.UnaryUnaryMultiCallable[_storage_pb2.PrepareRetrieveRequest, _storage_pb2.PrepareRetrieveResponse]  # type: ignore[assignment]
     """Returns the slots of the resident prefix of the keys, read-locked until
@@ -492,8 +494,9 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _storage_pb2.CommitStoreRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.CommitStoreResponse, _abc.Awaitable[_storage_pb2.CommitStoreResponse]]:
-        """Publishes the slots of a PrepareStore. Errors: NOT_FOUND (unknown or
-        expired transaction). Deadline: 10 s.
+        """Publishes the slots of a PrepareStore. A repeated commit (a retry after
+        a lost reply) publishes nothing more and answers committed_chunks = 0.
+        Errors: NOT_FOUND (unknown or expired transaction). Deadline: 10 s.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,149 @@
+"""Fixtures: a real storage node with a real gateway in front of it, and engines.
+
+Every test gets its own directory under /dev/shm (the node's L1 segments in
+``l1/``, engine KV files in ``engine/``, which is also the node's allowed
+directory) and its own instance id and data directory; all of it is removed
+afterwards, also when the test fails.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.gateway.app import GatewayApp
+from services.gateway.client import GatewayClient
+from services.gateway.config import GatewayConfig
+from services.storage.app import StorageApp
+from services.storage.config import StorageConfig
+from tests.harness import ServerThread, server_thread
+from tests.integration.gateway.support import CHUNK, Engine, Node, Stack
+
+MIB = 1 << 20
+
+
+@dataclass
+class ShmDirs:
+    """This test's directories under /dev/shm."""
+
+    root: Path
+    l1: Path
+    engine: Path
+
+
+@pytest.fixture
+def shm_dirs() -> Iterator[ShmDirs]:
+    root = Path("/dev/shm") / f"kvmesh-gw-it-{uuid.uuid4().hex[:12]}"
+    dirs = ShmDirs(root, root / "l1", root / "engine")
+    dirs.l1.mkdir(parents=True)
+    dirs.engine.mkdir()
+    try:
+        yield dirs
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def thread() -> Iterator[ServerThread]:
+    """The event loop the servers of one test run on (every server stopped at the end)."""
+    with server_thread() as t:
+        yield t
+
+
+StackFactory = Callable[..., Stack]
+
+
+@pytest.fixture
+def make_stack(thread: ServerThread, shm_dirs: ShmDirs, tmp_path: Path) -> Iterator[StackFactory]:
+    """Start nodes: ``make_stack(storage={"l2": ["disk"]}, gateway={"session_ttl_seconds": 1})``.
+
+    ``storage_target`` in the gateway overrides points a gateway at another
+    (or no) storage server; ``node=`` reuses a running storage node.
+    """
+    stacks: list[Stack] = []
+
+    def start(
+        *,
+        storage: dict[str, Any] | None = None,
+        gateway: dict[str, Any] | None = None,
+        node: Node | None = None,
+    ) -> Stack:
+        if node is None:
+            settings: dict[str, Any] = {
+                "port": 0,
+                "metrics_port": -1,
+                "grace_seconds": 0.2,
+                "instance_id": f"gw-it-{uuid.uuid4().hex[:12]}",
+                "data_dir": str(tmp_path / f"node{len(stacks)}"),
+                "l1_size_bytes": 16 * MIB,
+                "l1_segment_bytes": 4 * MIB,
+                "shm_dir": str(shm_dirs.l1),
+                "allowed_memory_dir": str(shm_dirs.engine),
+                "l2": ["none"],
+            }
+            settings.update(storage or {})
+            node = Node(thread, thread.start(StorageConfig(**settings), StorageApp))
+        gw_settings: dict[str, Any] = {
+            "port": 0,
+            "metrics_port": -1,
+            "grace_seconds": 0.2,
+            "storage_target": node.server.target,
+            "chunk_size": CHUNK,
+        }
+        gw_settings.update(gateway or {})
+        server = thread.start(GatewayConfig(**gw_settings), GatewayApp)
+        stack = Stack(node, server, GatewayClient(server.target))
+        stacks.append(stack)
+        return stack
+
+    try:
+        yield start
+    finally:
+        closed: set[int] = set()
+        for stack in stacks:
+            stack.client.close()
+            if id(stack.node) not in closed:
+                closed.add(id(stack.node))
+                stack.node.close()
+
+
+@pytest.fixture
+def make_engine(shm_dirs: ShmDirs) -> Iterator[Callable[..., Engine]]:
+    """Engine KV files (not registered): ``make_engine(seed=1)``."""
+    engines: list[Engine] = []
+
+    def create(seed: int = 0) -> Engine:
+        eng = Engine(shm_dirs.engine, f"engine-{uuid.uuid4().hex[:8]}", seed=seed)
+        engines.append(eng)
+        return eng
+
+    try:
+        yield create
+    finally:
+        for eng in engines:
+            eng.close()
+
+
+@pytest.fixture
+def engine(make_engine: Callable[..., Engine]) -> Engine:
+    """One engine's KV cache file (not registered yet)."""
+    return make_engine()
+
+
+@pytest.fixture
+def stack(make_stack: StackFactory) -> Stack:
+    """A node without L2 behind a gateway with chunk size 64."""
+    return make_stack()
+
+
+@pytest.fixture
+def ready(stack: Stack, engine: Engine) -> Stack:
+    """``stack`` with ``engine`` registered as worker 0 of world size 1."""
+    stack.register(engine)
+    return stack
