@@ -7,14 +7,20 @@ per layout and per torch thread count:
 
 - ``numpy_memcpy_gbps``: ``np.copyto`` of one 32 MiB buffer into another (one
   thread; glibc's memcpy, which switches to non-temporal stores at this size);
-- ``torch_copy_gbps``: ``Tensor.copy_`` of the same bytes (uses the thread count);
+- ``torch_copy_gbps``: ``Tensor.copy_`` of the same bytes (uses the thread
+  count; timed after the others, see ``bench_layout``);
 - ``gather_gbps`` / ``scatter_gbps``: :func:`kernels.gather_chunks` /
-  :func:`kernels.scatter_chunks` of one chunk with random, distinct block ids.
+  :func:`kernels.scatter_chunks` of one chunk with random, distinct block ids,
+  with the CPU backend of the row: ``native`` (the non-temporal C kernel of
+  :mod:`kernels.native`, the default), ``numpy`` (its fallback) or ``torch``.
+
+``summary`` puts the native and NumPy paths beside memcpy for the headline
+case (FLASH_ATTN over one anonymous storage) at each thread count.
 
 All destinations are written once before timing (first touch of fresh pages
-is 5–30× slower than a warm copy), methods are interleaved round by round so
-machine noise hits them alike, and each figure is the median round (the best
-round is reported too).
+is 5–30× slower than a warm copy), memcpy, gather and scatter are
+interleaved round by round so machine noise hits them alike, and each figure
+is the median round (the best round is reported too).
 
 Run ``python -m bench.kernels`` (prints JSON); ``--quick`` for a smoke run.
 """
@@ -39,7 +45,14 @@ import numpy as np
 import torch
 
 import kernels.ops
-from kernels import KVLayoutKind, PagedKVCache, gather_chunks, paged_layer_shape, scatter_chunks
+from kernels import (
+    KVLayoutKind,
+    PagedKVCache,
+    gather_chunks,
+    native,
+    paged_layer_shape,
+    scatter_chunks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +62,8 @@ def _threads_and_backend(n: int, backend: str) -> Iterator[None]:
     """Run with ``n`` torch threads (the kernels' copy threads follow) and a CPU backend."""
     before = torch.get_num_threads()
     before_backend = kernels.ops._CPU_BACKEND
+    if backend == "native" and native.load() is None:
+        raise RuntimeError(f"native copy kernel unavailable: {native.status()}")
     torch.set_num_threads(n)
     kernels.ops._CPU_BACKEND = backend
     try:
@@ -104,7 +119,7 @@ def bench_layout(
     rounds: int,
     fused: bool = True,
     backing: str = "anon",
-    backend: str = "numpy",
+    backend: str = "native",
     seed: int = 0,
 ) -> dict[str, Any]:
     """Time gather/scatter of one chunk for ``kind`` beside memcpy of the same bytes."""
@@ -135,7 +150,6 @@ def bench_layout(
 
         methods: dict[str, Callable[[], object]] = {
             "numpy_memcpy": lambda: np.copyto(np_dst, np_src),
-            "torch_copy": lambda: t_dst.copy_(t_src),
             "gather": lambda: gather_chunks(kv, [block_ids], [chunk]),
             "scatter": lambda: scatter_chunks(kv, [block_ids], [chunk]),
         }
@@ -148,6 +162,15 @@ def bench_layout(
                     start = time.perf_counter()
                     fn()
                     times[name].append(time.perf_counter() - start)
+            # torch_copy is timed apart, after the others: with 2+ threads its
+            # OpenMP workers keep spinning on the other cores for a while after
+            # it returns, which halved whatever was timed next on a 2-core box.
+            times["torch_copy"] = []
+            t_dst.copy_(t_src)
+            for _ in range(rounds):
+                start = time.perf_counter()
+                t_dst.copy_(t_src)
+                times["torch_copy"].append(time.perf_counter() - start)
         memcpy = _gbps(nbytes, times["numpy_memcpy"])
         gather = _gbps(nbytes, times["gather"])
         scatter = _gbps(nbytes, times["scatter"])
@@ -187,10 +210,11 @@ def run_kernel_bench(
 ) -> dict[str, Any]:
     """Run the kernel benchmark; returns the configuration and one result row per case.
 
-    Cases: every layout over one shared storage (the shared-memory case, one
-    indexed call per chunk), FLASH_ATTN over separate per-layer tensors,
-    FLASH_ATTN over a /dev/shm file mapping, and the torch-ops CPU backend
-    for comparison, each at every thread count. MLA
+    Cases, each at every thread count: with the native kernel (skipped, and
+    said so in ``config``, when it cannot load) and with NumPy, every layout
+    over one shared storage (the shared-memory case, one indexed call per
+    chunk), FLASH_ATTN over separate per-layer tensors and FLASH_ATTN over a
+    /dev/shm file mapping; then the torch-ops CPU backend for comparison. MLA
     has one plane, so it runs with twice the layers to move the same 32 MiB in
     the same 32 KiB block runs.
     """
@@ -203,13 +227,20 @@ def run_kernel_bench(
         "dtype": dtype,
         "rounds": rounds,
     }
+    have_native = native.load() is not None
     cases: list[tuple[KVLayoutKind, bool, str, str]] = [
-        (KVLayoutKind.FLASH_ATTN, True, "anon", "numpy"),
-        (KVLayoutKind.FLASHINFER, True, "anon", "numpy"),
-        (KVLayoutKind.MLA, True, "anon", "numpy"),
-        (KVLayoutKind.FLASH_ATTN, False, "anon", "numpy"),
-        (KVLayoutKind.FLASH_ATTN, True, "shm", "numpy"),
-        # The alternative: torch index_select / index_put_ on torch's intra-op threads.
+        (kind, fused, backing, backend)
+        for backend in (("native", "numpy") if have_native else ("numpy",))
+        for kind, fused, backing in (
+            (KVLayoutKind.FLASH_ATTN, True, "anon"),
+            (KVLayoutKind.FLASHINFER, True, "anon"),
+            (KVLayoutKind.MLA, True, "anon"),
+            (KVLayoutKind.FLASH_ATTN, False, "anon"),
+            (KVLayoutKind.FLASH_ATTN, True, "shm"),
+        )
+    ]
+    # The alternative: torch index_select / index_put_ on torch's intra-op threads.
+    cases += [
         (KVLayoutKind.FLASH_ATTN, True, "anon", "torch"),
         (KVLayoutKind.FLASH_ATTN, False, "anon", "torch"),
     ]
@@ -235,9 +266,38 @@ def run_kernel_bench(
             "cpu_count": os.cpu_count(),
             "torch": torch.__version__,
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+            "native_kernel": native.status(),
         },
+        "summary": _summary(results),
         "results": results,
     }
+
+
+def _summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Native and NumPy gather/scatter beside memcpy: FLASH_ATTN, one anonymous storage."""
+    rows = []
+    for row in results:
+        if row["layout"] != "FLASH_ATTN" or not row["fused"] or row["backing"] != "anon":
+            continue
+        if row["cpu_backend"] not in ("native", "numpy"):
+            continue
+        rows.append(
+            {
+                key: row[key]
+                for key in (
+                    "cpu_backend",
+                    "threads",
+                    "numpy_memcpy_gbps",
+                    "gather_gbps",
+                    "scatter_gbps",
+                    "gather_vs_memcpy",
+                    "scatter_vs_memcpy",
+                    "best_gather_vs_memcpy",
+                    "best_scatter_vs_memcpy",
+                )
+            }
+        )
+    return rows
 
 
 #: glibc switches memcpy to non-temporal stores only above ~19 MiB here, so the

@@ -6,7 +6,9 @@ kind, and an empty round trip of 0.3 ms (ZMQ) / 0.7 ms (its own gRPC).
 
 What runs: a storage node (L2 ``none``) and a gateway in front of it, each in
 its own process started with ``kvmesh storage`` / ``kvmesh gateway`` as they
-are deployed (``--arrangement processes``), or both on one asyncio loop in a
+are deployed (``--arrangement processes``); or both services in one
+``kvmesh node`` process whose gateway calls storage in-process (``node``:
+one gRPC hop per lookup instead of two); or both on one asyncio loop in a
 background thread of this process (``in-process``: the client and the
 servers then share one GIL, which is not how kvmesh runs). An engine KV
 cache (flash-attn, block size 16, small dims so the store is quick) in a
@@ -69,10 +71,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-from kvmesh.common.v1 import common_pb2
-from kvmesh.gateway.v1 import gateway_pb2
 from prometheus_client import CollectorRegistry
 
+from kvmesh.common.v1 import common_pb2
+from kvmesh.gateway.v1 import gateway_pb2
 from services.common.server import Server, create_server
 from services.gateway.app import GatewayApp
 from services.gateway.client import GatewayClient
@@ -92,7 +94,7 @@ LMCACHE_REFERENCE = {
     "empty_rtt_p50_ms_grpc": 0.7,
 }
 
-ARRANGEMENTS = ("processes", "in-process")
+ARRANGEMENTS = ("processes", "node", "in-process")
 MODEL = "bench/model"
 _MIB = 1 << 20
 _STARTUP_TIMEOUT_S = 60.0
@@ -109,10 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=200, help="untimed calls first")
     parser.add_argument(
         "--arrangement",
-        choices=[*ARRANGEMENTS, "both"],
-        default="both",
-        help="servers in their own processes (as deployed), in a thread of this process, "
-        "or both; the headline figures come from 'processes' when it runs",
+        choices=[*ARRANGEMENTS, "all"],
+        default="all",
+        help="storage and gateway in their own processes (as deployed apart), in one "
+        "'kvmesh node' process (in-process link), in a thread of this process, or all; the "
+        "headline figures come from the first one that runs",
     )
     parser.add_argument(
         "--storage-transport",
@@ -315,6 +318,21 @@ def _processes(
     finally:
         for child in reversed(children):
             _stop(child)
+
+
+@contextlib.contextmanager
+def _node_process(params: _Params, work_dir: Path, data_dir: Path) -> Iterator[_Endpoints]:
+    """One ``kvmesh node`` process serving both services, linked in-process."""
+    run_dir = data_dir / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    settings = {**_storage_settings(params, work_dir, data_dir), **_gateway_settings(params, "")}
+    del settings["storage_target"]
+    child = _spawn("node", "node", settings, run_dir, None)
+    try:
+        ends = _wait_ready(child)
+        yield _Endpoints(ends["grpc"], ends["metrics"], ends["metrics"], [])
+    finally:
+        _stop(child)
 
 
 class _LoopThread:
@@ -668,6 +686,8 @@ def _arrangement(
             servers: contextlib.AbstractContextManager[_Endpoints]
             if name == "processes":
                 servers = _processes(params, work_dir, data_dir, profile_dir)
+            elif name == "node":
+                servers = _node_process(params, work_dir, data_dir)
             else:
                 servers = _in_process(params, work_dir, data_dir)
             with servers as endpoints:
@@ -724,7 +744,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--chunks and --iterations must be >= 1, --warmup >= 0")
     if params.chunk_tokens % params.block_size:
         raise ValueError("--chunk-tokens must be a multiple of --block-size")
-    names = list(ARRANGEMENTS) if args.arrangement == "both" else [args.arrangement]
+    names = list(ARRANGEMENTS) if args.arrangement == "all" else [args.arrangement]
     arrangements = {name: _arrangement(name, params, args.shm_dir) for name in names}
     headline = arrangements[names[0]]
     result: dict[str, Any] = {

@@ -9,10 +9,21 @@ How the copies are done, and why (figures from ``python -m bench.kernels``):
   block_size)`` tokens when a chunk ends inside a block) and move rows by
   index. When every layer lives in one storage (one shared-memory file) a
   chunk is one indexed copy over that storage, otherwise one per (plane, layer).
-- On CPU the rows are NumPy ``void`` items (one opaque item per row), moved
-  with ``np.take(mode="clip", out=)`` (gather) and a fancy assignment
-  (scatter): one ``memcpy`` per row with the GIL released, split over
-  :func:`copy_threads` threads by this module, one hand-off per chunk.
+- On CPU, when the native kernel is loaded (:mod:`kernels.native`,
+  ``kernels/_native/ntcopy.c``), each chunk becomes one list of runs
+  ``(source offset, destination offset)`` of one row each, copied by C with
+  non-temporal stores, several runs side by side, split into ~2 MiB pieces
+  over :func:`copy_threads` threads (the C call releases the GIL; one thread
+  makes one call). One thread reaches 0.9–1.0 of a one-thread 32 MiB
+  ``memcpy``, where every alternative below stops at about half (see "One
+  thread reaches about half"); two reach 1.2–1.7 when the second core is
+  free, about one thread's figure when another process holds it.
+- Otherwise (no compiler, ``KVMESH_NATIVE_COPY=0``, a CUDA chunk with a CPU
+  cache, or while the kernel is still compiling) the rows are NumPy ``void``
+  items (one opaque item per row), moved with ``np.take(mode="clip", out=)``
+  (gather) and a fancy assignment (scatter): one ``memcpy`` per row with the
+  GIL released, split over :func:`copy_threads` threads by this module, one
+  hand-off per chunk.
 - Measured alternatives on CPU: ``torch.index_select(out=)`` gathers at the
   same speed on one thread and ~10 % faster on two when the box is quiet, but
   its OpenMP fork/join per call collapses when another process holds a core
@@ -20,10 +31,10 @@ How the copies are done, and why (figures from ``python -m bench.kernels``):
   ``index_copy_`` scatter element by element (50–75 % of NumPy, and collapse
   the same way); per-block ``copy_`` or ctypes ``memmove`` loops pay 1–3 µs of
   Python per 32 KiB block; one advanced index per layer allocates (~0.2×).
-- One thread reaches about half of a 32 MiB ``memcpy`` whatever the method:
-  32 KiB block runs go through cached stores (a read for ownership per line)
-  while glibc switches a 32 MiB ``memcpy`` to non-temporal stores. Two threads
-  close most of the gap.
+- One thread reaches about half of a 32 MiB ``memcpy`` with any of these
+  methods: 32 KiB block runs go through cached stores (a read for ownership
+  per line) while glibc switches a 32 MiB ``memcpy`` to non-temporal stores.
+  Two threads close most of the gap; the native kernel closes it on one.
 - On CUDA, gather is ``index_select`` and scatter ``index_put_`` over rows
   viewed as the widest integer type that fits (8 bytes per thread). A chunk on
   CPU with the cache on CUDA (or the reverse) is staged through a temporary on
@@ -32,7 +43,9 @@ How the copies are done, and why (figures from ``python -m bench.kernels``):
 Indices are validated before any copy (:mod:`kernels._plan`). Row views cover
 only the cache's storage; NumPy's assignment and torch's ops are
 bounds-checked and the clipped take cannot read past the view, so even a
-wrong index could not reach memory outside that storage.
+wrong index could not reach memory outside that storage. The native path
+has no such net under it, so it checks every row index against its view
+before handing raw addresses to C.
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kernels import native
 from kernels._plan import BlockIds, ChunkPlan, plan_chunks
 from kernels.layouts import PagedKVCache
 
@@ -65,10 +79,10 @@ _pool: ThreadPoolExecutor | None = None
 _pool_workers = 0
 _copy_threads: int | None = None
 
-#: Which implementation copies for a CPU cache: "numpy" (the default, see the
-#: module docstring) or "torch" (the ops CUDA runs). Tests run both; the
-#: benchmark compares them.
-_CPU_BACKEND = "numpy"
+#: Which implementation copies for a CPU cache: "native" (the default: the C
+#: kernel when it is loaded, NumPy otherwise), "numpy", or "torch" (the ops
+#: CUDA runs). Tests run all three; the benchmark compares them.
+_CPU_BACKEND = "native"
 
 
 def set_copy_threads(threads: int | None) -> None:
@@ -168,7 +182,14 @@ def _num_pieces(nbytes: int) -> int:
 
 
 def _use_numpy(kv: PagedKVCache) -> bool:
-    return kv.device.type == "cpu" and _CPU_BACKEND == "numpy"
+    return kv.device.type == "cpu" and _CPU_BACKEND != "torch"
+
+
+def _native_kernel(kv: PagedKVCache) -> native.NativeCopy | None:
+    """The native kernel for a CPU cache, or None (see :func:`kernels.native.library`)."""
+    if kv.device.type != "cpu" or _CPU_BACKEND != "native":
+        return None
+    return native.library()
 
 
 def _row_geometry(kv: PagedKVCache, num_tokens: int) -> tuple[int, int, int]:
@@ -185,26 +206,34 @@ def _row_geometry(kv: PagedKVCache, num_tokens: int) -> tuple[int, int, int]:
     )
 
 
+# The index helpers use NumPy: a handful of small torch ops costs ~0.3 ms per
+# chunk on a busy box (~10 % of a 32 MiB copy), the same in NumPy ~20 µs.
+
+
 def _rows_in_layer(
     kv: PagedKVCache, plan: ChunkPlan, rows_per_block: int, first_row: int
-) -> torch.Tensor:
+) -> npt.NDArray[np.int64]:
     """``[kv_size, rows]`` row indices inside one layer for the chunk's rows from ``first_row``."""
     kv_stride, block_stride = kv._row_strides(rows_per_block)
     _, num_rows, _ = _row_geometry(kv, plan.num_tokens)
-    r = torch.arange(first_row, num_rows, dtype=torch.int64)
-    ids = torch.tensor(plan.block_ids, dtype=torch.int64)
+    r = np.arange(first_row, num_rows, dtype=np.int64)
+    ids = np.array(plan.block_ids, dtype=np.int64)
     per_row = ids[r // rows_per_block] * block_stride + r % rows_per_block
-    planes = torch.arange(kv.kv_size, dtype=torch.int64) * kv_stride
+    planes = np.arange(kv.kv_size, dtype=np.int64) * kv_stride
     return planes[:, None] + per_row[None, :]
 
 
 def _fused_index(
     kv: PagedKVCache, plan: ChunkPlan, rows_per_block: int, first_row: int
-) -> torch.Tensor:
+) -> npt.NDArray[np.int64]:
     """``[kv_size, num_layers, rows]`` row indices inside the fused storage view."""
     in_layer = _rows_in_layer(kv, plan, rows_per_block, first_row)
-    bases = torch.tensor(kv._layer_row_bases(rows_per_block), dtype=torch.int64)
+    bases = np.array(kv._layer_row_bases(rows_per_block), dtype=np.int64)
     return in_layer[:, None, :] + bases[None, :, None]
+
+
+def _device_index(index: npt.NDArray[np.int64], device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(index).to(device)
 
 
 def _chunk_rows(
@@ -221,7 +250,7 @@ def _void_rows(rows: torch.Tensor) -> npt.NDArray[Any]:
 
 
 def _split(count: int, parts: int) -> list[tuple[int, int]]:
-    bounds = np.linspace(0, count, parts + 1).astype(int).tolist()
+    bounds = [count * i // parts for i in range(parts + 1)]
     return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
 
 
@@ -268,13 +297,13 @@ def _gather_numpy(kv: PagedKVCache, plan: ChunkPlan) -> None:
     pieces = _num_pieces(nbytes)
     if kv.fused:
         src = kv._fused_void_rows(rows_per_block)
-        index = _fused_index(kv, plan, rows_per_block, 0).numpy().reshape(-1)
+        index = _fused_index(kv, plan, rows_per_block, 0).reshape(-1)
         flat_out = out_rows.reshape(-1)
         tasks = [
             _take_task(src, index[lo:hi], flat_out[lo:hi]) for lo, hi in _split(index.size, pieces)
         ]
     else:
-        index = _rows_in_layer(kv, plan, rows_per_block, 0).numpy()
+        index = _rows_in_layer(kv, plan, rows_per_block, 0)
         per_plane = [
             _take_task(
                 kv._layer_void_rows(layer, rows_per_block), index[plane], out_rows[plane, layer]
@@ -299,7 +328,7 @@ def _scatter_numpy(kv: PagedKVCache, plan: ChunkPlan) -> None:
     pieces = _num_pieces(nbytes)
     if kv.fused:
         dst = kv._fused_void_rows(rows_per_block)
-        index = _fused_index(kv, plan, rows_per_block, first_row).numpy()
+        index = _fused_index(kv, plan, rows_per_block, first_row)
         # [(plane, layer), row]: merging the leading dims keeps a skip's slice a view.
         flat_index = index.reshape(-1, index.shape[-1])
         flat_src = src_rows.reshape(-1, src_rows.shape[-1])
@@ -308,12 +337,89 @@ def _scatter_numpy(kv: PagedKVCache, plan: ChunkPlan) -> None:
             for lo, hi in _split(flat_index.shape[0], pieces)
         ]
     else:
-        index = _rows_in_layer(kv, plan, rows_per_block, first_row).numpy()
+        index = _rows_in_layer(kv, plan, rows_per_block, first_row)
         per_layer = [
             _assign_task(kv._layer_void_rows(layer, rows_per_block), index, src_rows[:, layer])
             for layer in range(kv.num_layers)
         ]
         tasks = _group(per_layer, pieces)
+    _run_parallel(tasks, nbytes)
+
+
+def _check_rows(index: npt.NDArray[np.int64], limit: int) -> None:
+    """Every row index inside ``[0, limit)``: the native kernel gets raw addresses."""
+    if index.size and (int(index.min()) < 0 or int(index.max()) >= limit):
+        raise RuntimeError(f"row index outside [0, {limit}) after validation")  # a bug
+
+
+def _native_runs(
+    kv: PagedKVCache, plan: ChunkPlan, first_row: int
+) -> tuple[int, npt.NDArray[np.int64], int, npt.NDArray[np.int64], int]:
+    """The chunk's rows from ``first_row`` on as runs for the native kernel.
+
+    Returns ``(paged base address, paged byte offsets, chunk base address,
+    chunk byte offsets, row bytes)``, both offset arrays in chunk order
+    (plane, layer, row). A per-layer cache uses its lowest layer's address as
+    the base, so one list of offsets covers every layer.
+    """
+    rows_per_block, num_rows, row_elems = _row_geometry(kv, plan.num_tokens)
+    row_bytes = row_elems * kv.itemsize
+    if kv.fused:
+        view = kv._fused_rows(rows_per_block, torch.uint8)
+        index = _fused_index(kv, plan, rows_per_block, first_row)
+        _check_rows(index, view.shape[0])
+        paged_base = view.data_ptr()
+        paged = index.reshape(-1) * row_bytes
+    else:
+        in_layer = _rows_in_layer(kv, plan, rows_per_block, first_row)
+        _check_rows(in_layer, kv.layers[0].numel() // row_elems)
+        ptrs = np.array([layer.data_ptr() for layer in kv.layers], dtype=np.int64)
+        paged_base = int(ptrs.min())
+        layer_offsets = ptrs - paged_base
+        paged = (layer_offsets[None, :, None] + in_layer[:, None, :] * row_bytes).reshape(-1)
+    chunk_rows = np.arange(kv.kv_size * kv.num_layers * num_rows, dtype=np.int64)
+    chunk = chunk_rows.reshape(kv.kv_size, kv.num_layers, num_rows)[:, :, first_row:] * row_bytes
+    return paged_base, paged, plan.chunk.data_ptr(), chunk.reshape(-1), row_bytes
+
+
+def _native_task(
+    kernel: native.NativeCopy,
+    src_base: int,
+    dst_base: int,
+    src_off: npt.NDArray[np.int64],
+    dst_off: npt.NDArray[np.int64],
+    row_bytes: int,
+) -> Callable[[], None]:
+    def run() -> None:
+        # The closure holds the offset arrays; the caller holds the tensors.
+        kernel.copy_runs_at(
+            src_base, dst_base, src_off.ctypes.data, dst_off.ctypes.data, src_off.size, row_bytes
+        )
+
+    return run
+
+
+def _copy_native(
+    kernel: native.NativeCopy, kv: PagedKVCache, plan: ChunkPlan, *, gather: bool
+) -> None:
+    """Gather (paged → chunk) or scatter (chunk → paged) one CPU chunk with the native kernel."""
+    rows_per_block, num_rows, _ = _row_geometry(kv, plan.num_tokens)
+    first_row = 0 if gather else plan.skip_blocks * rows_per_block
+    if first_row >= num_rows:
+        return
+    paged_base, paged, chunk_base, chunk, row_bytes = _native_runs(kv, plan, first_row)
+    if gather:
+        src_base, src_off, dst_base, dst_off = paged_base, paged, chunk_base, chunk
+    else:
+        src_base, src_off, dst_base, dst_off = chunk_base, chunk, paged_base, paged
+    nbytes = src_off.size * row_bytes
+    # One thread makes one call: each call ends with a store fence and restarts
+    # its streams, ~4 % of a 32 MiB copy cut into 16 pieces.
+    pieces = _num_pieces(nbytes) if copy_threads() > 1 else 1
+    tasks = [
+        _native_task(kernel, src_base, dst_base, src_off[lo:hi], dst_off[lo:hi], row_bytes)
+        for lo, hi in _split(src_off.size, pieces)
+    ]
     _run_parallel(tasks, nbytes)
 
 
@@ -337,11 +443,11 @@ def _gather_torch(kv: PagedKVCache, plan: ChunkPlan) -> None:
     )
     out_rows = _chunk_rows(out, kv, num_rows, row_elems).view(row_dtype)
     if kv.fused:
-        index = _fused_index(kv, plan, rows_per_block, 0).to(kv.device)
+        index = _device_index(_fused_index(kv, plan, rows_per_block, 0), kv.device)
         src = kv._fused_rows(rows_per_block, row_dtype)
         torch.index_select(src, 0, index.view(-1), out=out_rows.view(-1, out_rows.shape[-1]))
     else:
-        index = _rows_in_layer(kv, plan, rows_per_block, 0).to(kv.device)
+        index = _device_index(_rows_in_layer(kv, plan, rows_per_block, 0), kv.device)
         for layer in range(kv.num_layers):
             src = kv._layer_rows(layer, rows_per_block, row_dtype)
             for plane in range(kv.kv_size):
@@ -365,10 +471,10 @@ def _scatter_torch(kv: PagedKVCache, plan: ChunkPlan) -> None:
     )
     src_rows = _chunk_rows(src, kv, num_rows, row_elems).view(row_dtype)[:, :, first_row:]
     if kv.fused:
-        index = _fused_index(kv, plan, rows_per_block, first_row).to(kv.device)
+        index = _device_index(_fused_index(kv, plan, rows_per_block, first_row), kv.device)
         kv._fused_rows(rows_per_block, row_dtype).index_put_((index,), src_rows)
     else:
-        index = _rows_in_layer(kv, plan, rows_per_block, first_row).to(kv.device)
+        index = _device_index(_rows_in_layer(kv, plan, rows_per_block, first_row), kv.device)
         for layer in range(kv.num_layers):
             dst = kv._layer_rows(layer, rows_per_block, row_dtype)
             dst.index_put_((index,), src_rows[:, layer])
@@ -390,9 +496,13 @@ def gather_chunks(
     block id outside ``[0, num_blocks)``.
     """
     plans = plan_chunks(kv, block_ids, outs, chunks_field="outs")
+    kernel = _native_kernel(kv)
     gather_one = _gather_numpy if _use_numpy(kv) else _gather_torch
     for plan in plans:
-        gather_one(kv, plan)
+        if kernel is not None and plan.chunk.device.type == "cpu":
+            _copy_native(kernel, kv, plan, gather=True)
+        else:
+            gather_one(kv, plan)
 
 
 def scatter_chunks(
@@ -422,6 +532,10 @@ def scatter_chunks(
         skip_first_n_tokens=skip_first_n_tokens,
         forbid_duplicates=True,
     )
+    kernel = _native_kernel(kv)
     scatter_one = _scatter_numpy if _use_numpy(kv) else _scatter_torch
     for plan in plans:
-        scatter_one(kv, plan)
+        if kernel is not None and plan.chunk.device.type == "cpu":
+            _copy_native(kernel, kv, plan, gather=False)
+        else:
+            scatter_one(kv, plan)

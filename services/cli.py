@@ -58,6 +58,12 @@ SERVICES: list[ServiceCommand] = [
         "services.storage.app:StorageApp",
     ),
     ServiceCommand(
+        "node",
+        "run one node's storage and gateway in a single process (in-process link between them)",
+        "services.node_app:NodeConfig",
+        "services.node_app:NodeApp",
+    ),
+    ServiceCommand(
         "gateway",
         "run the engine-facing gateway of one node",
         "services.gateway.config:GatewayConfig",

@@ -30,9 +30,9 @@ from typing import Any, TextIO
 
 import grpc
 import torch
-from kvmesh.gateway.v1 import gateway_pb2
 
 from engine import Engine, EngineConfig, ModelConfig, RequestOutput, blocks_needed
+from kvmesh.gateway.v1 import gateway_pb2
 from services.common.config import ConfigError, parse_size
 from services.fleet import Fleet, FleetOptions
 from services.gateway.client import GatewayClient

@@ -58,6 +58,8 @@ class FleetOptions:
     startup_timeout_s: float = 60.0
     stop_grace_s: float = 10.0
     verbose: bool = False
+    # Run each node's storage and gateway in one process (kvmesh node).
+    colocated: bool = False
     extra_storage_args: list[str] = field(default_factory=list)
     extra_gateway_args: list[str] = field(default_factory=list)
     extra_coordinator_args: list[str] = field(default_factory=list)
@@ -146,21 +148,25 @@ class Fleet:
             storages = []
             for i in range(opts.nodes):
                 node = f"node-{i}"
-                storage = self._child(
-                    f"{node}-storage",
-                    "storage",
-                    [
-                        "--instance-id", node,
-                        "--coordinator-target", coordinator.endpoints["grpc"],
-                        "--data-dir", str(self.data_dir / node),
-                        "--l1-size-bytes", str(opts.l1_size_bytes),
-                        "--shm-dir", str(self.shm_dir),
-                        *opts.extra_storage_args,
-                    ],
-                )  # fmt: skip
-                self._spawn(storage)
-                storages.append(storage)
+                storage_args = [
+                    "--instance-id", node,
+                    "--coordinator-target", coordinator.endpoints["grpc"],
+                    "--data-dir", str(self.data_dir / node),
+                    "--l1-size-bytes", str(opts.l1_size_bytes),
+                    "--shm-dir", str(self.shm_dir),
+                    *opts.extra_storage_args,
+                ]  # fmt: skip
+                if opts.colocated:
+                    # One process per node: storage and gateway, linked in-process.
+                    args = [*storage_args, "--chunk-size", str(opts.chunk_size)]
+                    child = self._child(node, "node", [*args, *opts.extra_gateway_args])
+                else:
+                    child = self._child(f"{node}-storage", "storage", storage_args)
+                self._spawn(child)
+                storages.append(child)
             self._wait_ready(storages)
+            if opts.colocated:
+                return
             gateways = []
             for i, storage in enumerate(storages):
                 gateway = self._child(
@@ -180,9 +186,16 @@ class Fleet:
             raise
 
     def endpoint(self, name: str, kind: str = "grpc") -> str:
-        """Bound endpoint of a child ('coordinator', 'node-0-storage', 'node-0-gateway')."""
+        """Bound endpoint of a child ('coordinator', 'node-0-storage', 'node-0-gateway').
+
+        In a colocated fleet 'node-0-storage' and 'node-0-gateway' both name
+        the 'node-0' process, which serves both services.
+        """
+        names = {name}
+        if self.options.colocated and name.endswith(("-storage", "-gateway")):
+            names.add(name.rsplit("-", 1)[0])
         for child in self.children:
-            if child.name == name:
+            if child.name in names:
                 return str(child.endpoints[kind])
         raise KeyError(name)
 
@@ -240,6 +253,12 @@ def add_up_command(sub: Any) -> None:
     p.add_argument("--l1-size", default="1GiB", help="L1 memory per node (default: 1GiB)")
     p.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default: 256)")
     p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="run each node's storage and gateway in one process (kvmesh node): one gRPC hop "
+        "less per engine request",
+    )
+    p.add_argument(
         "--verbose", action="store_true", help="show the services' logs here instead of in files"
     )
     p.set_defaults(handler=run_up)
@@ -256,6 +275,7 @@ def run_up(args: argparse.Namespace) -> int:
         l1_size_bytes=parse_size(args.l1_size),
         chunk_size=args.chunk_size,
         verbose=args.verbose,
+        colocated=args.colocated,
     )
     stop = threading.Event()
 

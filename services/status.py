@@ -16,9 +16,9 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
+
 from kvmesh.common.v1 import common_pb2
 from kvmesh.coordinator.v1 import admin_pb2, directory_pb2, membership_pb2, policy_pb2
-
 from services.common.client import create_channel
 from services.coordinator.client import AdminClient, DirectoryClient, MembershipClient, PolicyClient
 

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -62,10 +62,8 @@ class ServerThread:
     def close(self) -> None:
         """Stop every server and the loop."""
         for server in list(reversed(self.servers)):
-            try:
+            with suppress(Exception):
                 self.stop(server)
-            except Exception:  # noqa: BLE001 - best effort at teardown
-                pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         self.loop.close()
@@ -97,9 +95,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def kvmesh_cli(*args: str, timeout: float = 60.0, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+def kvmesh_cli(
+    *args: str, timeout: float = 60.0, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
     """Run ``kvmesh ARGS`` in a subprocess with this interpreter; returns the completed process."""
-    return subprocess.run(  # noqa: S603 - our own CLI
+    return subprocess.run(
         [sys.executable, "-m", "services.cli", *args],
         capture_output=True,
         text=True,
@@ -112,7 +112,7 @@ def kvmesh_cli(*args: str, timeout: float = 60.0, **kwargs: Any) -> subprocess.C
 
 def spawn_cli(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
     """Start ``kvmesh ARGS`` in the background."""
-    return subprocess.Popen(  # noqa: S603 - our own CLI
+    return subprocess.Popen(
         [sys.executable, "-m", "services.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

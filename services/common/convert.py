@@ -13,20 +13,24 @@ ingest servicer (proto → core), so both ends agree on every field:
   and 11 bytes shorter than a varint ``-1``);
 * ``token_ids`` come back as tuples, keys as :class:`ObjectKey`.
 
-These functions convert; they do not validate. A converted batch still goes
-through :func:`services.common.events.validate_batch` (the coordinator) or was
-checked when it was recorded (the emitter).
+These functions convert; they do not validate, except
+:func:`validated_batch_from_proto`, which is :func:`batch_from_proto` followed
+by :func:`services.common.events.validate_batch` in one pass (the
+coordinator's ingest). A batch converted otherwise still goes through
+``validate_batch`` or was checked when it was recorded (the emitter).
 
-:func:`batch_from_proto` is on the coordinator's ingest hot path (the target
-is well over 200k entries/s), so it builds the NamedTuples with
-``tuple.__new__`` and reads each proto field exactly once.
+The proto → core direction is on the coordinator's ingest hot path (the
+target is well over 200k entries/s), so it builds the NamedTuples with
+``tuple.__new__``, reads each proto field exactly once, and validates each
+distinct model name and salt of a batch once rather than per entry.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvmesh.common.v1 import common_pb2
 from kvmesh.events.v1 import events_pb2
-
 from services.common.errors import InvalidArgument
 from services.common.events import (
     UNKNOWN_TOKEN_OFFSET,
@@ -34,8 +38,14 @@ from services.common.events import (
     CacheEventEntry,
     EventType,
     Tier,
+    validate_batch,
 )
-from services.common.keys import ObjectKey
+from services.common.keys import (
+    CHUNK_HASH_BYTES,
+    ObjectKey,
+    validate_cache_salt,
+    validate_model_name,
+)
 
 __all__ = [
     "batch_from_proto",
@@ -44,12 +54,14 @@ __all__ = [
     "key_from_proto",
     "key_to_proto",
     "tier_from_proto",
+    "validated_batch_from_proto",
 ]
 
 # Lookup tables instead of ``EventType(value)``: a dict hit is cheaper than the
 # enum constructor and an unknown value is a plain miss, not an exception.
 _EVENT_TYPES: dict[int, EventType] = {int(t): t for t in EventType}
 _TIERS: dict[int, Tier] = {int(t): t for t in Tier}
+_INF = float("inf")
 
 
 def key_to_proto(key: ObjectKey) -> common_pb2.ObjectKey:
@@ -131,41 +143,63 @@ def batch_to_proto(batch: CacheEventBatch) -> events_pb2.CacheEventBatch:
     return msg
 
 
-def batch_from_proto(msg: events_pb2.CacheEventBatch, field: str = "batch") -> CacheEventBatch:
-    """The core form of a wire batch; ``field`` prefixes the names in errors.
+def _entries_from_proto(
+    wire_entries: Iterable[events_pb2.CacheEventEntry],
+) -> tuple[tuple[CacheEventEntry, ...], bool]:
+    """The core form of a batch's entries, and whether they passed the quick entry checks.
 
-    Raises InvalidArgument only for an ``event_type`` or ``tier`` the core has
-    no member for; every other invariant is :func:`validate_batch`'s job.
+    The quick checks are exactly the per-entry conditions of
+    :func:`validate_batch` that a wire entry can break (a uint32 ``kv_rank``
+    or ``object_group_id`` is always in range): a 32-byte hash, a valid
+    model name and salt, ``size_bytes >= 0`` and ``token_offset >= -1``.
+    They cost a few comparisons per entry because the model name and salt,
+    which repeat across a batch, are validated once per distinct value.
     """
-    # Members are IntEnums >= 1, so a miss (None) is the only falsy lookup.
-    event_type = _EVENT_TYPES.get(msg.event_type) or event_type_from_proto(
-        msg.event_type, f"{field}.event_type"
-    )
-    tier = _TIERS.get(msg.tier) or tier_from_proto(msg.tier, f"{field}.tier")
     # Hot loop: tuple.__new__ skips the NamedTuples' Python-level __new__
-    # (a frame per key and per entry); locals avoid global lookups.
+    # (a frame per key and per entry); locals avoid global lookups; each proto
+    # field is read exactly once.
     new = tuple.__new__
     key_cls = ObjectKey
     entry_cls = CacheEventEntry
     unknown = UNKNOWN_TOKEN_OFFSET
+    hash_len = CHUNK_HASH_BYTES
+    good_model: str | None = None
+    good_salt: str | None = None
+    clean = True
     entries: list[CacheEventEntry] = []
     append = entries.append
-    for wire in msg.entries:
+    for wire in wire_entries:
         k = wire.key
+        chunk_hash = k.chunk_hash
+        model = k.model_name
+        salt = k.cache_salt
+        size = wire.size_bytes
         tokens = wire.token_ids
         offset = wire.token_offset
         # Absent reads as 0, so presence only needs checking for a 0.
         if not offset and not wire.HasField("token_offset"):
             offset = unknown
+        if clean:
+            if model != good_model:
+                try:
+                    validate_model_name(model)
+                    good_model = model
+                except InvalidArgument:
+                    clean = False
+            if salt != good_salt:
+                try:
+                    validate_cache_salt(salt)
+                    good_salt = salt
+                except InvalidArgument:
+                    clean = False
+            if len(chunk_hash) != hash_len or size < 0 or offset < unknown:
+                clean = False
         append(
             new(
                 entry_cls,
                 (
-                    new(
-                        key_cls,
-                        (k.chunk_hash, k.model_name, k.kv_rank, k.object_group_id, k.cache_salt),
-                    ),
-                    wire.size_bytes,
+                    new(key_cls, (chunk_hash, model, k.kv_rank, k.object_group_id, salt)),
+                    size,
                     # Slicing copies the repeated field in one call; tuple() over
                     # the container itself iterates it element by element.
                     tuple(tokens[:]) if tokens else (),
@@ -173,16 +207,69 @@ def batch_from_proto(msg: events_pb2.CacheEventBatch, field: str = "batch") -> C
                 ),
             )
         )
-    return CacheEventBatch(
+    return tuple(entries), clean
+
+
+def _convert(msg: events_pb2.CacheEventBatch, field: str) -> tuple[CacheEventBatch, bool]:
+    """The core form of a wire batch and whether its entries passed the quick checks."""
+    # Members are IntEnums >= 1, so a miss (None) is the only falsy lookup.
+    event_type = _EVENT_TYPES.get(msg.event_type) or event_type_from_proto(
+        msg.event_type, f"{field}.event_type"
+    )
+    tier = _TIERS.get(msg.tier) or tier_from_proto(msg.tier, f"{field}.tier")
+    entries, clean = _entries_from_proto(msg.entries)
+    batch = CacheEventBatch(
         instance_id=msg.instance_id,
         incarnation=msg.incarnation,
         seq=msg.seq,
         event_type=event_type,
         tier=tier,
         backend=msg.backend,
-        entries=tuple(entries),
+        entries=entries,
         shared=msg.shared,
         ts=msg.ts,
         capacity_bytes=msg.capacity_bytes,
         capacity_revision=msg.capacity_revision,
     )
+    return batch, clean
+
+
+def batch_from_proto(msg: events_pb2.CacheEventBatch, field: str = "batch") -> CacheEventBatch:
+    """The core form of a wire batch; ``field`` prefixes the names in errors.
+
+    Raises InvalidArgument only for an ``event_type`` or ``tier`` the core has
+    no member for; every other invariant is :func:`validate_batch`'s job (or
+    use :func:`validated_batch_from_proto`, which does both in one pass).
+    """
+    return _convert(msg, field)[0]
+
+
+def validated_batch_from_proto(
+    msg: events_pb2.CacheEventBatch, field: str = "batch"
+) -> CacheEventBatch:
+    """:func:`batch_from_proto` then :func:`validate_batch`, fused for the ingest hot path.
+
+    Raises exactly what that pair raises, for the same batch: the checks run
+    in one pass over the entries (each distinct model name and salt is
+    validated once), and only when one of them fails does
+    :func:`validate_batch` run to name the first violated invariant.
+    """
+    batch, clean = _convert(msg, field)
+    ts = batch.ts
+    if (
+        clean
+        and batch.instance_id
+        and batch.incarnation >= 0
+        and batch.seq >= 1
+        and (batch.backend or batch.event_type is EventType.ACCESS)
+        and not (batch.event_type is EventType.CONFIG and batch.entries)
+        and batch.capacity_bytes >= 0
+        and batch.capacity_revision >= 0
+        and ts >= 0.0
+        and ts != _INF
+    ):
+        return batch
+    validate_batch(batch, field)
+    # The quick checks mirror validate_batch's, so this is unreachable; should
+    # they ever disagree, the canonical validator's verdict (valid) stands.
+    return batch

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+from prometheus_client.registry import Collector
+
 from kvmesh.coordinator.v1 import (
     admin_pb2_grpc,
     directory_pb2_grpc,
@@ -15,8 +17,6 @@ from kvmesh.coordinator.v1 import (
     membership_pb2_grpc,
     policy_pb2_grpc,
 )
-from prometheus_client.registry import Collector
-
 from services.common.events import Tier
 from services.common.metrics import Series, StatsCollector
 from services.common.server import ServiceBinding

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import grpc
+
 from kvmesh.coordinator.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -22,7 +23,6 @@ from kvmesh.coordinator.v1 import (
     policy_pb2,
     policy_pb2_grpc,
 )
-
 from services.common.client import CallPolicy, SyncClient
 
 

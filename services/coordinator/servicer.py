@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 from google.protobuf import timestamp_pb2
+
 from kvmesh.common.v1 import common_pb2
 from kvmesh.coordinator.v1 import (
     admin_pb2,
@@ -36,8 +37,7 @@ from kvmesh.coordinator.v1 import (
     policy_pb2_grpc,
 )
 from kvmesh.events.v1 import events_pb2
-
-from services.common.convert import batch_from_proto, key_from_proto, key_to_proto
+from services.common.convert import key_from_proto, key_to_proto, validated_batch_from_proto
 from services.common.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -45,8 +45,13 @@ from services.common.errors import (
     KvmeshError,
     Unavailable,
 )
-from services.common.events import IngestResult, Tier, validate_batch
-from services.common.keys import ObjectKey, validate_cache_salt, validate_object_key
+from services.common.events import IngestResult, Tier
+from services.common.keys import (
+    ObjectKey,
+    validate_cache_salt,
+    validate_model_name,
+    validate_object_key,
+)
 from services.coordinator.core.coordinator import Coordinator
 from services.coordinator.core.types import (
     Endpoints,
@@ -147,6 +152,9 @@ def token_query(query: directory_pb2.TokenQuery, field: str = "tokens") -> Token
     """Validate a TokenQuery (model required, at most 1 000 000 tokens)."""
     if not query.model_name:
         raise InvalidArgument("a token query needs model_name", field=f"{field}.model_name")
+    # Checked here too (the core checks again) so the error names the request's field.
+    validate_model_name(query.model_name, field=f"{field}.model_name")
+    validate_cache_salt(query.cache_salt, field=f"{field}.cache_salt")
     if len(query.token_ids) > MAX_TOKENS:
         raise InvalidArgument(
             f"at most {MAX_TOKENS} tokens per query, got {len(query.token_ids)}",
@@ -164,6 +172,20 @@ def token_query(query: directory_pb2.TokenQuery, field: str = "tokens") -> Token
 
 
 # ----------------------------------------------------------------------------- streams
+
+
+class _StreamReplaced(KvmeshError):
+    """A newer stream of the same instance took over; the contract cancels the old one."""
+
+    code = "CANCELLED"
+    default_reason = "STREAM_REPLACED"
+
+
+class _StreamFailed(KvmeshError):
+    """The reader hit an unexpected error: the stream ends with INTERNAL, never silently OK."""
+
+    code = "INTERNAL"
+    default_reason = "INTERNAL"
 
 
 class _Failure:
@@ -280,9 +302,7 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
         self.streams = streams
 
     def _ingest(self, msg: events_pb2.CacheEventBatch, field: str) -> IngestResult:
-        batch = batch_from_proto(msg, field)
-        validate_batch(batch, field)
-        return self.core.ingest_validated(batch)
+        return self.core.ingest_validated(validated_batch_from_proto(msg, field))
 
     async def StreamEvents(
         self, request_iterator: AsyncIterator[ingest_pb2.StreamEventsRequest], context: Any
@@ -301,7 +321,11 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
         replaced = self.streams.open(stream)
         if replaced is not None:
             logger.info("a new event stream of %s replaces the old one", instance_id)
-            replaced.loop.call_soon_threadsafe(replaced.outbox.put_nowait, None)
+            # Acks queued before this still go out; then the old call ends CANCELLED.
+            ended = _Failure(
+                _StreamReplaced(f"a newer event stream of {instance_id} replaced this one")
+            )
+            replaced.loop.call_soon_threadsafe(replaced.outbox.put_nowait, ended)
         if instance_id not in self.core.cursors():
             # The coordinator does not know this emitter (a cold start, or a
             # node it dropped): ask for everything the node holds again.
@@ -353,17 +377,22 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
                     raise InvalidArgument("a stream is opened only once", field="open")
         except KvmeshError as exc:
             put(_Failure(exc))
+        except Exception:
+            # Without this the task would die quietly and the call end with OK,
+            # leaving the node to guess why its batch was never acked.
+            logger.exception("event stream of %s failed", stream.instance_id)
+            put(
+                _Failure(_StreamFailed(f"event stream of {stream.instance_id} failed; see the log"))
+            )
         finally:
             put(None)
 
     async def IngestBatches(
         self, request: ingest_pb2.IngestBatchesRequest, context: Any
     ) -> ingest_pb2.IngestBatchesResponse:
-        batches = []
-        for i, msg in enumerate(request.batches):
-            batch = batch_from_proto(msg, f"batches[{i}]")
-            validate_batch(batch, f"batches[{i}]")
-            batches.append(batch)
+        # Every batch is validated before any is ingested: one bad batch rejects the request.
+        check = validated_batch_from_proto
+        batches = [check(msg, f"batches[{i}]") for i, msg in enumerate(request.batches)]
         results = [self.core.ingest_validated(b) for b in batches]
         return ingest_pb2.IngestBatchesResponse(
             results=[_ACK[r] for r in results],

@@ -8,13 +8,13 @@ import logging
 from collections.abc import Sequence
 
 import grpc
-from kvmesh.gateway.v1 import gateway_pb2_grpc
 from prometheus_client.registry import Collector
 
+from kvmesh.gateway.v1 import gateway_pb2_grpc
 from services.common.metrics import Series, StatsCollector
 from services.common.server import ServiceBinding
-from services.gateway.config import GatewayConfig
-from services.gateway.core import Gateway
+from services.gateway.config import GatewayConfig, GatewaySettings
+from services.gateway.core import Gateway, NodeStorage
 from services.gateway.link import GrpcNodeStorage
 from services.gateway.servicer import GatewayServicer
 from services.storage.client import StorageClient
@@ -95,13 +95,19 @@ class GatewayApp:
 
     name = "gateway"
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewaySettings, storage: NodeStorage | None = None) -> None:
+        """A gateway over ``storage``, or, by default, over gRPC to ``config.storage_target``."""
         self.config = config
-        self.storage_client = StorageClient(
-            config.storage_target, max_message_bytes=config.max_message_bytes
-        )
+        self.storage_client: StorageClient | None = None
+        if storage is None:
+            if not isinstance(config, GatewayConfig):
+                raise TypeError("a gateway without a storage link needs a GatewayConfig")
+            self.storage_client = StorageClient(
+                config.storage_target, max_message_bytes=config.max_message_bytes
+            )
+            storage = GrpcNodeStorage(self.storage_client)
         self.core = Gateway(
-            GrpcNodeStorage(self.storage_client),
+            storage,
             chunk_size=config.chunk_size,
             session_ttl_s=config.session_ttl_seconds,
             max_tokens=config.max_tokens,
@@ -138,4 +144,6 @@ class GatewayApp:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
-        await self.storage_client.close()
+        await self.core.close()
+        if self.storage_client is not None:
+            await self.storage_client.close()

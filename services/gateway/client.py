@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-
 from services.common.client import CallPolicy, SyncClient
 
 

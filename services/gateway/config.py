@@ -11,13 +11,9 @@ DEFAULT_PORT = 8302
 
 
 @dataclass(frozen=True, kw_only=True)
-class GatewayConfig(ServerSettings):
-    """What the gateway needs: where its storage node is, and request limits."""
+class GatewaySettings:
+    """Request semantics of a gateway, wherever it runs (alone, or inside ``kvmesh node``)."""
 
-    port: int = setting(DEFAULT_PORT, "gRPC port of the engine-facing API (0 picks a free one)")
-    storage_target: str = setting(
-        "127.0.0.1:8301", "address of this node's storage service (host:port or unix:path)"
-    )
     chunk_size: int = setting(256, "tokens per chunk; engines' block sizes must divide it")
     session_ttl_seconds: float = setting(
         600.0, "a request's session (and its lookup locks) expires after this much idleness"
@@ -29,9 +25,8 @@ class GatewayConfig(ServerSettings):
         "an engine that pinged once and then went silent this long is unregistered (0 = never)",
     )
 
-    def validate(self) -> None:
+    def validate_gateway(self) -> None:
         """Raise ConfigError on unusable settings."""
-        self.validate_server()
         if self.chunk_size < 1:
             raise ConfigError("chunk_size must be >= 1")
         if self.session_ttl_seconds <= 0:
@@ -42,5 +37,20 @@ class GatewayConfig(ServerSettings):
             raise ConfigError("max_wait_ms must be >= 0")
         if self.engine_reap_seconds < 0:
             raise ConfigError("engine_reap_seconds must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig(ServerSettings, GatewaySettings):
+    """A stand-alone gateway: where its storage node is, and request limits."""
+
+    port: int = setting(DEFAULT_PORT, "gRPC port of the engine-facing API (0 picks a free one)")
+    storage_target: str = setting(
+        "127.0.0.1:8301", "address of this node's storage service (host:port or unix:path)"
+    )
+
+    def validate(self) -> None:
+        """Raise ConfigError on unusable settings."""
+        self.validate_server()
+        self.validate_gateway()
         if not self.storage_target:
             raise ConfigError("storage_target must not be empty")

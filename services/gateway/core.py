@@ -1111,6 +1111,15 @@ class Gateway:
                     except Exception:
                         logger.exception("unregistering silent engine %s failed", engine_id)
 
+    async def close(self, timeout: float = 5.0) -> None:
+        """Let background lock releases finish (bounded), then cancel what is left."""
+        pending = set(self._tasks)
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=timeout)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+
     def stats(self) -> dict[str, object]:
         """Counters and gauges for metrics and status."""
         data: dict[str, object] = dict(vars(self.counters))

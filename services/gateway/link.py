@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
+
 from kvmesh.common.v1 import common_pb2
 from kvmesh.storage.v1 import storage_pb2
-
 from services.gateway.core import (
     KeyGridSpec,
     KeyRow,

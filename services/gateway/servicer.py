@@ -6,10 +6,10 @@ from typing import Any
 
 import numpy as np
 from google.protobuf import message as _message
+
 from kvmesh.common.v1 import common_pb2
 from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.storage.v1 import storage_pb2
-
 from services.common.errors import InvalidArgument
 from services.gateway.core import EngineSpec, Gateway, PrefetchStatus, PromptRangeSpec
 

@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-from kvmesh.storage.v1 import storage_pb2, storage_pb2_grpc
 from prometheus_client.registry import Collector
 
+from kernels import native
+from kvmesh.storage.v1 import storage_pb2, storage_pb2_grpc
 from services.common.errors import Unavailable
 from services.common.events import CacheEventEntry, EventType, Tier
 from services.common.keys import ObjectKey
@@ -289,7 +290,9 @@ class StorageApp:
             )
         ]
 
-    def on_bound(self, storage_address: str, metrics_address: str) -> None:
+    def on_bound(
+        self, storage_address: str, metrics_address: str, gateway_address: str = ""
+    ) -> None:
         """Called once the server is bound: start talking to the coordinator."""
         if not self.config.coordinator_target or self.registrar is not None:
             return
@@ -299,6 +302,7 @@ class StorageApp:
             self.config.coordinator_target,
             incarnation=self.incarnation,
             storage_address=storage_address,
+            gateway_address=gateway_address,
             metrics_address=metrics_address,
         )
         self.registrar = Registrar(
@@ -313,6 +317,10 @@ class StorageApp:
         self.manager.publish_capacity()
 
     async def start(self) -> None:
+        # Build or load the native copy kernel now, off the request path (the first
+        # store would otherwise fall back to the slower NumPy copy while it compiles).
+        library = await asyncio.to_thread(native.load, 60.0)
+        logger.info("copy kernel: %s", native.status() if library else "numpy fallback")
         if self.emitter is not None:
             self.emitter.start()
         if self.registrar is not None:

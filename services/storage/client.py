@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvmesh.storage.v1 import storage_pb2, storage_pb2_grpc
-
 from services.common.client import AsyncClient, CallPolicy
 
 

@@ -41,9 +41,9 @@ from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from kvmesh.coordinator.v1 import ingest_pb2, membership_pb2
 from kvmesh.events.v1 import events_pb2
-
 from services.common.convert import batch_to_proto, key_from_proto, tier_from_proto
 from services.common.errors import (
     Aborted,

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from kvmesh.common.v1 import common_pb2
 from kvmesh.storage.v1 import storage_pb2, storage_pb2_grpc
-
 from services.common.convert import key_from_proto, key_to_proto
 from services.common.errors import InvalidArgument
 from services.common.events import Tier

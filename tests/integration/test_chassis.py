@@ -77,8 +77,14 @@ def test_metrics_endpoint_counts_rpcs_by_method_and_code(gateway) -> None:  # ty
     finally:
         client.close()
     assert server.metrics is not None
-    body = urllib.request.urlopen(f"http://{server.metrics.address}/metrics", timeout=5).read().decode()
-    assert 'kvmesh_rpc_requests_total{code="OK",method="GetChunkSize",service="gateway"} 1.0' in body
+    body = (
+        urllib.request.urlopen(f"http://{server.metrics.address}/metrics", timeout=5)
+        .read()
+        .decode()
+    )
+    assert (
+        'kvmesh_rpc_requests_total{code="OK",method="GetChunkSize",service="gateway"} 1.0' in body
+    )
     assert (
         'kvmesh_rpc_errors_total{code="INVALID_ARGUMENT",method="Lookup",service="gateway"} 1.0'
         in body
@@ -101,7 +107,8 @@ def test_invalid_argument_carries_error_info_naming_the_field(gateway) -> None: 
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "cache_salt" in err.value.details()
     info = error_info(err.value)
-    assert info is not None and info.metadata["field"] == "cache_salt"
+    assert info is not None
+    assert info.metadata["field"] == "cache_salt"
     assert info.domain == "kvmesh.dev"
 
 
@@ -168,9 +175,7 @@ def test_reflection_lists_the_services_for_grpcurl(gateway) -> None:  # type: ig
 
 def test_sigterm_stops_a_service_process_cleanly(tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
-    proc = spawn_cli(
-        "gateway", "--port", "0", "--metrics-port", "0", "--ready-file", str(ready)
-    )
+    proc = spawn_cli("gateway", "--port", "0", "--metrics-port", "0", "--ready-file", str(ready))
     try:
         wait_for(ready.exists, timeout=30)
         endpoints = json.loads(ready.read_text())
@@ -235,7 +240,10 @@ def test_unreadable_yaml_and_unknown_keys_are_one_line_errors(tmp_path: Path) ->
     broken.write_text("gateway: [unclosed\n")
     unknown = tmp_path / "unknown.yaml"
     unknown.write_text("gateway:\n  no_such_setting: 1\n")
-    for path, expected in ((broken, "not valid YAML"), (unknown, "unknown setting(s) no_such_setting")):
+    for path, expected in (
+        (broken, "not valid YAML"),
+        (unknown, "unknown setting(s) no_such_setting"),
+    ):
         result = kvmesh_cli("gateway", "--config", str(path))
         assert result.returncode == 2
         assert expected in result.stderr.strip().splitlines()[-1]
@@ -246,7 +254,9 @@ def test_flags_beat_environment_beat_yaml(tmp_path: Path) -> None:
     from services.common.config import resolve
 
     yaml_file = tmp_path / "c.yaml"
-    yaml_file.write_text("gateway:\n  chunk_size: 64\n  session_ttl_seconds: 5\n  max_tokens: 4096\n")
+    yaml_file.write_text(
+        "gateway:\n  chunk_size: 64\n  session_ttl_seconds: 5\n  max_tokens: 4096\n"
+    )
     env = {"KVMESH_GATEWAY_SESSION_TTL_SECONDS": "7", "KVMESH_GATEWAY_MAX_TOKENS": "8192"}
     config = resolve(
         GatewayConfig, "gateway", flags={"max_tokens": "16384"}, environ=env, yaml_path=yaml_file

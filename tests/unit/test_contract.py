@@ -22,7 +22,7 @@ from tests.harness import REPO_ROOT
 
 GEN = REPO_ROOT / "scripts" / "gen_protos.py"
 
-# service full name -> (proto file, module of the _pb2, servicer "module:Class", client "module:Class")
+# service name -> (proto file, _pb2 module, servicer "module:Class", client "module:Class")
 SERVICES = {
     "kvmesh.gateway.v1.GatewayService": (
         "kvmesh/gateway/v1/gateway.proto",
@@ -136,7 +136,9 @@ def test_every_rpc_has_a_servicer_method(service: str) -> None:
         impl = getattr(servicer, method.name, None)
         assert impl is not None, f"{servicer.__name__} lacks {method.name}"
         # Implemented here, not inherited from the generated base (which answers UNIMPLEMENTED).
-        assert method.name in vars(servicer), f"{servicer.__name__}.{method.name} is not implemented"
+        assert method.name in vars(servicer), (
+            f"{servicer.__name__}.{method.name} is not implemented"
+        )
 
 
 @pytest.mark.parametrize("service", sorted(SERVICES))
@@ -171,8 +173,7 @@ def test_no_rpc_carries_opaque_encoded_bytes() -> None:
         "producer_event_handle",
         "completion_event_handle",
     }
-    for service in SERVICES:
-        _, module, _, _ = SERVICES[service]
+    for _, module, _, _ in SERVICES.values():
         pb2 = importlib.import_module(module)
         for message in pb2.DESCRIPTOR.message_types_by_name.values():
             for field in message.fields:

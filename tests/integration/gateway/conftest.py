@@ -20,6 +20,7 @@ import pytest
 from services.gateway.app import GatewayApp
 from services.gateway.client import GatewayClient
 from services.gateway.config import GatewayConfig
+from services.node_app import NodeApp, NodeConfig
 from services.storage.app import StorageApp
 from services.storage.config import StorageConfig
 from tests.harness import ServerThread, server_thread
@@ -59,12 +60,21 @@ def thread() -> Iterator[ServerThread]:
 StackFactory = Callable[..., Stack]
 
 
+@pytest.fixture(params=["separate", "node"])
+def arrangement(request: pytest.FixtureRequest) -> str:
+    """Gateway and storage as two servers (gRPC link), or one ``kvmesh node`` (in-process link)."""
+    return str(request.param)
+
+
 @pytest.fixture
-def make_stack(thread: ServerThread, shm_dirs: ShmDirs, tmp_path: Path) -> Iterator[StackFactory]:
+def make_stack(
+    thread: ServerThread, shm_dirs: ShmDirs, tmp_path: Path, arrangement: str
+) -> Iterator[StackFactory]:
     """Start nodes: ``make_stack(storage={"l2": ["disk"]}, gateway={"session_ttl_seconds": 1})``.
 
     ``storage_target`` in the gateway overrides points a gateway at another
-    (or no) storage server; ``node=`` reuses a running storage node.
+    (or no) storage server; ``node=`` reuses a running storage node. Under the
+    ``node`` arrangement a fresh stack is one NodeApp serving both services.
     """
     stacks: list[Stack] = []
 
@@ -74,6 +84,9 @@ def make_stack(thread: ServerThread, shm_dirs: ShmDirs, tmp_path: Path) -> Itera
         gateway: dict[str, Any] | None = None,
         node: Node | None = None,
     ) -> Stack:
+        colocated = (
+            arrangement == "node" and node is None and "storage_target" not in (gateway or {})
+        )
         if node is None:
             settings: dict[str, Any] = {
                 "port": 0,
@@ -88,6 +101,12 @@ def make_stack(thread: ServerThread, shm_dirs: ShmDirs, tmp_path: Path) -> Itera
                 "l2": ["none"],
             }
             settings.update(storage or {})
+            if colocated:
+                merged = {**settings, "chunk_size": CHUNK, **(gateway or {})}
+                server = thread.start(NodeConfig(**merged), NodeApp)
+                stack = Stack(Node(thread, server), server, GatewayClient(server.target))
+                stacks.append(stack)
+                return stack
             node = Node(thread, thread.start(StorageConfig(**settings), StorageApp))
         gw_settings: dict[str, Any] = {
             "port": 0,

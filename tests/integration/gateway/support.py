@@ -26,15 +26,16 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+
 from kvmesh.common.v1 import common_pb2
 from kvmesh.gateway.v1 import gateway_pb2
 from kvmesh.storage.v1 import storage_pb2
-
 from services.common.hashing import TokenHasher
 from services.common.keys import worker_kv_rank
 from services.common.server import Server
 from services.gateway.app import GatewayApp
 from services.gateway.client import GatewayClient
+from services.node_app import NodeApp
 from tests.integration.storage.support import (
     BLOCK_SIZE,
     HEAD_DIM,
@@ -137,6 +138,8 @@ class Stack:
     def app(self) -> GatewayApp:
         """The gateway app (read-only peeks at sessions and counters)."""
         app = self.gateway.app
+        if isinstance(app, NodeApp):
+            return app.gateway
         assert isinstance(app, GatewayApp)
         return app
 

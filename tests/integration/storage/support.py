@@ -26,10 +26,11 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 import pytest
+
 from kvmesh.common.v1 import common_pb2
 from kvmesh.storage.v1 import storage_pb2
-
 from services.common.server import Server
+from services.node_app import NodeApp
 from services.storage.app import StorageApp
 from services.storage.client import StorageClient
 from tests.harness import ServerThread
@@ -181,6 +182,8 @@ class Node:
     def app(self) -> StorageApp:
         """The app behind the server (for waits on background work only)."""
         app = self.server.app
+        if isinstance(app, NodeApp):  # a kvmesh node: storage and gateway in one process
+            return app.storage
         assert isinstance(app, StorageApp)
         return app
 

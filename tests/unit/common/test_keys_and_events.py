@@ -108,12 +108,18 @@ def test_a_valid_batch_passes() -> None:
         ({"ts": -1.0}, "batch.ts"),
         ({"ts": float("nan")}, "batch.ts"),
         ({"event_type": 0}, "batch.event_type"),
-        ({"entries": (CacheEventEntry(ObjectKey(HASH, "m", 1), -1),)}, "batch.entries[0].size_bytes"),
+        (
+            {"entries": (CacheEventEntry(ObjectKey(HASH, "m", 1), -1),)},
+            "batch.entries[0].size_bytes",
+        ),
         (
             {"entries": (CacheEventEntry(ObjectKey(HASH, "m", 1), 1, (), -2),)},
             "batch.entries[0].token_offset",
         ),
-        ({"entries": (CacheEventEntry(ObjectKey(b"x", "m", 1)),)}, "batch.entries[0].key.chunk_hash"),
+        (
+            {"entries": (CacheEventEntry(ObjectKey(b"x", "m", 1)),)},
+            "batch.entries[0].key.chunk_hash",
+        ),
     ],
 )
 def test_each_batch_invariant_is_enforced(changes: dict[str, object], field: str) -> None:

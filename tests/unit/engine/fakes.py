@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 import torch
+
 from kvmesh.gateway.v1 import gateway_pb2
 
 

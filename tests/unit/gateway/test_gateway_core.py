@@ -21,8 +21,8 @@ from services.gateway.core import (
     Gateway,
     KeyGridSpec,
     KeyRow,
-    PreparedSlots,
     PrefetchState,
+    PreparedSlots,
     SlotRef,
     StoreOutcome,
 )
@@ -232,7 +232,9 @@ def test_hashes_match_the_shared_token_hasher() -> None:
 def test_lookup_without_registered_engine_is_an_immediate_miss() -> None:
     gw, storage, _ = make()
     status, requested = run(gw.lookup("r", MODEL, 1, "", tokens(64), 0, 1, 0))
-    assert status.completed and status.hit_chunks == 0 and requested == 4
+    assert status.completed
+    assert status.hit_chunks == 0
+    assert requested == 4
     assert storage.held() == 0
 
 
@@ -245,7 +247,9 @@ def test_lookup_locks_prefix_and_end_session_releases_every_lock() -> None:
     assert (status.completed, status.hit_chunks, status.hit_tokens, requested) == (True, 2, 32, 4)
     assert storage.held() == 2
     existed, released = run(gw.end_session("r"))
-    assert existed and released == 2 and storage.held() == 0
+    assert existed
+    assert released == 2
+    assert storage.held() == 0
     assert len(storage.touched) == 4  # every complete chunk of the lookup, for LRU recency
 
 
@@ -270,7 +274,8 @@ def test_finished_result_can_be_queried_repeatedly() -> None:
     run(gw.lookup("r", MODEL, 1, "", toks, 0, 1, 0))
     first = run(gw.query_prefetch_status("r"))
     second = run(gw.query_prefetch_status("r"))
-    assert first == second and first.hit_chunks == 2
+    assert first == second
+    assert first.hit_chunks == 2
 
 
 def test_l2_prefetch_completes_later_and_query_reports_it() -> None:

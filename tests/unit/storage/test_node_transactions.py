@@ -53,7 +53,9 @@ def test_uncommitted_store_expires_after_the_write_ttl(node: StorageNode, clock:
     assert node.commit_store(txn2) == 2
 
 
-def test_uncommitted_retrieve_expires_after_the_read_ttl(node: StorageNode, clock: FakeClock) -> None:
+def test_uncommitted_retrieve_expires_after_the_read_ttl(
+    node: StorageNode, clock: FakeClock
+) -> None:
     keys = [make_key(3)]
     txn, _, _, _ = node.prepare_store(keys, 4096)
     node.commit_store(txn)

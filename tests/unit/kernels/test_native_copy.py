@@ -1,0 +1,459 @@
+"""The native non-temporal copy kernel: same bytes as the reference, and a safe fallback.
+
+Three groups:
+
+- the ops on the native path (and on the NumPy path it falls back to) against
+  the reference over the grids of ``test_kernels_ops``, plus block-sized rows
+  on several threads with each instruction set;
+- the C function itself on odd sizes, unaligned offsets, runs shorter than a
+  vector and run counts that are not a multiple of the streams it interleaves;
+- the loader: compile into an empty cache, two processes compiling at once,
+  nothing built at import, and the fallbacks (switched off, no compiler, an
+  unsafe cache directory).
+
+A machine with a C compiler must load the kernel: only its absence skips.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kernels.ops
+from kernels import (
+    KVLayoutKind,
+    gather_chunks,
+    native,
+    ref_gather_chunks,
+    ref_scatter_chunks,
+    scatter_chunks,
+    set_copy_threads,
+)
+from tests.unit.kernels.test_kernels_ops import (
+    BLOCK_SIZES,
+    CHUNK_CASES,
+    DTYPES,
+    LAYOUTS,
+    SKIPS,
+    STORAGE,
+    batch,
+    make_cache,
+    random_chunks,
+    restore,
+    skip_tokens,
+    snapshot,
+)
+
+#: Mirrors the loader's choice: $CC, else the first of cc, gcc, clang on PATH.
+HAVE_COMPILER = bool(os.environ.get("CC")) or any(
+    shutil.which(cc) is not None for cc in ("cc", "gcc", "clang")
+)
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+GRID = list(itertools.product(LAYOUTS, DTYPES, BLOCK_SIZES, CHUNK_CASES))
+#: "native": the C kernel at the CPU's best instruction set; "numpy": the fallback.
+BACKENDS = ["native", "numpy"]
+#: Run lengths around the vector widths (16, 32), a line (64), the kernel's
+#: memcpy cut-off (256) and a page; and a 32 KiB block plus a tail.
+RUN_LENGTHS = [1, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 255, 256, 257, 1000, 4097, 32768 + 5]
+RUN_COUNTS = [0, 1, 3, 4, 5, 9]
+
+
+class CountingKernel:
+    """Delegates to the real kernel, forcing one instruction set and counting calls."""
+
+    def __init__(self, kernel: native.NativeCopy, isa: int | None = None) -> None:
+        self.kernel = kernel
+        self.isa = kernel.isa if isa is None else isa
+        self.calls = 0
+
+    def copy_runs_at(self, *args: int, isa: int | None = None) -> int:
+        self.calls += 1
+        return self.kernel.copy_runs_at(*args, isa=self.isa)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> native.NativeCopy:
+    """The loaded kernel; skips only where no C compiler exists."""
+    if not native.enabled():
+        pytest.skip(f"{native.ENV_SWITCH} disables the native kernel")
+    loaded = native.load()
+    if loaded is None:
+        if not HAVE_COMPILER:
+            pytest.skip("no C compiler on this machine: the NumPy path is the only one")
+        pytest.fail(f"native kernel did not load: {native.status()}")
+    return loaded
+
+
+def isas(kernel: native.NativeCopy) -> list[int]:
+    """Every copy path this CPU can run, memcpy included."""
+    return list(range(kernel.isa + 1))
+
+
+@pytest.fixture
+def use_backend(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> CountingKernel | None:
+    """Route the ops to one backend; the native one through a counting wrapper."""
+    backend = request.param
+    if backend == "numpy":
+        monkeypatch.setattr(kernels.ops, "_CPU_BACKEND", "numpy")
+        return None
+    counting = CountingKernel(request.getfixturevalue("kernel"))
+    monkeypatch.setattr(kernels.ops, "_CPU_BACKEND", "native")
+    monkeypatch.setattr(native, "library", lambda: counting)
+    return counting
+
+
+def assert_used(counting: CountingKernel | None) -> None:
+    if counting is not None:
+        assert counting.calls > 0, "the copy did not go through the native kernel"
+
+
+# ---- the ops over the grids -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("storage", STORAGE)
+@pytest.mark.parametrize(("kind", "dtype", "block_size", "chunk_case"), GRID)
+def test_gather_matches_reference(
+    kind: KVLayoutKind,
+    dtype: torch.dtype,
+    block_size: int,
+    chunk_case: tuple[int, int],
+    storage: str,
+    use_backend: CountingKernel | None,
+) -> None:
+    kv = make_cache(kind, dtype, block_size, "cpu", storage)
+    ids, tokens = batch(kv, *chunk_case)
+    before = snapshot(kv)
+    outs = [torch.full(kv.chunk_shape(n), 7.0, dtype=dtype) for n in tokens]
+    expected = [torch.zeros_like(o) for o in outs]
+
+    gather_chunks(kv, ids, outs)
+    ref_gather_chunks(kv, ids, expected)
+
+    assert all(torch.equal(a, b) for a, b in zip(outs, expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(kv.layers, before, strict=True))
+    assert_used(use_backend)
+
+
+@pytest.mark.parametrize("use_backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("storage", STORAGE)
+@pytest.mark.parametrize("skip", SKIPS)
+@pytest.mark.parametrize(("kind", "dtype", "block_size", "chunk_case"), GRID)
+def test_scatter_matches_reference(
+    kind: KVLayoutKind,
+    dtype: torch.dtype,
+    block_size: int,
+    chunk_case: tuple[int, int],
+    skip: str,
+    storage: str,
+    use_backend: CountingKernel | None,
+) -> None:
+    kv = make_cache(kind, dtype, block_size, "cpu", storage)
+    ids, tokens = batch(kv, *chunk_case)
+    srcs = random_chunks(kv, tokens, "cpu")
+    src_copies = [s.clone() for s in srcs]
+    n_skip = skip_tokens(skip, kv, tokens)
+    before = snapshot(kv)
+
+    ref_scatter_chunks(kv, ids, srcs, skip_first_n_tokens=n_skip)
+    expected = snapshot(kv)
+    restore(kv, before)
+    scatter_chunks(kv, ids, srcs, skip_first_n_tokens=n_skip)
+
+    assert all(torch.equal(a, b) for a, b in zip(kv.layers, expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(srcs, src_copies, strict=True))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("storage", STORAGE)
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_block_sized_runs_on_every_instruction_set_and_thread_count(
+    kind: KVLayoutKind,
+    storage: str,
+    threads: int,
+    kernel: native.NativeCopy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """32 KiB block rows, > 1 MiB per chunk (one piece per thread), a skip and a short chunk."""
+    mla = kind is KVLayoutKind.MLA
+    kv = make_cache(
+        kind, torch.bfloat16, 16, "cpu", storage, num_layers=6 if mla else 3,
+        kv_heads=8, head_dim=1024 if mla else 128, num_blocks=20,
+    )  # fmt: skip
+    # 7 full blocks and a chunk ending 5 tokens into a block: row counts that are
+    # not a multiple of the 4 runs the kernel interleaves, and gcd-sized rows.
+    ids, tokens = batch(kv, 7, 5)
+    srcs = random_chunks(kv, tokens, "cpu")
+    monkeypatch.setattr(kernels.ops, "_CPU_BACKEND", "native")
+    set_copy_threads(threads)
+    try:
+        before = snapshot(kv)
+        ref_scatter_chunks(kv, ids, srcs, skip_first_n_tokens=21)
+        expected = snapshot(kv)
+        want = [torch.zeros_like(s) for s in srcs]
+        ref_gather_chunks(kv, ids, want)
+        for isa in isas(kernel):
+            counting = CountingKernel(kernel, isa)
+            monkeypatch.setattr(native, "library", lambda c=counting: c)
+            restore(kv, before)
+            scatter_chunks(kv, ids, srcs, skip_first_n_tokens=21)
+            assert all(torch.equal(a, b) for a, b in zip(kv.layers, expected, strict=True)), isa
+            outs = [torch.zeros_like(s) for s in srcs]
+            gather_chunks(kv, ids, outs)
+            assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True)), isa
+            assert counting.calls >= 2 * threads
+    finally:
+        set_copy_threads(None)
+
+
+@pytest.mark.parametrize("offset_elems", [1, 3, 8, 32])
+def test_chunks_at_unaligned_addresses_copy_correctly(
+    offset_elems: int, kernel: native.NativeCopy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An L1 object may start anywhere: every run then has an unaligned head and tail."""
+    kv = make_cache(KVLayoutKind.FLASH_ATTN, torch.float16, 16, "cpu", "fused", head_dim=64)
+    shape = kv.chunk_shape(40)
+    numel = int(torch.tensor(shape).prod())
+    for isa in isas(kernel):
+        counting = CountingKernel(kernel, isa)
+        monkeypatch.setattr(kernels.ops, "_CPU_BACKEND", "native")
+        monkeypatch.setattr(native, "library", lambda c=counting: c)
+        pool = torch.zeros(numel + 2 * offset_elems, dtype=kv.dtype)
+        out = pool[offset_elems : offset_elems + numel].view(shape)
+        want = torch.zeros(shape, dtype=kv.dtype)
+        gather_chunks(kv, [[3, 8, 5]], [out])
+        ref_gather_chunks(kv, [[3, 8, 5]], [want])
+        assert torch.equal(out, want)
+        assert not pool[:offset_elems].any()
+        assert not pool[offset_elems + numel :].any()
+
+        before = snapshot(kv)
+        ref_scatter_chunks(kv, [[1, 2, 4]], [out])
+        expected = snapshot(kv)
+        restore(kv, before)
+        scatter_chunks(kv, [[1, 2, 4]], [out])
+        assert all(torch.equal(a, b) for a, b in zip(kv.layers, expected, strict=True))
+        assert counting.calls == 2
+
+
+# ---- the C function on its own --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("run_bytes", RUN_LENGTHS)
+def test_copy_runs_handles_odd_lengths_and_unaligned_offsets(
+    run_bytes: int, kernel: native.NativeCopy
+) -> None:
+    rng = np.random.default_rng(run_bytes)
+    for isa, n_runs in itertools.product(isas(kernel), RUN_COUNTS):
+        # Source and destination runs start at every alignment mod 64, in shuffled order.
+        stride = run_bytes + 71
+        src = rng.integers(0, 256, n_runs * stride + 128, dtype=np.uint8)
+        src_off = rng.permutation(n_runs).astype(np.int64) * stride + rng.integers(0, 64, n_runs)
+        dst_off = np.arange(n_runs, dtype=np.int64) * stride + rng.integers(0, 64, n_runs)
+        dst = np.full(n_runs * stride + 128, 0xA5, dtype=np.uint8)
+        want = dst.copy()
+        for s, d in zip(src_off.tolist(), dst_off.tolist(), strict=True):
+            want[d : d + run_bytes] = src[s : s + run_bytes]
+
+        used = kernel.copy_runs(src, dst, src_off, dst_off, run_bytes, isa)
+
+        assert np.array_equal(dst, want), f"isa {isa}, {n_runs} runs"  # and nothing else written
+        assert used == (isa if run_bytes >= 256 else native.ISA_MEMCPY)
+
+
+def test_copy_runs_rejects_runs_outside_the_arrays(kernel: native.NativeCopy) -> None:
+    src = np.zeros(1000, dtype=np.uint8)
+    dst = np.zeros(1000, dtype=np.uint8)
+    one = np.array([0], dtype=np.int64)
+    with pytest.raises(ValueError, match="outside src"):
+        kernel.copy_runs(src, dst, np.array([901], dtype=np.int64), one, 100)
+    with pytest.raises(ValueError, match="outside dst"):
+        kernel.copy_runs(src, dst, one, np.array([-1], dtype=np.int64), 100)
+    with pytest.raises(ValueError, match="one length"):
+        kernel.copy_runs(src, dst, one, np.array([0, 1], dtype=np.int64), 10)
+    with pytest.raises(ValueError, match="run count"):
+        kernel.copy_runs_at(src.ctypes.data, dst.ctypes.data, 0, 0, 0, -1)
+
+
+def test_the_best_instruction_set_is_reported(kernel: native.NativeCopy) -> None:
+    assert kernel.isa_name in native.ISA_NAMES.values()
+    if "avx2" in Path("/proc/cpuinfo").read_text(errors="replace").split():
+        assert kernel.isa == native.ISA_AVX2
+    assert native.status().startswith(f"loaded ({kernel.isa_name})")
+
+
+# ---- the loader and its fallbacks -----------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """A loader that has loaded nothing, building into an empty cache directory."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(native.ENV_CACHE, str(cache))
+    monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    native._reset()
+    yield cache
+    native.load()  # let a background build finish before the state goes away
+    native._reset()
+
+
+needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler on this machine")
+
+
+@needs_compiler
+def test_first_load_compiles_into_the_cache_and_leaves_no_temporary_files(
+    fresh_loader: Path,
+) -> None:
+    loaded = native.load()
+    assert loaded is not None, native.status()
+    files = sorted(p.name for p in fresh_loader.iterdir())
+    assert len(files) == 1
+    assert files[0].startswith("ntcopy-")
+    assert files[0].endswith(".so")
+    assert fresh_loader.stat().st_mode & 0o777 == 0o700
+    # A new process state finds the built library instead of compiling again.
+    native._reset()
+    mtime = (fresh_loader / files[0]).stat().st_mtime_ns
+    assert native.library() is not None
+    assert (fresh_loader / files[0]).stat().st_mtime_ns == mtime
+
+
+@needs_compiler
+def test_a_copy_never_waits_for_the_compiler(fresh_loader: Path) -> None:
+    """The first copy starts the build in the background and copies with NumPy."""
+    kv = make_cache(KVLayoutKind.FLASH_ATTN, torch.float32, 16, "cpu", "fused")
+    out = torch.zeros(kv.chunk_shape(32), dtype=kv.dtype)
+    want = torch.zeros_like(out)
+    assert native.library() is None  # the build has only started
+    gather_chunks(kv, [[1, 2]], [out])
+    ref_gather_chunks(kv, [[1, 2]], [want])
+    assert torch.equal(out, want)
+    assert native.load(timeout=120) is not None, native.status()
+    assert native.library() is native.load()
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_two_processes_compiling_at_once_both_load_one_library(fresh_loader: Path) -> None:
+    code = "from kernels import native; k = native.load(); assert k is not None, native.status()"
+    env = {**os.environ, native.ENV_CACHE: str(fresh_loader)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=env) for _ in range(2)
+    ]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    assert [p.name for p in fresh_loader.iterdir() if not p.name.startswith("ntcopy-")] == []
+    assert len(list(fresh_loader.iterdir())) == 1
+
+
+@pytest.mark.slow
+def test_importing_kernels_builds_nothing(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    code = (
+        "import kernels, kernels.native as n, services.storage.transfer; "
+        "assert n.status() == 'not loaded yet', n.status()"
+    )
+    env = {**os.environ, native.ENV_CACHE: str(cache)}
+    env.pop(native.ENV_SWITCH, None)
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, check=True, timeout=300)
+    assert not cache.exists()
+
+
+@pytest.mark.parametrize("value", ["0", "off", "False"])
+def test_switched_off_the_ops_copy_with_numpy(
+    value: str, fresh_loader: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(native.ENV_SWITCH, value)
+    monkeypatch.setattr(kernels.ops, "_CPU_BACKEND", "native")
+    assert native.library() is None
+    assert native.load() is None
+    assert native.status().startswith("disabled")
+    kv = make_cache(KVLayoutKind.FLASHINFER, torch.bfloat16, 16, "cpu", "per_layer")
+    ids, tokens = batch(kv, 2, 3)
+    outs = [torch.zeros(kv.chunk_shape(n), dtype=kv.dtype) for n in tokens]
+    want = [torch.zeros_like(o) for o in outs]
+    gather_chunks(kv, ids, outs)
+    ref_gather_chunks(kv, ids, want)
+    assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True))
+    srcs = random_chunks(kv, tokens, "cpu")
+    before = snapshot(kv)
+    ref_scatter_chunks(kv, ids, srcs, skip_first_n_tokens=16)
+    expected = snapshot(kv)
+    restore(kv, before)
+    scatter_chunks(kv, ids, srcs, skip_first_n_tokens=16)
+    assert all(torch.equal(a, b) for a, b in zip(kv.layers, expected, strict=True))
+    assert not fresh_loader.exists()  # nothing was built
+
+
+def test_a_failed_build_logs_once_and_the_ops_copy_with_numpy(
+    fresh_loader: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", str(fresh_loader.parent / "no-such-compiler"))
+    monkeypatch.setattr(kernels.ops, "_CPU_BACKEND", "native")
+    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        assert native.load() is None
+        kv = make_cache(KVLayoutKind.MLA, torch.float16, 16, "cpu", "fused")
+        out = torch.zeros(kv.chunk_shape(20), dtype=kv.dtype)
+        want = torch.zeros_like(out)
+        for _ in range(3):
+            gather_chunks(kv, [[4, 6]], [out])
+    ref_gather_chunks(kv, [[4, 6]], [want])
+    assert torch.equal(out, want)
+    assert native.status().startswith("unavailable: cannot run")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "use NumPy" in warnings[0].getMessage()
+
+
+@needs_compiler
+def test_a_compile_error_is_reported_in_one_line(
+    fresh_loader: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(native, "_read_source", lambda: b"this is not C;\n")
+    assert native.load() is None
+    assert "exited with" in native.status()
+    assert "\n" not in native.status()
+    assert [p.name for p in fresh_loader.iterdir()] == []  # temporary files removed
+
+
+@needs_compiler
+def test_a_cache_directory_others_can_write_is_refused(fresh_loader: Path) -> None:
+    fresh_loader.mkdir(mode=0o700)
+    fresh_loader.chmod(0o777)
+    assert native.load() is None
+    assert "writable by group or others" in native.status()
+
+
+@needs_compiler
+def test_the_instruction_set_can_be_capped(
+    fresh_loader: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(native.ENV_SWITCH, "sse2")
+    loaded = native.load()
+    assert loaded is not None, native.status()
+    assert loaded.isa <= native.ISA_SSE2
+    native._reset()
+    monkeypatch.setenv(native.ENV_SWITCH, "avx9000")
+    assert native.load() is None
+    assert "is not one of" in native.status()
+
+
+@needs_compiler
+def test_a_forked_child_does_not_inherit_a_held_lock_or_a_dead_build(fresh_loader: Path) -> None:
+    """What the at-fork hook does in the child, run in place: the loader works again."""
+    native._lock.acquire()  # as if another thread of the parent held it at fork time
+    native._compile_thread = native.threading.Thread(target=lambda: None)  # never started
+    native._after_fork_in_child()
+    assert native.load(timeout=120) is not None, native.status()
