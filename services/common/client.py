@@ -58,9 +58,11 @@ def create_channel(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYT
     """A blocking channel to ``target`` (``host:port`` or ``unix:path``); traced if enabled."""
     channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
     if tracing_enabled():
-        from opentelemetry.instrumentation.grpc import client_interceptor
+        from opentelemetry.instrumentation.grpc import client_interceptor, grpcext
 
-        channel = grpc.intercept_channel(channel, client_interceptor())
+        # The instrumentation's interceptor has its own channel wrapper (it is not a
+        # grpc.*ClientInterceptor, so grpc.intercept_channel refuses it).
+        channel = grpcext.intercept_channel(channel, client_interceptor())
     return channel
 
 

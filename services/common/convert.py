@@ -136,6 +136,7 @@ def batch_to_proto(batch: CacheEventBatch) -> events_pb2.CacheEventBatch:
         ts=batch.ts,
         capacity_bytes=batch.capacity_bytes,
         capacity_revision=batch.capacity_revision,
+        traceparent=batch.traceparent,
     )
     add = msg.entries.add
     for entry in batch.entries:
@@ -230,6 +231,7 @@ def _convert(msg: events_pb2.CacheEventBatch, field: str) -> tuple[CacheEventBat
         ts=msg.ts,
         capacity_bytes=msg.capacity_bytes,
         capacity_revision=msg.capacity_revision,
+        traceparent=msg.traceparent,
     )
     return batch, clean
 

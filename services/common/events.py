@@ -73,6 +73,8 @@ class CacheEventBatch:
     ts: float = 0.0
     capacity_bytes: int = 0
     capacity_revision: int = 0
+    # W3C trace context of the change that opened the batch ("" = not traced).
+    traceparent: str = ""
 
     def ident(self) -> str:
         """``instance/incarnation/seq`` for log lines."""

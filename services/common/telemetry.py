@@ -14,6 +14,7 @@ import sys
 import threading
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,28 @@ def current_trace_id() -> str:
     if not ctx.is_valid:
         return "-"
     return f"{ctx.trace_id:032x}"
+
+
+def current_traceparent() -> str:
+    """W3C ``traceparent`` of the active span, or "" when nothing is traced.
+
+    Cheap when tracing is off (the default span is invalid), so hot paths may
+    call it unconditionally.
+    """
+    ctx = trace.get_current_span().get_span_context()
+    if not ctx.is_valid:
+        return ""
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
+def context_from_traceparent(traceparent: str) -> Context | None:
+    """The OpenTelemetry context a ``traceparent`` names (None when empty or malformed)."""
+    if not traceparent:
+        return None
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    ctx = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
 
 
 def shutdown_tracing() -> None:

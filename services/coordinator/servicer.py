@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 from google.protobuf import timestamp_pb2
+from opentelemetry import trace
 
 from kvmesh.common.v1 import common_pb2
 from kvmesh.coordinator.v1 import (
@@ -52,6 +53,7 @@ from services.common.keys import (
     validate_model_name,
     validate_object_key,
 )
+from services.common.telemetry import context_from_traceparent
 from services.coordinator.core.coordinator import Coordinator
 from services.coordinator.core.types import (
     Endpoints,
@@ -61,6 +63,7 @@ from services.coordinator.core.types import (
 )
 
 logger = logging.getLogger(__name__)
+_tracer = trace.get_tracer("kvmesh.coordinator")
 
 MAX_LOOKUP_KEYS = 100_000
 MAX_TOKENS = 1_000_000
@@ -302,7 +305,26 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
         self.streams = streams
 
     def _ingest(self, msg: events_pb2.CacheEventBatch, field: str) -> IngestResult:
-        return self.core.ingest_validated(validated_batch_from_proto(msg, field))
+        batch = validated_batch_from_proto(msg, field)
+        parent = context_from_traceparent(batch.traceparent) if batch.traceparent else None
+        if parent is None:
+            return self.core.ingest_validated(batch)
+        # The batch carries the trace of the request that made its first change: the
+        # ingest becomes that trace's last span (gateway -> storage -> coordinator).
+        with _tracer.start_as_current_span(
+            "kvmesh.coordinator.IngestBatch",
+            context=parent,
+            kind=trace.SpanKind.CONSUMER,
+            attributes={
+                "kvmesh.instance_id": batch.instance_id,
+                "kvmesh.seq": batch.seq,
+                "kvmesh.event_type": batch.event_type.name,
+                "kvmesh.entries": len(batch.entries),
+            },
+        ) as span:
+            result = self.core.ingest_validated(batch)
+            span.set_attribute("kvmesh.ingest_result", result.name)
+            return result
 
     async def StreamEvents(
         self, request_iterator: AsyncIterator[ingest_pb2.StreamEventsRequest], context: Any

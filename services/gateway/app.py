@@ -77,6 +77,18 @@ _SERIES = [
         "counter",
     ),
     Series(
+        "kvmesh_gateway_prefetch_waits",
+        "Calls that waited for a running prefetch (L2 loads) to finish.",
+        "prefetch_waits",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_prefetch_wait_seconds",
+        "Time engines spent waiting for prefetches.",
+        "prefetch_wait_seconds",
+        "counter",
+    ),
+    Series(
         "kvmesh_gateway_sessions_expired",
         "Sessions expired by idleness.",
         "sessions_expired",

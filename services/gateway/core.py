@@ -322,6 +322,8 @@ class GatewayStats:
     retrieved_chunks: int = 0
     retrieve_missed_chunks: int = 0
     sessions_expired: int = 0
+    prefetch_waits: int = 0
+    prefetch_wait_seconds: float = 0.0
     locks_released: int = 0
     engines_reaped: int = 0
     block_allocations: int = 0
@@ -741,12 +743,17 @@ class Gateway:
         if lookup is None:
             raise NotFound(f"request {session.request_id!r} has no lookup", reason="NO_LOOKUP")
         if not lookup.completed:
+            started = time.perf_counter()
             call = asyncio.ensure_future(self.storage.prefetch_status(lookup.prefetch_id, wait_ms))
             try:
                 state = await asyncio.shield(call)
             except asyncio.CancelledError:
                 call.add_done_callback(functools.partial(self._late_status, lookup))
                 raise
+            if wait_ms > 0:
+                # An engine waiting for L2 loads (LMCache's lock/prefetch waits).
+                self.counters.prefetch_waits += 1
+                self.counters.prefetch_wait_seconds += time.perf_counter() - started
             if state.completed and not lookup.completed:
                 self._complete(lookup, state)
         return self._status(lookup)

@@ -52,6 +52,7 @@ from services.common.events import (
     Tier,
 )
 from services.common.keys import ObjectKey, validate_object_key
+from services.common.telemetry import current_traceparent
 
 logger = logging.getLogger(__name__)
 
@@ -356,7 +357,7 @@ class ReconnectBackoff:
 class _PendingBatch:
     """Entries waiting for a flush; mutable so records can merge into it cheaply."""
 
-    __slots__ = ("backend", "entries", "event_type", "shared", "tier")
+    __slots__ = ("backend", "entries", "event_type", "shared", "tier", "traceparent")
 
     def __init__(self, event_type: EventType, tier: Tier, backend: str, shared: bool) -> None:
         self.event_type = event_type
@@ -364,6 +365,9 @@ class _PendingBatch:
         self.backend = backend
         self.shared = shared
         self.entries: list[CacheEventEntry] = []
+        # The trace of the change that opened the batch, so the coordinator's ingest
+        # joins that request's trace.
+        self.traceparent = current_traceparent()
 
 
 class _Unacked(NamedTuple):
@@ -694,6 +698,7 @@ class CacheEventEmitter:
                         shared=p.shared,
                         ts=ts,
                         entries=tuple(p.entries),
+                        traceparent=p.traceparent,
                     )
                 )
                 seq += 1

@@ -392,6 +392,10 @@ class StorageNode:
             flagged = [k for k, flag in zip(keys, release_mask, strict=False) if flag]
             if flagged:
                 self.manager.finish_read(flagged, 1)
+        if usable:
+            # A served chunk is a use: refresh its LRU recency and report ACCESS, so the
+            # coordinator's access counts follow real reuse.
+            self.manager.touch(keys[:usable])
         return usable
 
     # ------------------------------------------------------------ locks & misc

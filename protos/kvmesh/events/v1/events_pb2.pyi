@@ -159,6 +159,7 @@ class CacheEventBatch(_message.Message):
     CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
     CAPACITY_REVISION_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """Emitter stream id: a storage node's stable instance id (never random per start)."""
     incarnation: _builtins.int
@@ -177,6 +178,11 @@ class CacheEventBatch(_message.Message):
     """CONFIG only: declared capacity of the compartment; 0 = undeclared."""
     capacity_revision: _builtins.int
     """CONFIG only: declaration number, shared by every batch of one declaration."""
+    traceparent: _builtins.str
+    """W3C trace context ("00-<trace id>-<span id>-<flags>") of the request that
+    made the batch's first change, so one store is one trace from the gateway
+    to the coordinator's ingest; "" when tracing is off.
+    """
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___CacheEventEntry]: ...
     def __init__(
@@ -193,10 +199,11 @@ class CacheEventBatch(_message.Message):
         capacity_bytes: _builtins.int = ...,
         capacity_revision: _builtins.int = ...,
         entries: _abc.Iterable[Global___CacheEventEntry] | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "capacity_bytes", b"capacity_bytes", "capacity_revision", b"capacity_revision", "entries", b"entries", "event_type", b"event_type", "incarnation", b"incarnation", "instance_id", b"instance_id", "seq", b"seq", "shared", b"shared", "tier", b"tier", "ts", b"ts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "capacity_bytes", b"capacity_bytes", "capacity_revision", b"capacity_revision", "entries", b"entries", "event_type", b"event_type", "incarnation", b"incarnation", "instance_id", b"instance_id", "seq", b"seq", "shared", b"shared", "tier", b"tier", "traceparent", b"traceparent", "ts", b"ts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
