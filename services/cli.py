@@ -60,7 +60,7 @@ SERVICES: list[ServiceCommand] = [
     ServiceCommand(
         "node",
         "run one node's storage and gateway in a single process (in-process link between them)",
-        "services.node_app:NodeConfig",
+        "services.node_config:NodeConfig",
         "services.node_app:NodeApp",
     ),
     ServiceCommand(

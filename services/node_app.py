@@ -12,29 +12,16 @@ scale or restart them separately.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from prometheus_client.registry import Collector
 
-from services.common.config import setting
 from services.common.server import ServiceBinding
 from services.gateway.app import GatewayApp
-from services.gateway.config import DEFAULT_PORT, GatewaySettings
 from services.gateway.local_link import LocalNodeStorage
+from services.node_config import NodeConfig
 from services.storage.app import StorageApp
-from services.storage.config import StorageConfig
 
-
-@dataclass(frozen=True, kw_only=True)
-class NodeConfig(StorageConfig, GatewaySettings):
-    """A storage node's settings plus its gateway's; one port serves both services."""
-
-    port: int = setting(DEFAULT_PORT, "gRPC port of both services (0 picks a free one)")
-
-    def validate(self) -> None:
-        """Raise ConfigError on unusable settings."""
-        StorageConfig.validate(self)
-        self.validate_gateway()
+__all__ = ["NodeApp", "NodeConfig"]
 
 
 class NodeApp:

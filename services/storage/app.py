@@ -270,7 +270,7 @@ class StorageApp:
             connected=bool(getattr(stats, "connected", False)),
             incarnation=self.incarnation,
             last_seq=self.emitter.last_seq,
-            last_acked_seq=int(getattr(stats, "last_acked_seq", 0)),
+            last_acked_seq=int(getattr(stats, "acked_through_seq", 0)),
             unacked_batches=int(getattr(stats, "window_depth", 0)),
             dropped_batches=int(getattr(stats, "batches_dropped", 0)),
         )

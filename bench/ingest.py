@@ -1,0 +1,598 @@
+"""``kvmesh bench ingest``: cache-event ingest and directory lookups through a real coordinator.
+
+DESIGN §7: LMCache 0.5.6 ingests 15–20k entries/s (64-entry store batches, 4
+emitters) with ack p99 4.7–9.1 ms and stalls up to 0.75 s (full garbage
+collections that grow with the directory); a 16-key directory lookup takes
+about 1 ms. Targets: at least 10x its entries/s, p99 at most 5 ms and no
+stall over 50 ms.
+
+What runs, as deployed:
+
+* the coordinator is a ``kvmesh coordinator`` subprocess on a loopback port
+  (timers that do not matter here are off: health sweep, eviction loop);
+* ``--emitters`` emitter processes (separate processes, so their Python
+  work never competes with the coordinator for one GIL) each open one
+  ``EventIngestService.StreamEvents`` call and stream ``--batch-entries``
+  -entry STORE batches of fresh keys, at most ``--window`` batches in flight
+  (sent, not yet acked). The default, 1, is what LMCache's figures were
+  measured with (its HTTP sink posts one flush at a time and waits for the
+  answer); a larger window adds queueing to every ack (Little's law) and no
+  throughput once the coordinator is busy. Every request is serialized
+  before the clock starts (the stream sends the bytes as they are), so the
+  client side costs little;
+* all emitters start together; each batch's send and ack times are taken
+  with the system-wide monotonic clock, so the emitters' timelines merge.
+
+Figures:
+
+* ``entries_per_s``: entries acked / (last ack − first send);
+* ``ack_p50_ms`` / ``ack_p99_ms`` / ``ack_max_ms``: send → ack of each batch;
+* ``max_stall_ms``: the longest gap between consecutive acks of the whole
+  fleet (all emitters merged) while traffic flows — a coordinator pause
+  shows here; ``max_stall_per_emitter_ms`` is the same per stream (it also
+  counts an emitter process that was descheduled);
+* ``lookup16_p50_ms`` / ``lookup16_p99_ms``: ``DirectoryService.Lookup`` of
+  16 stored keys over the loaded directory, one call at a time;
+* ``bytes_per_key``: growth of the coordinator's VmRSS (``/proc/<pid>/status``)
+  from before ingest to after it, divided by ``num_keys`` from ``GetStats``;
+* ``coordinator_cpu_s`` and ``entries_per_coordinator_cpu_s``: the
+  coordinator's user+system CPU time during ingest, steadier than wall time
+  on a shared machine; ``emitters_cpu_s``: what the emitter processes used
+  meanwhile (on a 2-core machine they share the second core).
+
+Memory: about 60 MB of pre-serialized batches per million keys across the
+emitters, plus the coordinator's directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import itertools
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.synchronize import Event as EventType
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.coordinator_core import Emitter
+from kvmesh.coordinator.v1 import directory_pb2, directory_pb2_grpc, ingest_pb2
+from kvmesh.events.v1 import events_pb2
+from services.common.convert import batch_to_proto, key_to_proto
+from services.common.events import Tier
+from services.common.keys import ObjectKey, worker_kv_rank
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STREAM_METHOD = "/kvmesh.coordinator.v1.EventIngestService/StreamEvents"
+INGEST_SERVICE = "kvmesh.coordinator.v1.EventIngestService"
+MODEL = "meta-llama/Llama-3.1-8B"
+SALT = "tenant-a"
+#: Keys each emitter hands back for the lookup phase.
+_SAMPLE_PER_EMITTER = 512
+_START_TIMEOUT_S = 60.0
+
+#: DESIGN §7, measured on this machine kind.
+LMCACHE_ENTRIES_PER_S = (15_000, 20_000)
+LMCACHE_REFERENCE: dict[str, Any] = {
+    "entries_per_s": LMCACHE_ENTRIES_PER_S,
+    "ack_p99_ms": (4.7, 9.1),
+    "max_stall_ms": 750.0,
+    "lookup16_p50_ms": 1.0,
+}
+TARGETS = {"entries_per_s": 200_000, "ack_p99_ms": 5.0, "max_stall_ms": 50.0}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvmesh bench ingest``."""
+    parser.add_argument("--emitters", type=int, default=4, help="emitter processes (streams)")
+    parser.add_argument("--batch-entries", type=int, default=64, help="entries per STORE batch")
+    parser.add_argument(
+        "--keys", type=int, default=1_000_000, help="keys ingested in all (split over emitters)"
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=1,
+        help="batches in flight (sent, not acked) per emitter; 1 is LMCache's synchronous flush",
+    )
+    parser.add_argument(
+        "--l1-share",
+        type=int,
+        default=4,
+        help="every n-th batch reports L1 (dram), the others L2 (fs); 0: L2 only",
+    )
+    parser.add_argument(
+        "--tokens", action="store_true", help="stamp 256 token ids on every entry (bigger batches)"
+    )
+    parser.add_argument("--lookups", type=int, default=2000, help="16-key lookups timed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--coordinator-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for the coordinator process (repeatable)",
+    )
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+try:
+    # Loaded up front: the preexec hook runs between fork and exec, no place to load a library.
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:  # not glibc Linux: children are still stopped in ``finally``
+    _LIBC = None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: the kernel SIGKILLs the
+    # coordinator if this process dies, so a killed bench leaves nothing behind.
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _rss_bytes(pid: int) -> int:
+    """VmRSS of ``pid`` in bytes."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` (all threads)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        # The command name may hold spaces: fields count from the closing parenthesis.
+        fields = fh.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+@dataclass
+class CoordinatorProcess:
+    """A ``kvmesh coordinator`` subprocess."""
+
+    proc: subprocess.Popen[bytes]
+    target: str
+    log_path: Path
+
+    def log_tail(self, limit: int = 3000) -> str:
+        """The end of its log, for error messages."""
+        try:
+            return self.log_path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return ""
+
+
+@contextlib.contextmanager
+def coordinator_process(workdir: Path, extra: Sequence[str] = ()) -> Iterator[CoordinatorProcess]:
+    """Start ``kvmesh coordinator`` on a free port; SIGTERM (then SIGKILL) it on exit."""
+    port = _free_port()
+    log_path = workdir / "coordinator.log"
+    args = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "coordinator",
+        "--port",
+        str(port),
+        "--metrics-port",
+        "-1",
+        "--log-level",
+        "WARNING",
+        "--health-check-interval-seconds",
+        "0",
+        "--eviction-check-interval-seconds",
+        "0",
+        *extra,
+    ]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            # Safe here: no gRPC channel exists in this process yet (a fork while
+            # gRPC threads run would run gRPC's fork handlers in the child).
+            preexec_fn=_die_with_parent,  # noqa: PLW1509
+        )
+    handle = CoordinatorProcess(proc, f"127.0.0.1:{port}", log_path)
+    try:
+        _wait_serving(handle)
+        yield handle
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_serving(handle: CoordinatorProcess) -> None:
+    """Poll the health service until ingest is SERVING; fail fast if the process died."""
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    with grpc.insecure_channel(handle.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if handle.proc.poll() is not None:
+                raise RuntimeError(f"the coordinator exited at start:\n{handle.log_tail()}")
+            try:
+                reply = health.Check(
+                    health_pb2.HealthCheckRequest(service=INGEST_SERVICE),
+                    timeout=0.5,
+                    wait_for_ready=True,
+                )
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the coordinator did not start:\n{handle.log_tail()}")
+
+
+# ----------------------------------------------------------------------------- emitters
+
+
+@dataclass(frozen=True)
+class EmitterJob:
+    """What one emitter process streams."""
+
+    index: int
+    target: str
+    batches: int
+    batch_entries: int
+    window: int
+    l1_share: int
+    tokens: bool
+    seed: int
+
+
+@dataclass
+class EmitterResult:
+    """Send and ack times (monotonic ns) of one emitter's batches, in seq order."""
+
+    index: int
+    send_ns: array[int]
+    ack_ns: array[int]
+    admitted: int
+    sample: list[ObjectKey]
+    cpu_s: float
+    error: str = ""
+
+
+def _build_payloads(job: EmitterJob) -> tuple[bytes, list[bytes], list[ObjectKey]]:
+    """The serialized ``open`` message, every batch request, and a sample of the keys."""
+    rng = random.Random(job.seed * 1000 + job.index)
+    rank = worker_kv_rank(1, 0)
+    emitter = Emitter(f"bench-node-{job.index}", incarnation=1)
+    tokens = tuple(range(1000, 1256)) if job.tokens else ()
+    opening = ingest_pb2.StreamEventsRequest(
+        open=ingest_pb2.StreamOpen(instance_id=emitter.instance_id, incarnation=1)
+    ).SerializeToString()
+    payloads: list[bytes] = []
+    sample: list[ObjectKey] = []
+    every = max(1, job.batches * job.batch_entries // _SAMPLE_PER_EMITTER)
+    n = 0
+    for i in range(job.batches):
+        keys = [
+            ObjectKey(rng.randbytes(32), MODEL, rank, 0, SALT) for _ in range(job.batch_entries)
+        ]
+        for k in keys:
+            if n % every == 0 and len(sample) < _SAMPLE_PER_EMITTER:
+                sample.append(k)
+            n += 1
+        tier = Tier.L1 if job.l1_share and i % job.l1_share == 0 else Tier.L2
+        batch = emitter.batch(keys, tier, tokens=tokens)
+        request = ingest_pb2.StreamEventsRequest(batch=batch_to_proto(batch))
+        payloads.append(request.SerializeToString())
+    return opening, payloads, sample
+
+
+def _emitter_main(job: EmitterJob, ready: Any, go: EventType, results: Any) -> None:
+    """One emitter process: prepare, report ready, wait for go, stream, report times."""
+    try:
+        opening, payloads, sample = _build_payloads(job)
+        channel = grpc.insecure_channel(
+            job.target, options=[("grpc.max_send_message_length", 64 * 1024 * 1024)]
+        )
+        grpc.channel_ready_future(channel).result(timeout=_START_TIMEOUT_S)
+        stream: grpc.StreamStreamMultiCallable[bytes, ingest_pb2.StreamEventsResponse]
+        stream = channel.stream_stream(
+            STREAM_METHOD,
+            request_serializer=None,  # the requests are bytes already
+            response_deserializer=ingest_pb2.StreamEventsResponse.FromString,
+        )
+    except Exception as exc:
+        ready.put((job.index, f"{type(exc).__name__}: {exc}"))
+        return
+    ready.put((job.index, ""))
+    go.wait()
+    n = len(payloads)
+    send_ns = array("q", bytes(8 * n))
+    ack_ns = array("q", bytes(8 * n))
+    window = threading.Semaphore(job.window)
+    clock = time.monotonic_ns
+
+    def requests() -> Iterator[bytes]:
+        # Runs on gRPC's request thread; ending it half-closes the stream.
+        yield opening
+        for i, payload in enumerate(payloads):
+            window.acquire()
+            send_ns[i] = clock()
+            yield payload
+
+    admitted = acked = 0
+    error = ""
+    cpu0 = time.process_time()
+    call = stream(requests())
+    try:
+        for response in call:
+            if response.WhichOneof("kind") != "ack":
+                continue  # e.g. the resync the coordinator asks of a new emitter
+            ack_ns[response.ack.seq - 1] = clock()
+            window.release()
+            acked += 1
+            if response.ack.result == events_pb2.INGEST_RESULT_ADMITTED:
+                admitted += 1
+    except grpc.RpcError as exc:
+        error = f"stream failed after {acked} acks: {exc.code().name}: {exc.details()}"
+    finally:
+        channel.close()
+    if acked != n and not error:
+        error = f"stream ended after {acked} of {n} acks"
+    cpu_s = time.process_time() - cpu0
+    results.put(EmitterResult(job.index, send_ns, ack_ns, admitted, sample, cpu_s, error))
+
+
+# ------------------------------------------------------------------------------- figures
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+
+
+def _max_gap_ms(times_ns: Sequence[int]) -> float:
+    s = sorted(times_ns)
+    return max((b - a for a, b in itertools.pairwise(s)), default=0) / 1e6
+
+
+def _stream(jobs: Sequence[EmitterJob], coordinator: CoordinatorProcess) -> list[EmitterResult]:
+    """Run every emitter process to completion; their results by index."""
+    ctx = mp.get_context("spawn")  # no fork of a process that holds gRPC state
+    ready = ctx.Queue()
+    results = ctx.Queue()
+    go = ctx.Event()
+    procs = [
+        ctx.Process(target=_emitter_main, args=(job, ready, go, results), daemon=True)
+        for job in jobs
+    ]
+    try:
+        for p in procs:
+            p.start()
+        for _ in jobs:
+            index, error = ready.get(timeout=300)
+            if error:
+                raise RuntimeError(f"emitter {index} could not start: {error}")
+        go.set()
+        out: list[EmitterResult] = []
+        while len(out) < len(jobs):
+            try:
+                out.append(results.get(timeout=1.0))
+            except queue.Empty:
+                if coordinator.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"the coordinator died during ingest:\n{coordinator.log_tail()}"
+                    ) from None
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError("an emitter process failed") from None
+        for p in procs:
+            p.join(timeout=30)
+        errors = [r.error for r in out if r.error]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return sorted(out, key=lambda r: r.index)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def _lookups(target: str, sample: Sequence[ObjectKey], n: int, seed: int) -> list[float]:
+    """Latencies (s) of ``n`` 16-key lookups of stored keys; every key must have a placement."""
+    rng = random.Random(seed)
+    requests = [
+        directory_pb2.LookupRequest(
+            keys=directory_pb2.KeyList(keys=[key_to_proto(k) for k in rng.sample(sample, 16)])
+        )
+        for _ in range(n)
+    ]
+    latencies: list[float] = []
+    with grpc.insecure_channel(target) as channel:
+        stub = directory_pb2_grpc.DirectoryServiceStub(channel)
+        stub.Lookup(requests[0], timeout=10, wait_for_ready=True)  # connect first
+        perf = time.perf_counter
+        for request in requests:
+            t0 = perf()
+            response = stub.Lookup(request, timeout=2)
+            latencies.append(perf() - t0)
+            if not all(r.placements for r in response.results):
+                raise RuntimeError("a stored key has no placement in the directory")
+    return latencies
+
+
+def _stats(target: str) -> directory_pb2.GetStatsResponse:
+    with grpc.insecure_channel(target) as channel:
+        stub = directory_pb2_grpc.DirectoryServiceStub(channel)
+        response: directory_pb2.GetStatsResponse = stub.GetStats(
+            directory_pb2.GetStatsRequest(), timeout=10, wait_for_ready=True
+        )
+        return response
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Start the coordinator and the emitters, measure, stop everything; the figures."""
+    if args.emitters < 1 or args.batch_entries < 1 or args.window < 1 or args.keys < 1:
+        raise ValueError("--emitters, --batch-entries, --window and --keys must be >= 1")
+    per_emitter = max(1, args.keys // (args.emitters * args.batch_entries))
+    with (
+        tempfile.TemporaryDirectory(prefix="kvmesh-bench-ingest-") as tmp,
+        coordinator_process(Path(tmp), args.coordinator_arg) as coordinator,
+    ):
+        pid = coordinator.proc.pid
+        _stats(coordinator.target)  # the server has answered once: its baseline is warm
+        rss0 = _rss_bytes(pid)
+        jobs = [
+            EmitterJob(
+                i,
+                coordinator.target,
+                per_emitter,
+                args.batch_entries,
+                args.window,
+                args.l1_share,
+                args.tokens,
+                args.seed,
+            )
+            for i in range(args.emitters)
+        ]
+        cpu0 = _cpu_seconds(pid)
+        results = _stream(jobs, coordinator)
+        cpu1 = _cpu_seconds(pid)
+        stats = _stats(coordinator.target)
+        rss1 = _rss_bytes(pid)
+        sample = [k for r in results for k in r.sample]
+        lookups = _lookups(coordinator.target, sample, args.lookups, args.seed)
+    first = min(r.send_ns[0] for r in results)
+    last = max(max(r.ack_ns) for r in results)
+    latencies_ms = [
+        (a - s) / 1e6 for r in results for s, a in zip(r.send_ns, r.ack_ns, strict=True)
+    ]
+    entries = sum(len(r.ack_ns) for r in results) * args.batch_entries
+    seconds = (last - first) / 1e9
+    lookup_ms = [x * 1e3 for x in lookups]
+    cpu_s = cpu1 - cpu0
+    result: dict[str, Any] = {
+        "entries_per_s": entries / seconds,
+        "ack_p50_ms": _pct(latencies_ms, 0.50),
+        "ack_p99_ms": _pct(latencies_ms, 0.99),
+        "ack_max_ms": max(latencies_ms),
+        "ack_mean_ms": statistics.fmean(latencies_ms),
+        "max_stall_ms": _max_gap_ms([t for r in results for t in r.ack_ns]),
+        "max_stall_per_emitter_ms": max(_max_gap_ms(r.ack_ns) for r in results),
+        "lookup16_p50_ms": _pct(lookup_ms, 0.50),
+        "lookup16_p99_ms": _pct(lookup_ms, 0.99),
+        "bytes_per_key": (rss1 - rss0) / max(1, stats.num_keys),
+        "num_keys": stats.num_keys,
+        "coordinator_rss_mb": rss1 / 1e6,
+        "coordinator_cpu_s": cpu_s,
+        "entries_per_coordinator_cpu_s": entries / cpu_s if cpu_s > 0 else 0.0,
+        "emitters_cpu_s": sum(r.cpu_s for r in results),
+        "ingest_seconds": seconds,
+        "batches_admitted": sum(r.admitted for r in results),
+        "batches_sent": sum(len(r.ack_ns) for r in results),
+        "emitters": args.emitters,
+        "batch_entries": args.batch_entries,
+        "keys": entries,
+        "window": args.window,
+        "parameters": {
+            "emitters": args.emitters,
+            "batch_entries": args.batch_entries,
+            "keys": entries,
+            "window": args.window,
+            "l1_share": args.l1_share,
+            "tokens": args.tokens,
+            "lookups": args.lookups,
+            "cpus": os.cpu_count(),
+        },
+        "lmcache_reference": LMCACHE_REFERENCE,
+        "targets": TARGETS,
+    }
+    result["speedup_vs_lmcache"] = result["entries_per_s"] / LMCACHE_ENTRIES_PER_S[1]
+    result["targets_met"] = {
+        "entries_per_s": result["entries_per_s"] >= TARGETS["entries_per_s"],
+        "ack_p99_ms": result["ack_p99_ms"] <= TARGETS["ack_p99_ms"],
+        "max_stall_ms": result["max_stall_ms"] <= TARGETS["max_stall_ms"],
+    }
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The figures as a readable table."""
+    p = result["parameters"]
+    ref = result["lmcache_reference"]
+    t = result["targets"]
+    met = result["targets_met"]
+
+    def mark(name: str) -> str:
+        return "ok" if met[name] else "MISSED"
+
+    lines = [
+        f"ingest: {p['emitters']} emitters x {p['batch_entries']}-entry STORE batches, "
+        f"{p['keys']} keys, window {p['window']}, {p['cpus']} CPUs",
+        "",
+        f"{'entries/s':24} {result['entries_per_s']:>12,.0f}   target >= {t['entries_per_s']:,} "
+        f"({mark('entries_per_s')}); LMCache {ref['entries_per_s'][0]:,}-"
+        f"{ref['entries_per_s'][1]:,} -> x{result['speedup_vs_lmcache']:.1f}",
+        f"{'ack p50 / p99 / max ms':24} {result['ack_p50_ms']:>6.2f} / {result['ack_p99_ms']:.2f}"
+        f" / {result['ack_max_ms']:.2f}   p99 target <= {t['ack_p99_ms']} "
+        f"({mark('ack_p99_ms')}); LMCache p99 {ref['ack_p99_ms'][0]}-{ref['ack_p99_ms'][1]}",
+        f"{'max stall ms':24} {result['max_stall_ms']:>12.2f}   target <= {t['max_stall_ms']} "
+        f"({mark('max_stall_ms')}); LMCache {ref['max_stall_ms']}; per emitter "
+        f"{result['max_stall_per_emitter_ms']:.2f}",
+        f"{'lookup16 p50 / p99 ms':24} {result['lookup16_p50_ms']:>6.3f} / "
+        f"{result['lookup16_p99_ms']:.3f}   LMCache p50 {ref['lookup16_p50_ms']}",
+        f"{'bytes per key':24} {result['bytes_per_key']:>12.0f}   ({result['num_keys']:,} keys, "
+        f"RSS {result['coordinator_rss_mb']:.0f} MB)",
+        f"{'coordinator CPU s':24} {result['coordinator_cpu_s']:>12.2f}   "
+        f"({result['entries_per_coordinator_cpu_s']:,.0f} entries per CPU second); "
+        f"emitters {result['emitters_cpu_s']:.2f} s over {result['ingest_seconds']:.2f} s",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m bench.ingest [--json]``."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    result = run(args)
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+
+
+if __name__ == "__main__":
+    main()
