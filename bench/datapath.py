@@ -54,11 +54,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
-from kvmesh.common.v1 import common_pb2
-from kvmesh.storage.v1 import storage_pb2
 from prometheus_client import CollectorRegistry
 
 import kernels
+from kvmesh.common.v1 import common_pb2
+from kvmesh.storage.v1 import storage_pb2
 from services.common.keys import ObjectKey
 from services.common.server import Server, create_server
 from services.storage.app import StorageApp

@@ -52,8 +52,6 @@ from typing import Protocol, TypeVar
 
 import grpc
 import torch
-from kvmesh.common.v1 import common_pb2
-from kvmesh.gateway.v1 import gateway_pb2
 
 from connector.metadata import (
     ConnectorMetadata,
@@ -62,6 +60,8 @@ from connector.metadata import (
     SchedulerOutput,
     StoreOp,
 )
+from kvmesh.common.v1 import common_pb2
+from kvmesh.gateway.v1 import gateway_pb2
 from services.gateway.client import GatewayClient
 
 logger = logging.getLogger(__name__)

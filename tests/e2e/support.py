@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvmesh.common.v1 import common_pb2
-from kvmesh.storage.v1 import storage_pb2
 
 from engine import Engine, ModelConfig, RequestOutput
+from kvmesh.common.v1 import common_pb2
+from kvmesh.storage.v1 import storage_pb2
 from services.fleet import Fleet, FleetOptions
 from services.storage.client import StorageClient
 

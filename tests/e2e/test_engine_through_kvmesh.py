@@ -14,10 +14,10 @@ import os
 
 import grpc
 import pytest
-from kvmesh.gateway.v1 import gateway_pb2
 
 from connector import KVConnectorRole, KVMeshConnector, KVMeshConnectorConfig, Request
 from engine import Engine, EngineConfig
+from kvmesh.gateway.v1 import gateway_pb2
 from services.demo import add_demo_command
 from services.fleet import Fleet
 from services.gateway.client import GatewayClient

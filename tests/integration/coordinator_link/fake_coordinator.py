@@ -30,6 +30,8 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
+from prometheus_client.registry import Collector
+
 from kvmesh.coordinator.v1 import (
     ingest_pb2,
     ingest_pb2_grpc,
@@ -37,8 +39,6 @@ from kvmesh.coordinator.v1 import (
     membership_pb2_grpc,
 )
 from kvmesh.events.v1 import events_pb2
-from prometheus_client.registry import Collector
-
 from services.common.convert import batch_from_proto
 from services.common.errors import InvalidArgument, NotFound
 from services.common.events import CacheEventBatch, IngestResult, validate_batch

@@ -12,10 +12,10 @@ import random
 import string
 
 import pytest
+
 from kvmesh.common.v1 import common_pb2
 from kvmesh.coordinator.v1 import ingest_pb2
 from kvmesh.events.v1 import events_pb2
-
 from services.common.convert import (
     batch_from_proto,
     batch_to_proto,

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
+
 from kvmesh.common.v1 import common_pb2
 from kvmesh.coordinator.v1 import ingest_pb2
-
 from services.common.convert import key_to_proto
 from services.common.errors import NotFound
 from services.common.events import CacheEventEntry, EventType, Tier

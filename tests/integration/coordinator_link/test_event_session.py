@@ -14,10 +14,10 @@ from dataclasses import replace
 
 import grpc
 import pytest
+
 from kvmesh.common.v1 import common_pb2
 from kvmesh.coordinator.v1 import ingest_pb2
 from kvmesh.events.v1 import events_pb2
-
 from services.common.events import CacheEventEntry, IngestResult, Tier
 from services.storage.coordinator_link import GrpcEventTransport
 from services.storage.emitter import QuotaChangedCommand, TransportError
