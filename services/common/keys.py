@@ -10,6 +10,7 @@ LMCache 0.5.6's (reference mp_server §3.2, coordinator §2.2), plus an exact
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from services.common.errors import InvalidArgument
@@ -134,6 +135,26 @@ def validate_object_key(key: ObjectKey, field: str = "key") -> None:
         raise InvalidArgument(
             f"{field}.object_group_id out of range", field=f"{field}.object_group_id"
         )
+
+
+def validate_object_keys(keys: Sequence[ObjectKey], field: str = "keys") -> None:
+    """Validate many keys; names shared by consecutive keys are checked once.
+
+    The data path names 32+ keys per request that all share one model and
+    salt: checking those strings once per request instead of once per key
+    keeps validation off the latency budget. Errors name ``field[i]``.
+    """
+    last_names: tuple[str, str] | None = None
+    for i, key in enumerate(keys):
+        names = (key.model_name, key.cache_salt)
+        if (
+            names != last_names
+            or len(key.chunk_hash) != CHUNK_HASH_BYTES
+            or not 0 <= key.kv_rank <= _UINT32_MAX
+            or not 0 <= key.object_group_id <= _UINT32_MAX
+        ):
+            validate_object_key(key, field=f"{field}[{i}]")
+            last_names = names
 
 
 def object_name(key: ObjectKey) -> str:

@@ -38,7 +38,12 @@ from services.common.errors import (
     ResourceExhausted,
 )
 from services.common.events import EventType, Tier
-from services.common.keys import ObjectKey, validate_cache_salt, validate_object_key
+from services.common.keys import (
+    ObjectKey,
+    validate_cache_salt,
+    validate_object_key,
+    validate_object_keys,
+)
 from services.storage.controllers.prefetch import PrefetchHandle, PrefetchResult
 from services.storage.l1.manager import L1Result
 from services.storage.manager import L1_BACKEND, StorageManager
@@ -161,15 +166,13 @@ class StorageNode:
                 f"{len(keys)} chunks exceed this node's limit of {self.max_chunks} per request",
                 field=field,
             )
-        for i, key in enumerate(keys):
-            validate_object_key(key, field=f"{field}[{i}]")
+        validate_object_keys(keys, field)
 
     def _check_grid_keys(self, keys: Sequence[ObjectKey]) -> None:
         # A flattened KeyGrid (lock release, touch): same bound as a lookup's grid.
         if len(keys) > self.max_chunks * 8:
             raise InvalidArgument("the key grid is too large", field="keys")
-        for i, key in enumerate(keys):
-            validate_object_key(key, field=f"keys[{i}]")
+        validate_object_keys(keys, "keys")
 
     def _chunk_blocks(
         self, layout: KVLayout, n_chunks: int, block_ids: Sequence[int], chunk_tokens: int

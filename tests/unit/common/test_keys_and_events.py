@@ -126,3 +126,19 @@ def test_each_batch_invariant_is_enforced(changes: dict[str, object], field: str
     with pytest.raises(InvalidArgument) as err:
         validate_batch(_batch(**changes))
     assert err.value.field == field
+
+
+def test_validating_many_keys_checks_every_key_even_with_shared_names() -> None:
+    from services.common.keys import validate_object_keys
+
+    good = [ObjectKey(HASH, "m", 1, 0, "s") for _ in range(3)]
+    validate_object_keys(good)
+    for bad, field in (
+        (ObjectKey(b"x", "m", 1, 0, "s"), "keys[1].chunk_hash"),
+        (ObjectKey(HASH, "m", -1, 0, "s"), "keys[1].kv_rank"),
+        (ObjectKey(HASH, "m@x", 1, 0, "s"), "keys[1].model_name"),
+        (ObjectKey(HASH, "m", 1, 0, "a/b"), "keys[1].cache_salt"),
+    ):
+        with pytest.raises(InvalidArgument) as err:
+            validate_object_keys([good[0], bad, good[2]])
+        assert err.value.field == field
