@@ -5,12 +5,11 @@ In a module of its own: fleets on one host must not overlap.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import pytest
 
-from services.demo import add_demo_command
+from services.cli import main
 from tests.e2e.support import require_fleet_services
 
 
@@ -18,18 +17,23 @@ def test_kvmesh_demo_starts_and_stops_its_own_fleet(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     require_fleet_services()
-    parser = argparse.ArgumentParser()
-    add_demo_command(parser.add_subparsers())
-    args = parser.parse_args(
-        ["demo", "--prompt-tokens", "600", "--layers", "1", "--l1-size", "64MiB", "--no-progress"]
-    )
 
     def engine_files() -> set[str]:
         return {f for f in os.listdir("/dev/shm") if f.startswith("kvmesh-engine-")}
 
     before = engine_files()
 
-    assert args.handler(args) == 0
+    argv = [
+        "demo",
+        "--prompt-tokens",
+        "600",
+        "--layers",
+        "1",
+        "--l1-size",
+        "64MiB",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
 
     out = capsys.readouterr().out
     assert "(local fleet)" in out

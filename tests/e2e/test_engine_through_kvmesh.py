@@ -8,7 +8,6 @@ sharing only L2: test_shared_l2.py). One single-node fleet serves the module.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -18,7 +17,7 @@ import pytest
 from connector import KVConnectorRole, KVMeshConnector, KVMeshConnectorConfig, Request
 from engine import Engine, EngineConfig
 from kvmesh.gateway.v1 import gateway_pb2
-from services.demo import add_demo_command
+from services.cli import main
 from services.fleet import Fleet
 from services.gateway.client import GatewayClient
 from tests.e2e.support import (
@@ -132,21 +131,17 @@ def test_an_engine_that_cannot_register_leaves_no_shared_memory() -> None:
 def test_kvmesh_demo_reports_a_warm_hit_with_matching_logits(
     fleet: Fleet, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    parser = argparse.ArgumentParser()
-    add_demo_command(parser.add_subparsers())
-    args = parser.parse_args(
-        [
-            "demo",
-            "--gateway", fleet.endpoint("node-0-gateway"),
-            "--prompt-tokens", "1024",
-            "--shared-prefix-tokens", "700",
-            "--layers", "2",
-            "--json",
-            "--no-progress",
-        ]
-    )  # fmt: skip
+    argv = [
+        "demo",
+        "--gateway", fleet.endpoint("node-0-gateway"),
+        "--prompt-tokens", "1024",
+        "--shared-prefix-tokens", "700",
+        "--layers", "2",
+        "--json",
+        "--no-progress",
+    ]  # fmt: skip
 
-    assert args.handler(args) == 0
+    assert main(argv) == 0
 
     result = json.loads(capsys.readouterr().out)
     assert result["prompt_tokens"] == 1024
