@@ -156,3 +156,47 @@ def test_kvmesh_demo_reports_a_warm_hit_with_matching_logits(
     params = result["parameters"]
     assert (params["chunk_size"], params["gateway"]) == (256, fleet.endpoint("node-0-gateway"))
     assert params["model"]["num_layers"] == 2
+
+
+def test_the_coordinator_directory_and_kvmesh_status_show_every_stored_chunk(
+    fleet: Fleet, engine: Engine, salt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvmesh.coordinator.v1 import directory_pb2
+    from services.coordinator.client import DirectoryClient
+    from tests.e2e.support import MODEL_NAME
+
+    prompt = tokens(1300, seed=7)
+    run_prompt(engine, prompt, salt)
+    coordinator = fleet.endpoint("coordinator")
+    client = DirectoryClient(coordinator)
+    query = directory_pb2.LookupRequest(
+        tokens=directory_pb2.TokenQuery(
+            model_name=MODEL_NAME, world_size=1, cache_salt=salt, token_ids=prompt
+        )
+    )
+
+    def placed(tier: int) -> bool:
+        found = client.lookup(query)
+        return found.chunks == 5 and all(
+            any(p.tier == tier and p.instance_id == "node-0" for p in r.placements)
+            for r in found.results
+        )
+
+    try:
+        # Every complete chunk is in node-0's L1 at once, and on its disk L2 after write-through.
+        wait_for(lambda: placed(L1), timeout=30)
+        wait_for(lambda: placed(L2), timeout=60)
+        found = client.lookup(query)
+        assert found.cached_prefix_chunks == 5
+        for result in found.results:
+            l1 = next(p for p in result.placements if p.tier == L1)
+            assert (l1.backend, l1.size_bytes) == ("dram", MODEL.kv_bytes_per_token * 256)
+            assert any(p.tier == L2 and p.backend == "disk" for p in result.placements)
+    finally:
+        client.close()
+    assert main(["status", "--coordinator", coordinator]) == 0
+    shown = capsys.readouterr().out
+    assert "node-0" in shown
+    assert "GAP" not in shown
+    assert "dram" in shown
+    assert "disk" in shown
