@@ -88,6 +88,23 @@ def _budget(policy: CallPolicy, request: Any, timeout: float | None) -> float:
     return policy.timeout + wait_ms / 1000.0
 
 
+def _retry_pause(
+    policy: CallPolicy, exc: grpc.RpcError, attempt: int, deadline: float
+) -> float | None:
+    """Seconds to wait before retrying a failed call, or None to give up.
+
+    Only idempotent calls are retried, only on UNAVAILABLE, a few times, and
+    never past the call's own deadline.
+    """
+    code = exc.code() if callable(getattr(exc, "code", None)) else None
+    if not policy.idempotent or code != grpc.StatusCode.UNAVAILABLE:
+        return None
+    if attempt >= UNAVAILABLE_RETRIES:
+        return None
+    pause = _backoff(attempt)
+    return None if time.monotonic() + pause >= deadline else pause
+
+
 def _backoff(attempt: int) -> float:
     delay: float = min(_BACKOFF_MAX_S, _BACKOFF_BASE_S * (2**attempt))
     return delay * (0.5 + random.random() / 2)
@@ -146,13 +163,8 @@ class SyncClient:
                 )
                 return response
             except grpc.RpcError as exc:
-                retry = (
-                    policy.idempotent
-                    and exc.code() == grpc.StatusCode.UNAVAILABLE
-                    and attempt < UNAVAILABLE_RETRIES
-                )
-                pause = _backoff(attempt)
-                if not retry or time.monotonic() + pause >= deadline:
+                pause = _retry_pause(policy, exc, attempt, deadline)
+                if pause is None:
                     raise
                 time.sleep(pause)
                 attempt += 1
@@ -204,13 +216,8 @@ class AsyncClient:
                 )
                 return response
             except grpc.aio.AioRpcError as exc:
-                retry = (
-                    policy.idempotent
-                    and exc.code() == grpc.StatusCode.UNAVAILABLE
-                    and attempt < UNAVAILABLE_RETRIES
-                )
-                pause = _backoff(attempt)
-                if not retry or time.monotonic() + pause >= deadline:
+                pause = _retry_pause(policy, exc, attempt, deadline)
+                if pause is None:
                     raise
                 await asyncio.sleep(pause)
                 attempt += 1

@@ -141,18 +141,10 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 if inspect.isawaitable(result):
                     result = await result
                 return result
-            except KvmeshError as exc:
-                code = exc.code
-                await _abort(context, exc)
             except grpc.aio.AbortError:
                 raise
-            except grpc.RpcError as exc:
-                await _pass_through(context, exc)
-            except Exception:
-                code = "INTERNAL"
-                trace_id = current_trace_id()
-                logger.exception("unhandled error in %s (trace_id=%s)", full, trace_id)
-                await _internal(context, full, trace_id)
+            except Exception as exc:
+                code = await _answer_error(context, exc, full)
             finally:
                 self._record(method, context, code, start)
 
@@ -173,22 +165,33 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 else:
                     for response in result:
                         yield response
-            except KvmeshError as exc:
-                code = exc.code
-                await _abort(context, exc)
             except grpc.aio.AbortError:
                 raise
-            except grpc.RpcError as exc:
-                await _pass_through(context, exc)
-            except Exception:
-                code = "INTERNAL"
-                trace_id = current_trace_id()
-                logger.exception("unhandled error in %s (trace_id=%s)", full, trace_id)
-                await _internal(context, full, trace_id)
+            except Exception as exc:
+                code = await _answer_error(context, exc, full)
             finally:
                 self._record(method, context, code, start)
 
         return behaviour
+
+
+async def _answer_error(context: Any, exc: Exception, method: str) -> str | None:
+    """Turn a handler's exception into a status; returns the code name when known here.
+
+    Ours map to their code; a failed downstream call is relayed as it was;
+    anything else is INTERNAL, logged with the trace id. Every branch aborts
+    the call (raises AbortError), so the caller is always answered.
+    """
+    if isinstance(exc, KvmeshError):
+        await _abort(context, exc)
+        return exc.code  # not reached: abort raises
+    if isinstance(exc, grpc.RpcError):
+        await _pass_through(context, exc)
+        return None
+    trace_id = current_trace_id()
+    logger.error("unhandled error in %s (trace_id=%s)", method, trace_id, exc_info=exc)
+    await _internal(context, method, trace_id)
+    return "INTERNAL"
 
 
 async def _pass_through(context: grpc.aio.ServicerContext[Any, Any], exc: grpc.RpcError) -> None:

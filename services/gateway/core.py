@@ -30,7 +30,6 @@ Differences from LMCache 0.5.6, on purpose:
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import logging
 import time
@@ -45,6 +44,7 @@ import numpy as np
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from services.common.hashing import NONE_HASH, TokenHasher
 from services.common.keys import validate_cache_salt, validate_model_name, worker_kv_rank
+from services.common.node_types import PrefetchState, Slot, StoreOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -67,41 +67,12 @@ class StorageRejected(Exception):
         self.error = error
 
 
-class StoreOutcome(enum.IntEnum):
-    """What storage did with one chunk of a store (``kvmesh.storage.v1.StoreOutcome``)."""
-
-    STORED = 1
-    ALREADY_CACHED = 2
-    NO_MEMORY = 3
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchState:
-    """Storage's answer about one lookup-and-lock."""
-
-    prefetch_id: str
-    completed: bool
-    hit_chunks: int = 0
-    l1_hit_chunks: int = 0
-    l2_hit_chunks: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class SlotRef:
-    """Where an engine copies one chunk (engine-driven path)."""
-
-    chunk_index: int
-    path: str
-    offset_bytes: int
-    size_bytes: int
-
-
 @dataclass(frozen=True, slots=True)
 class PreparedSlots:
     """Result of a prepare-store or prepare-retrieve on storage."""
 
     transaction_id: str
-    slots: list[SlotRef]
+    slots: list[Slot]
     already_cached_chunks: int = 0
     skipped_chunks: int = 0
 

@@ -15,15 +15,8 @@ import grpc
 
 from kvmesh.common.v1 import common_pb2
 from kvmesh.storage.v1 import storage_pb2
-from services.gateway.core import (
-    KeyGridSpec,
-    KeyRow,
-    PrefetchState,
-    PreparedSlots,
-    SlotRef,
-    StorageRejected,
-    StoreOutcome,
-)
+from services.common.node_types import PrefetchState, Slot, StoreOutcome
+from services.gateway.core import KeyGridSpec, KeyRow, PreparedSlots, StorageRejected
 from services.storage.client import StorageClient
 
 # Codes with which storage refuses RetrieveChunks / CommitRetrieve before it
@@ -78,7 +71,7 @@ def _prepared(
     transaction_id: str, slots: Sequence[storage_pb2.Slot], cached: int = 0, skipped: int = 0
 ) -> PreparedSlots:
     refs = [
-        SlotRef(s.chunk_index, s.region.path, s.region.offset_bytes, s.region.size_bytes)
+        Slot(s.chunk_index, s.region.path, s.region.offset_bytes, s.region.size_bytes)
         for s in slots
     ]
     return PreparedSlots(transaction_id, refs, cached, skipped)

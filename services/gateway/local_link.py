@@ -19,16 +19,9 @@ from services.common.errors import (
     ResourceExhausted,
 )
 from services.common.keys import ObjectKey
-from services.gateway.core import (
-    KeyGridSpec,
-    KeyRow,
-    PrefetchState,
-    PreparedSlots,
-    SlotRef,
-    StorageRejected,
-    StoreOutcome,
-)
-from services.storage.node import PrefetchStatus, Slot, StorageNode
+from services.common.node_types import PrefetchState, StoreOutcome
+from services.gateway.core import KeyGridSpec, KeyRow, PreparedSlots, StorageRejected
+from services.storage.node import StorageNode
 from services.storage.servicer import handle_from_proto, layout_from_proto
 
 # Errors the node raises before it releases any lock (see link._REFUSED).
@@ -44,20 +37,6 @@ def _grid_rows(grid: KeyGridSpec) -> list[list[ObjectKey]]:
         [ObjectKey(h, grid.model_name, rank, 0, grid.cache_salt) for h in grid.chunk_hashes]
         for rank in grid.kv_ranks
     ]
-
-
-def _state(status: PrefetchStatus) -> PrefetchState:
-    return PrefetchState(
-        status.prefetch_id,
-        status.completed,
-        status.hit_chunks,
-        status.l1_hit_chunks,
-        status.l2_hit_chunks,
-    )
-
-
-def _slots(slots: Sequence[Slot]) -> list[SlotRef]:
-    return [SlotRef(s.chunk_index, s.path, s.offset_bytes, s.size_bytes) for s in slots]
 
 
 class LocalNodeStorage:
@@ -79,13 +58,12 @@ class LocalNodeStorage:
     async def lookup_and_lock(
         self, request_id: str, grid: KeyGridSpec, readers: int, wait_ms: int
     ) -> PrefetchState:
-        status = await self.node.lookup_and_lock(
+        return await self.node.lookup_and_lock(
             request_id, _grid_rows(grid), readers, wait_ms, grid.chunk_bytes
         )
-        return _state(status)
 
     async def prefetch_status(self, prefetch_id: str, wait_ms: int) -> PrefetchState:
-        return _state(await self.node.prefetch_status(prefetch_id, wait_ms))
+        return await self.node.prefetch_status(prefetch_id, wait_ms)
 
     async def release_prefetch(self, prefetch_id: str) -> None:
         self.node.release_prefetch(prefetch_id)
@@ -93,8 +71,7 @@ class LocalNodeStorage:
     async def store_chunks(
         self, engine_id: str, row: KeyRow, block_ids: Sequence[int], chunk_tokens: int
     ) -> list[StoreOutcome]:
-        outcomes = await self.node.store_chunks(engine_id, _row_keys(row), block_ids, chunk_tokens)
-        return [StoreOutcome(o) for o in outcomes]
+        return await self.node.store_chunks(engine_id, _row_keys(row), block_ids, chunk_tokens)
 
     async def retrieve_chunks(
         self,
@@ -130,14 +107,14 @@ class LocalNodeStorage:
 
     async def prepare_store(self, row: KeyRow, chunk_bytes: int) -> PreparedSlots:
         txn, slots, cached, skipped = self.node.prepare_store(_row_keys(row), chunk_bytes)
-        return PreparedSlots(txn, _slots(slots), cached, skipped)
+        return PreparedSlots(txn, slots, cached, skipped)
 
     async def commit_store(self, transaction_id: str) -> int:
         return self.node.commit_store(transaction_id)
 
     async def prepare_retrieve(self, row: KeyRow, chunk_bytes: int) -> PreparedSlots:
         txn, slots = self.node.prepare_retrieve(_row_keys(row), chunk_bytes)
-        return PreparedSlots(txn, _slots(slots))
+        return PreparedSlots(txn, slots)
 
     async def commit_retrieve(self, transaction_id: str, release_mask: Sequence[bool]) -> int:
         try:

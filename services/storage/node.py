@@ -44,6 +44,7 @@ from services.common.keys import (
     validate_object_key,
     validate_object_keys,
 )
+from services.common.node_types import PrefetchState, Slot, StoreOutcome
 from services.storage.controllers.prefetch import PrefetchHandle, PrefetchResult
 from services.storage.l1.manager import L1Result
 from services.storage.manager import L1_BACKEND, StorageManager
@@ -55,35 +56,6 @@ MAX_DELETE_KEYS = 10_000
 MAX_CHUNK_BYTES = 1 << 31
 PREPARE_TAG = "engine-driven"
 _COMMITTED_KEPT = 4096
-
-
-class StoreOutcome:
-    """Outcome codes of one chunk of a store (``kvmesh.storage.v1.StoreOutcome``)."""
-
-    STORED = 1
-    ALREADY_CACHED = 2
-    NO_MEMORY = 3
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchStatus:
-    """A prefetch as the gateway sees it."""
-
-    prefetch_id: str
-    completed: bool
-    hit_chunks: int = 0
-    l1_hit_chunks: int = 0
-    l2_hit_chunks: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """An L1 object an engine copies to or from (engine-driven path)."""
-
-    chunk_index: int
-    path: str
-    offset_bytes: int
-    size_bytes: int
 
 
 @dataclass(slots=True)
@@ -205,7 +177,7 @@ class StorageNode:
         keys: Sequence[ObjectKey],
         block_ids: Sequence[int],
         chunk_tokens: int,
-    ) -> list[int]:
+    ) -> list[StoreOutcome]:
         """Gather each chunk into a new L1 object and publish it; one outcome per key."""
         layout = self._layout(engine_id)
         self._check_keys(keys)
@@ -247,10 +219,10 @@ class StorageNode:
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
 
-    def _finished(self, prefetch_id: str, result: PrefetchResult) -> PrefetchStatus:
+    def _finished(self, prefetch_id: str, result: PrefetchResult) -> PrefetchState:
         rows = max(result.num_rows, 1)
         l2_chunks = -(-result.l2_hit_cells // rows) if result.l2_hit_cells else 0
-        return PrefetchStatus(
+        return PrefetchState(
             prefetch_id,
             True,
             result.hit_chunks,
@@ -265,7 +237,7 @@ class StorageNode:
         readers: int,
         wait_ms: int,
         chunk_bytes: int = 0,
-    ) -> PrefetchStatus:
+    ) -> PrefetchState:
         """Lock the prefix present in every row (loading L2 hits); maybe wait for it.
 
         ``chunk_bytes`` (0 = unknown) sizes L2 objects this node has not indexed
@@ -297,7 +269,7 @@ class StorageNode:
             self.release_prefetch(prefetch_id)
             raise
 
-    async def prefetch_status(self, prefetch_id: str, wait_ms: int) -> PrefetchStatus:
+    async def prefetch_status(self, prefetch_id: str, wait_ms: int) -> PrefetchState:
         """Status of a prefetch; a completed result is delivered once, then forgotten."""
         with self._lock:
             entry = self._prefetches.get(prefetch_id)
@@ -311,7 +283,7 @@ class StorageNode:
             await asyncio.to_thread(self.manager.wait_prefetch, entry.handle, wait_ms / 1000.0)
             result = self.manager.query_prefetch(entry.handle)
         if result is None:
-            return PrefetchStatus(prefetch_id, False)
+            return PrefetchState(prefetch_id, False)
         with self._lock:
             self._prefetches.pop(prefetch_id, None)
         return self._finished(prefetch_id, result)

@@ -13,7 +13,8 @@ from services.common.convert import key_from_proto, key_to_proto
 from services.common.errors import InvalidArgument
 from services.common.events import Tier
 from services.common.keys import CHUNK_HASH_BYTES, ObjectKey
-from services.storage.node import PrefetchStatus, Slot, StorageNode
+from services.common.node_types import PrefetchState, Slot
+from services.storage.node import StorageNode
 from services.storage.transfer import CudaIpcHandle, KVHandle, KVLayout, SharedMemoryHandle
 
 DTYPES = {
@@ -115,7 +116,7 @@ def _tier(value: int, *, allow_all: bool) -> Tier | None:
     raise InvalidArgument(f"tier must be {allowed}", field="tier")
 
 
-def _status(status: PrefetchStatus) -> tuple[bool, storage_pb2.PrefetchResult]:
+def _status(status: PrefetchState) -> tuple[bool, storage_pb2.PrefetchResult]:
     return status.completed, storage_pb2.PrefetchResult(
         hit_chunks=status.hit_chunks,
         l1_hit_chunks=status.l1_hit_chunks,

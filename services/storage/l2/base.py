@@ -110,6 +110,15 @@ class L2Adapter(Protocol):
         ...
 
 
+def usage_of(entries: Iterator[L2Entry], capacity_bytes: int) -> L2Usage:
+    """Usage summed over a listing (for backends with no index of their own)."""
+    used = count = 0
+    for entry in entries:
+        used += entry.size_bytes
+        count += 1
+    return L2Usage(used_bytes=used, capacity_bytes=capacity_bytes, object_count=count)
+
+
 def byte_view(buf: memoryview, *, writable: bool = False, field: str = "buffer") -> memoryview:
     """Return ``buf`` as a flat unsigned-byte view (no copy).
 

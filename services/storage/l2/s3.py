@@ -38,6 +38,7 @@ from services.storage.l2.base import (
     L2Usage,
     check_get_args,
     check_put_items,
+    usage_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -327,11 +328,7 @@ class S3L2Adapter:
 
     def usage(self) -> L2Usage:
         """Bytes and objects under the prefix (a full listing) and the declared capacity."""
-        used = count = 0
-        for entry in self.iter_entries():
-            used += entry.size_bytes
-            count += 1
-        return L2Usage(used_bytes=used, capacity_bytes=self.capacity_bytes, object_count=count)
+        return usage_of(self.iter_entries(), self.capacity_bytes)
 
     def close(self) -> None:
         """Stop the I/O pool and close the client's connections; the objects stay."""

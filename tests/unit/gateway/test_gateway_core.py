@@ -23,7 +23,7 @@ from services.gateway.core import (
     KeyRow,
     PrefetchState,
     PreparedSlots,
-    SlotRef,
+    Slot,
     StoreOutcome,
 )
 
@@ -167,13 +167,13 @@ class FakeStorage:
         return n
 
     async def prepare_store(self, row: KeyRow, chunk_bytes: int) -> PreparedSlots:
-        return PreparedSlots("t1", [SlotRef(0, "/dev/shm/x", 0, chunk_bytes)])
+        return PreparedSlots("t1", [Slot(0, "/dev/shm/x", 0, chunk_bytes)])
 
     async def commit_store(self, transaction_id: str) -> int:
         return 1
 
     async def prepare_retrieve(self, row: KeyRow, chunk_bytes: int) -> PreparedSlots:
-        return PreparedSlots("r1", [SlotRef(0, "/dev/shm/x", 0, chunk_bytes)])
+        return PreparedSlots("r1", [Slot(0, "/dev/shm/x", 0, chunk_bytes)])
 
     async def commit_retrieve(self, transaction_id: str, release_mask: Sequence[bool]) -> int:
         return len(release_mask)
