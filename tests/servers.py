@@ -24,14 +24,13 @@ Fixtures:
 
 A missing binary skips the test, unless ``KVMESH_REQUIRE_SERVICES=1`` (CI),
 which fails it. Readiness is polled with a deadline, never a fixed sleep.
-Children get ``PR_SET_PDEATHSIG`` so they die with the test process even if
-it is killed.
+Children are started through ``setpriv --pdeathsig KILL`` so they die with the
+test process even if it is killed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.util
 import json
 import os
@@ -68,22 +67,16 @@ def free_port() -> int:
         return port
 
 
-_PR_SET_PDEATHSIG = 1
-try:
-    # Loaded up front: the preexec hook runs between fork and exec and must not load libraries.
-    _LIBC: ctypes.CDLL | None = (
-        ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
-    )
-except OSError:
-    _LIBC = None
+# setpriv (util-linux) sets PR_SET_PDEATHSIG and execs the server, so no server
+# outlives a killed test run. A preexec_fn would do the same from Python, but
+# running Python between fork and exec is unsafe while gRPC threads exist.
+_SETPRIV = shutil.which("setpriv")
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: ask the kernel to SIGKILL it when
-    # the thread that started it (the pytest main thread) goes away, so no server
-    # outlives a killed test run.
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _die_with_parent(command: list[str]) -> list[str]:
+    if _SETPRIV is None or not sys.platform.startswith("linux"):
+        return command
+    return [_SETPRIV, "--pdeathsig", "KILL", "--", *command]
 
 
 class ServerStartError(RuntimeError):
@@ -145,14 +138,11 @@ class ServerProcess:
             return
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(
-                self._command(self.port),
+                _die_with_parent(self._command(self.port)),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.workdir,
-                # Only a prctl through the preloaded libc: no allocation or import
-                # happens in the forked child, so a threaded parent is safe here.
-                preexec_fn=_die_with_parent,  # noqa: PLW1509
             )
         deadline = time.monotonic() + timeout_s
         pause = 0.01

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client.registry import Collector
@@ -31,6 +31,9 @@ from services.coordinator.servicer import (
     NodeStreams,
     PolicyServicer,
 )
+
+if TYPE_CHECKING:
+    from services.coordinator.nats_source import NatsEventSource
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +166,22 @@ class CoordinatorApp:
         self.config = config
         self.streams = NodeStreams()
         self.core = Coordinator(settings_from_config(config), dispatcher=self.streams)
+        self.nats: NatsEventSource | None = None
+        if config.nats_url:
+            # nats-py is an optional dependency (the "nats" extra).
+            from services.coordinator.nats_source import (
+                NatsEventSource,
+                NatsSourceSettings,
+                PreferStreamDispatcher,
+            )
+
+            # Built before load_state: it registers its stream position as a checkpoint section.
+            self.nats = NatsEventSource(
+                self.core,
+                NatsSourceSettings(url=config.nats_url, stream=config.nats_stream),
+                on_command_result=self.streams.record_result,
+            )
+            self.core.set_delete_dispatcher(PreferStreamDispatcher(self.streams, self.nats))
         report = self.core.load_state()
         if report is not None and not report.cold:
             logger.info("restored checkpoint sections: %s", ", ".join(report.restored))
@@ -205,11 +224,23 @@ class CoordinatorApp:
         ]
 
     def collectors(self) -> Sequence[Collector]:
-        return [StatsCollector(lambda: _stats(self.core, self.streams), _SERIES)]
+        collectors: list[Collector] = [
+            StatsCollector(lambda: _stats(self.core, self.streams), _SERIES)
+        ]
+        if self.nats is not None:
+            from services.coordinator.nats_source import NATS_SERIES
+
+            collectors.append(StatsCollector(self.nats.metrics, NATS_SERIES))
+        return collectors
 
     async def start(self) -> None:
         self.core.start()
+        if self.nats is not None:
+            await self.nats.start()
 
     async def stop(self) -> None:
+        if self.nats is not None:
+            # Before the core's final checkpoint, so it holds the final stream position.
+            await self.nats.stop()
         # Joins the timers and writes the final checkpoint (blocking I/O: off the loop).
         await asyncio.to_thread(self.core.stop)

@@ -42,6 +42,10 @@ class CoordinatorConfig(ServerSettings):
     token_binding_capacity: int = setting(
         1_000_000, "chunks whose tokens are kept for lookups that return tokens (0 = none)"
     )
+    nats_url: str = setting(
+        "", "NATS server whose JetStream stream nodes publish cache events to ('' = off)"
+    )
+    nats_stream: str = setting("KVMESH_EVENTS", "JetStream stream of cache events")
 
     def validate(self) -> None:
         """Raise ConfigError on unusable settings."""
@@ -67,3 +71,5 @@ class CoordinatorConfig(ServerSettings):
             raise ConfigError("trigger_watermark must be in (0, 1]")
         if self.token_binding_capacity < 0:
             raise ConfigError("token_binding_capacity must be >= 0")
+        if not self.nats_stream or any(c in self.nats_stream for c in ".*> /\\"):
+            raise ConfigError("nats_stream must be a JetStream stream name (no '.', '*', '>', ' ')")

@@ -29,7 +29,12 @@ from services.common.server import ServiceBinding
 from services.storage.config import StorageConfig
 from services.storage.controllers.prefetch import PrefetchPolicy
 from services.storage.controllers.store import StorePolicy
-from services.storage.emitter import CacheEventEmitter, EmitterConfig, NodeCommand
+from services.storage.emitter import (
+    CacheEventEmitter,
+    EmitterConfig,
+    EventTransport,
+    NodeCommand,
+)
 from services.storage.incarnation import next_incarnation
 from services.storage.l2.base import L2Adapter
 from services.storage.l2.factory import build_l2_adapter
@@ -221,17 +226,30 @@ class StorageApp:
         self.registrar: Registrar | None = None
         self._handler = _DeferredHandler()
         self._sweeper: asyncio.Task[None] | None = None
+        self._event_transport: EventTransport | None = None
         sink = None
-        if config.coordinator_target:
+        if config.event_transport == "nats":
+            # nats-py is an optional dependency (the "nats" extra).
+            from services.storage.nats_link import NatsEventTransport, StreamSettings
+
+            self._event_transport = NatsEventTransport(
+                config.nats_url,
+                stream=StreamSettings(
+                    name=config.nats_stream, max_age_s=config.nats_max_age_seconds
+                ),
+            )
+        elif config.coordinator_target:
             from services.storage.coordinator_link import GrpcEventTransport
 
+            self._event_transport = GrpcEventTransport(config.coordinator_target)
+        if self._event_transport is not None:
             self.emitter = CacheEventEmitter(
                 EmitterConfig(
                     instance_id=self.instance_id,
                     incarnation=self.incarnation,
                     flush_interval_s=config.event_flush_ms / 1000.0,
                 ),
-                GrpcEventTransport(config.coordinator_target),
+                self._event_transport,
                 command_handler=self._handler,
             )
             sink = EmitterSink(self.emitter)
@@ -348,3 +366,7 @@ class StorageApp:
         self.transfer.close()
         if self.emitter is not None and not self.emitter.close(timeout=5.0):
             logger.warning("some cache events were not acknowledged before shutdown")
+        close_transport = getattr(self._event_transport, "close", None)
+        if close_transport is not None:
+            # After the emitter: ends the transport's sessions, threads and event loop.
+            await asyncio.to_thread(close_transport)

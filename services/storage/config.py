@@ -59,6 +59,16 @@ class StorageConfig(ServerSettings):
     max_chunks_per_request: int = setting(4096, "largest store/retrieve/lookup, in chunks")
     heartbeat_seconds: float = setting(5.0, "how often to heartbeat the coordinator")
     event_flush_ms: int = setting(50, "cache events are batched for at most this long")
+    event_transport: Literal["grpc", "nats"] = setting(
+        "grpc",
+        "how cache events reach the coordinator: its gRPC stream, or a NATS JetStream stream "
+        "it replays after a restart (membership still uses coordinator_target)",
+    )
+    nats_url: str = setting("nats://127.0.0.1:4222", "NATS server (event_transport nats)")
+    nats_stream: str = setting("KVMESH_EVENTS", "JetStream stream of cache events")
+    nats_max_age_seconds: float = setting(
+        86400.0, "events kept this long when this node creates the stream (0 = forever)"
+    )
 
     def segment_bytes(self) -> int:
         """The L1 segment size in effect."""
@@ -114,6 +124,13 @@ class StorageConfig(ServerSettings):
             raise ConfigError("max_chunks_per_request must be >= 1")
         if self.heartbeat_seconds <= 0 or self.event_flush_ms < 1:
             raise ConfigError("heartbeat_seconds and event_flush_ms must be > 0")
+        if self.event_transport == "nats":
+            if not self.nats_url:
+                raise ConfigError("nats_url must be set when event_transport is nats")
+            if not self.nats_stream or any(c in self.nats_stream for c in ".*> /\\"):
+                raise ConfigError("nats_stream must be a JetStream stream name")
+            if self.nats_max_age_seconds < 0:
+                raise ConfigError("nats_max_age_seconds must be >= 0")
         if "/" in self.instance_id or "@" in self.instance_id:
             raise ConfigError("instance_id must not contain '/' or '@'")
         self.l2_configs(Path("."))
