@@ -14,12 +14,21 @@ What runs, as deployed:
   work never competes with the coordinator for one GIL) each open one
   ``EventIngestService.StreamEvents`` call and stream ``--batch-entries``
   -entry STORE batches of fresh keys, at most ``--window`` batches in flight
-  (sent, not yet acked). The default, 1, is what LMCache's figures were
-  measured with (its HTTP sink posts one flush at a time and waits for the
-  answer); a larger window adds queueing to every ack (Little's law) and no
-  throughput once the coordinator is busy. Every request is serialized
-  before the clock starts (the stream sends the bytes as they are), so the
-  client side costs little;
+  (sent, not yet acked). Window 1 is what LMCache's figures were measured
+  with (its HTTP sink posts one flush at a time and waits for the answer).
+  With a larger window an emitter sends the batches the window lets out at
+  once as one ``batches`` group (at most ``--group`` per message, default
+  the window; 1 never groups), as the storage node's link does with
+  batches already waiting: one message and one AckGroup per group instead
+  of one per batch, which is where gRPC's per-message cost goes. Batches
+  stay ``--batch-entries`` entries each and every batch's ack latency is
+  still measured on its own; the window adds queueing to every ack
+  (Little's law). ``--window`` takes several values to run one
+  configuration after another, each against a fresh coordinator (the
+  default runs window 1 without groups and window 2 with them). Every
+  request is serialized before the clock starts (the stream sends the
+  bytes as they are; a group is the batches' bytes joined), so the client
+  side costs little;
 * all emitters start together; each batch's send and ack times are taken
   with the system-wide monotonic clock, so the emitters' timelines merge.
 
@@ -38,7 +47,9 @@ Figures:
 * ``coordinator_cpu_s`` and ``entries_per_coordinator_cpu_s``: the
   coordinator's user+system CPU time during ingest, steadier than wall time
   on a shared machine; ``emitters_cpu_s``: what the emitter processes used
-  meanwhile (on a 2-core machine they share the second core).
+  meanwhile (on a 2-core machine they share the second core);
+* ``batches_per_message``: batches per StreamEvents message actually sent
+  (1.0 without groups).
 
 Memory: about 60 MB of pre-serialized batches per million keys across the
 emitters, plus the coordinator's directory.
@@ -80,6 +91,7 @@ from kvmesh.events.v1 import events_pb2
 from services.common.convert import batch_to_proto, key_to_proto
 from services.common.events import Tier
 from services.common.keys import ObjectKey, worker_kv_rank
+from services.coordinator.servicer import BATCH_GROUPS_METADATA
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +125,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--window",
         type=int,
-        default=1,
-        help="batches in flight (sent, not acked) per emitter; 1 is LMCache's synchronous flush",
+        nargs="+",
+        default=[1, 2],
+        help="batches in flight (sent, not acked) per emitter; 1 is LMCache's synchronous flush."
+        " Several values: one run each (default: 1 2)",
+    )
+    parser.add_argument(
+        "--group",
+        type=int,
+        default=0,
+        help="batches per StreamEvents message at most when the window lets out several"
+        " (default 0: the window; 1: never group)",
     )
     parser.add_argument(
         "--l1-share",
@@ -274,6 +295,7 @@ class EmitterJob:
     batches: int
     batch_entries: int
     window: int
+    group: int
     l1_share: int
     tokens: bool
     seed: int
@@ -289,11 +311,38 @@ class EmitterResult:
     admitted: int
     sample: list[ObjectKey]
     cpu_s: float
+    messages: int
     error: str = ""
 
 
-def _build_payloads(job: EmitterJob) -> tuple[bytes, list[bytes], list[ObjectKey]]:
-    """The serialized ``open`` message, every batch request, and a sample of the keys."""
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+# Wire tags (field << 3 | 2) of StreamEventsRequest.batch, StreamEventsRequest.batches
+# and BatchGroup.batches: a request is built from serialized batches by joining bytes.
+_BATCH_TAG = b"\x12"
+_GROUP_TAG = b"\x22"
+_GROUP_ITEM_TAG = b"\x0a"
+
+
+def _group_request(items: Sequence[bytes]) -> bytes:
+    """A ``StreamEventsRequest{batches}`` from batches as ``_GROUP_ITEM_TAG len batch`` each."""
+    body = b"".join(items)
+    return _GROUP_TAG + _varint(len(body)) + body
+
+
+def _build_payloads(job: EmitterJob) -> tuple[bytes, list[bytes], list[bytes], list[ObjectKey]]:
+    """The serialized ``open`` message, every batch as a request and as a group item, a sample.
+
+    ``payloads[i]`` is ``StreamEventsRequest{batch}``; ``items[i]`` the same
+    batch as one element of ``BatchGroup.batches`` (see :func:`_group_request`).
+    """
     rng = random.Random(job.seed * 1000 + job.index)
     rank = worker_kv_rank(1, 0)
     emitter = Emitter(f"bench-node-{job.index}", incarnation=1)
@@ -302,6 +351,7 @@ def _build_payloads(job: EmitterJob) -> tuple[bytes, list[bytes], list[ObjectKey
         open=ingest_pb2.StreamOpen(instance_id=emitter.instance_id, incarnation=1)
     ).SerializeToString()
     payloads: list[bytes] = []
+    items: list[bytes] = []
     sample: list[ObjectKey] = []
     every = max(1, job.batches * job.batch_entries // _SAMPLE_PER_EMITTER)
     n = 0
@@ -314,16 +364,24 @@ def _build_payloads(job: EmitterJob) -> tuple[bytes, list[bytes], list[ObjectKey
                 sample.append(k)
             n += 1
         tier = Tier.L1 if job.l1_share and i % job.l1_share == 0 else Tier.L2
-        batch = emitter.batch(keys, tier, tokens=tokens)
-        request = ingest_pb2.StreamEventsRequest(batch=batch_to_proto(batch))
-        payloads.append(request.SerializeToString())
-    return opening, payloads, sample
+        wire = batch_to_proto(emitter.batch(keys, tier, tokens=tokens)).SerializeToString()
+        framed = _varint(len(wire)) + wire
+        payloads.append(_BATCH_TAG + framed)
+        items.append(_GROUP_ITEM_TAG + framed)
+    # The hand-made framing must be the real one.
+    parse = ingest_pb2.StreamEventsRequest.FromString
+    if (
+        parse(payloads[0]).batch.seq != 1
+        or [b.seq for b in parse(_group_request(items[:2])).batches.batches] != [1, 2][: len(items)]
+    ):
+        raise RuntimeError("bench framing of StreamEventsRequest is wrong")
+    return opening, payloads, items, sample
 
 
 def _emitter_main(job: EmitterJob, ready: Any, go: EventType, results: Any) -> None:
     """One emitter process: prepare, report ready, wait for go, stream, report times."""
     try:
-        opening, payloads, sample = _build_payloads(job)
+        opening, payloads, items, sample = _build_payloads(job)
         channel = grpc.insecure_channel(
             job.target, options=[("grpc.max_send_message_length", 64 * 1024 * 1024)]
         )
@@ -343,29 +401,61 @@ def _emitter_main(job: EmitterJob, ready: Any, go: EventType, results: Any) -> N
     send_ns = array("q", bytes(8 * n))
     ack_ns = array("q", bytes(8 * n))
     window = threading.Semaphore(job.window)
+    # Groups only once the coordinator announced them (ingest.proto). The
+    # first batch waits for the announcement: batches sent singly come back
+    # with single acks, which free the window one batch at a time and would
+    # keep later messages single too.
+    group_limit = [1]
+    announced = threading.Event()
+    messages = [0]
     clock = time.monotonic_ns
 
     def requests() -> Iterator[bytes]:
         # Runs on gRPC's request thread; ending it half-closes the stream.
         yield opening
-        for i, payload in enumerate(payloads):
+        announced.wait(_START_TIMEOUT_S)
+        i = 0
+        while i < n:
             window.acquire()
-            send_ns[i] = clock()
-            yield payload
+            k = 1
+            # Every batch the window lets out now goes in this message.
+            limit = min(group_limit[0], n - i)
+            while k < limit and window.acquire(blocking=False):
+                k += 1
+            now = clock()
+            for j in range(i, i + k):
+                send_ns[j] = now
+            messages[0] += 1
+            yield payloads[i] if k == 1 else _group_request(items[i : i + k])
+            i += k
 
     admitted = acked = 0
     error = ""
     cpu0 = time.process_time()
     call = stream(requests())
     try:
+        try:
+            for key, value in call.initial_metadata() or ():
+                if key == BATCH_GROUPS_METADATA:
+                    group_limit[0] = max(1, min(job.group, int(value)))
+        finally:
+            announced.set()
         for response in call:
-            if response.WhichOneof("kind") != "ack":
+            kind = response.WhichOneof("kind")
+            if kind == "ack":
+                acks: Sequence[ingest_pb2.BatchAck] = (response.ack,)
+            elif kind == "acks":
+                acks = response.acks.acks
+            else:
                 continue  # e.g. the resync the coordinator asks of a new emitter
-            ack_ns[response.ack.seq - 1] = clock()
-            window.release()
-            acked += 1
-            if response.ack.result == events_pb2.INGEST_RESULT_ADMITTED:
-                admitted += 1
+            now = clock()
+            for ack in acks:
+                ack_ns[ack.seq - 1] = now
+                acked += 1
+                if ack.result == events_pb2.INGEST_RESULT_ADMITTED:
+                    admitted += 1
+            # All at once, so the request thread sees the whole group's room.
+            window.release(len(acks))
     except grpc.RpcError as exc:
         error = f"stream failed after {acked} acks: {exc.code().name}: {exc.details()}"
     finally:
@@ -373,7 +463,9 @@ def _emitter_main(job: EmitterJob, ready: Any, go: EventType, results: Any) -> N
     if acked != n and not error:
         error = f"stream ended after {acked} of {n} acks"
     cpu_s = time.process_time() - cpu0
-    results.put(EmitterResult(job.index, send_ns, ack_ns, admitted, sample, cpu_s, error))
+    results.put(
+        EmitterResult(job.index, send_ns, ack_ns, admitted, sample, cpu_s, messages[0], error)
+    )
 
 
 # ------------------------------------------------------------------------------- figures
@@ -464,9 +556,27 @@ def _stats(target: str) -> directory_pb2.GetStatsResponse:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """One run per ``--window`` value; its figures, or ``{"runs": [figures, ...]}`` for several."""
+    windows = list(args.window)
+    if (
+        args.emitters < 1
+        or args.batch_entries < 1
+        or not windows
+        or min(windows) < 1
+        or args.keys < 1
+        or args.group < 0
+    ):
+        raise ValueError(
+            "--emitters, --batch-entries, --window and --keys must be >= 1, --group >= 0"
+        )
+    runs = [_run_one(args, window) for window in windows]
+    return runs[0] if len(runs) == 1 else {"runs": runs}
+
+
+def _run_one(args: argparse.Namespace, window: int) -> dict[str, Any]:
     """Start the coordinator and the emitters, measure, stop everything; the figures."""
-    if args.emitters < 1 or args.batch_entries < 1 or args.window < 1 or args.keys < 1:
-        raise ValueError("--emitters, --batch-entries, --window and --keys must be >= 1")
+    # Groups never exceed what the window lets out at once.
+    group = min(window, args.group or window)
     per_emitter = max(1, args.keys // (args.emitters * args.batch_entries))
     with (
         tempfile.TemporaryDirectory(prefix="kvmesh-bench-ingest-") as tmp,
@@ -481,7 +591,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 coordinator.target,
                 per_emitter,
                 args.batch_entries,
-                args.window,
+                window,
+                group,
                 args.l1_share,
                 args.tokens,
                 args.seed,
@@ -523,15 +634,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ingest_seconds": seconds,
         "batches_admitted": sum(r.admitted for r in results),
         "batches_sent": sum(len(r.ack_ns) for r in results),
+        "messages_sent": sum(r.messages for r in results),
+        "batches_per_message": sum(len(r.ack_ns) for r in results)
+        / max(1, sum(r.messages for r in results)),
         "emitters": args.emitters,
         "batch_entries": args.batch_entries,
         "keys": entries,
-        "window": args.window,
+        "window": window,
+        "group": group,
         "parameters": {
             "emitters": args.emitters,
             "batch_entries": args.batch_entries,
             "keys": entries,
-            "window": args.window,
+            "window": window,
+            "group": group,
             "l1_share": args.l1_share,
             "tokens": args.tokens,
             "lookups": args.lookups,
@@ -550,7 +666,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """The figures as a readable table."""
+    """The figures as a readable table (one per run, then a one-line comparison)."""
+    runs: list[dict[str, Any]] = result.get("runs", [result])
+    tables = [_format_run(r) for r in runs]
+    if len(runs) > 1:
+        tables.append(
+            "\n".join(
+                f"window {r['window']:>3}, groups <= {r['group']:>3}: "
+                f"{r['entries_per_s']:>10,.0f} entries/s, ack p99 {r['ack_p99_ms']:.2f} ms, "
+                f"max stall {r['max_stall_ms']:.2f} ms"
+                for r in runs
+            )
+        )
+    return "\n\n".join(tables)
+
+
+def _grouping(result: dict[str, Any]) -> str:
+    if result["group"] <= 1:
+        return "no groups"
+    return (
+        f"groups of <= {result['group']} batches "
+        f"({result['batches_per_message']:.2f} batches per message)"
+    )
+
+
+def _format_run(result: dict[str, Any]) -> str:
     p = result["parameters"]
     ref = result["lmcache_reference"]
     t = result["targets"]
@@ -561,7 +701,7 @@ def format_table(result: dict[str, Any]) -> str:
 
     lines = [
         f"ingest: {p['emitters']} emitters x {p['batch_entries']}-entry STORE batches, "
-        f"{p['keys']} keys, window {p['window']}, {p['cpus']} CPUs",
+        f"{p['keys']} keys, window {p['window']}, {_grouping(result)}, {p['cpus']} CPUs",
         "",
         f"{'entries/s':24} {result['entries_per_s']:>12,.0f}   target >= {t['entries_per_s']:,} "
         f"({mark('entries_per_s')}); LMCache {ref['entries_per_s'][0]:,}-"

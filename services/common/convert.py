@@ -20,14 +20,25 @@ coordinator's ingest). A batch converted otherwise still goes through
 ``validate_batch`` or was checked when it was recorded (the emitter).
 
 The proto → core direction is on the coordinator's ingest hot path (the
-target is well over 200k entries/s), so it builds the NamedTuples with
-``tuple.__new__``, reads each proto field exactly once, and validates each
-distinct model name and salt of a batch once rather than per entry.
+target is well over 200k entries/s). Reading a field of a upb message from
+Python costs far more than parsing it did, so a batch whose entries differ
+only in their chunk hashes — what a storage node sends: one model, rank,
+group and salt, one chunk size, no token ids — is read from its own wire
+bytes: the hashes are sliced out at a fixed stride and the batch is proven
+to be exactly "entry 0 with each hash swapped in" by rebuilding its bytes
+(:func:`_uniform_hashes`). Its entries come back as :class:`UniformEntries`,
+columns that behave as the tuple of entries they stand for, so the
+coordinator core (which re-encodes keys to its compact form anyway) needs
+no ObjectKey or CacheEventEntry per entry. Any other batch is converted
+entry by entry, building the NamedTuples with ``tuple.__new__``, reading
+each proto field exactly once, and validating each distinct model name and
+salt of a batch once rather than per entry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
 
 from kvmesh.common.v1 import common_pb2
 from kvmesh.events.v1 import events_pb2
@@ -48,6 +59,7 @@ from services.common.keys import (
 )
 
 __all__ = [
+    "UniformEntries",
     "batch_from_proto",
     "batch_to_proto",
     "event_type_from_proto",
@@ -62,6 +74,86 @@ __all__ = [
 _EVENT_TYPES: dict[int, EventType] = {int(t): t for t in EventType}
 _TIERS: dict[int, Tier] = {int(t): t for t in Tier}
 _INF = float("inf")
+
+# Wire bytes of the fields the uniform fast path locates (tag = field << 3 | 2).
+_ENTRY_TAG = b"\x5a"  # CacheEventBatch.entries (field 11)
+_KEY_TAG = b"\x0a"  # CacheEventEntry.key (field 1)
+_HASH_HEAD = b"\x0a\x20"  # ObjectKey.chunk_hash (field 1), 32 bytes long
+_TRACEPARENT_TAG = b"\x62"  # CacheEventBatch.traceparent (field 12)
+#: Below this many entries the per-entry conversion is as cheap as the proof.
+_UNIFORM_MIN_ENTRIES = 6
+
+
+class UniformEntries(Sequence[CacheEventEntry]):
+    """Entries of one batch that differ only in their chunk hash, kept as columns.
+
+    Entry ``i`` is ``template`` with ``chunk_hashes[i]`` as its key's chunk
+    hash. Everywhere a batch's entries are read it behaves as the tuple of
+    CacheEventEntry it stands for (built on first use: indexing, iteration,
+    equality with a tuple, hashing); the coordinator core reads the columns
+    instead (``services.coordinator.core.keyspace.ColumnarEntries``).
+    """
+
+    __slots__ = ("_tuple", "chunk_hashes", "template")
+
+    def __init__(self, chunk_hashes: Sequence[bytes], template: CacheEventEntry) -> None:
+        self.chunk_hashes = chunk_hashes
+        self.template = template
+        self._tuple: tuple[CacheEventEntry, ...] | None = None
+
+    def as_tuple(self) -> tuple[CacheEventEntry, ...]:
+        """The entries as a tuple (made once)."""
+        entries = self._tuple
+        if entries is None:
+            new = tuple.__new__
+            key = self.template.key
+            _h, model, rank, group, salt = key
+            _k, size, tokens, offset = self.template
+            entries = self._tuple = tuple(
+                new(
+                    CacheEventEntry,
+                    (new(ObjectKey, (h, model, rank, group, salt)), size, tokens, offset),
+                )
+                for h in self.chunk_hashes
+            )
+        return entries
+
+    def __len__(self) -> int:
+        return len(self.chunk_hashes)
+
+    @overload
+    def __getitem__(self, index: int) -> CacheEventEntry: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[CacheEventEntry, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> CacheEventEntry | tuple[CacheEventEntry, ...]:
+        return self.as_tuple()[index]
+
+    def __iter__(self) -> Iterator[CacheEventEntry]:
+        return iter(self.as_tuple())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, UniformEntries):
+            other = other.as_tuple()
+        if isinstance(other, tuple):
+            return self.as_tuple() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.as_tuple())
+
+    def __repr__(self) -> str:
+        return repr(self.as_tuple())
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def key_to_proto(key: ObjectKey) -> common_pb2.ObjectKey:
@@ -211,27 +303,138 @@ def _entries_from_proto(
     return tuple(entries), clean
 
 
-def _convert(msg: events_pb2.CacheEventBatch, field: str) -> tuple[CacheEventBatch, bool]:
-    """The core form of a wire batch and whether its entries passed the quick checks."""
-    # Members are IntEnums >= 1, so a miss (None) is the only falsy lookup.
-    event_type = _EVENT_TYPES.get(msg.event_type) or event_type_from_proto(
-        msg.event_type, f"{field}.event_type"
+def _uniform_hashes(
+    msg: events_pb2.CacheEventBatch,
+    first: events_pb2.CacheEventEntry,
+    n: int,
+    fields: bytes,
+    trailer: bytes,
+) -> list[bytes] | None:
+    """The chunk hashes of ``msg`` when its ``n`` entries differ only in them, else None.
+
+    ``fields`` is the wire form of ``msg``'s fields 1-10 and ``trailer``
+    that of field 12 (``traceparent``). Every entry's record is then
+    the first entry's record (``0x5a len body``, body = ``0x0a keylen 0x0a
+    0x20 <hash> <rest of key> <rest of entry>``) with its own 32 hash bytes
+    at one fixed offset, so the hashes are sliced out at a fixed stride and
+    the message's own bytes are rebuilt from the pieces and compared: equal
+    bytes parse to equal messages, so a match proves every entry equals the
+    first with its hash swapped in. Any difference (a size, a token, another
+    model, a hash of another length, an unknown field) is a mismatch and the
+    caller converts entry by entry. The proof relies only on ``fields`` and
+    the first entry being upb's own serializations (each field once, in
+    field-number order; were they not, the bytes would just not match).
+    """
+    key_bytes = first.key.SerializeToString()
+    body = first.SerializeToString()
+    key_head = _KEY_TAG + _varint(len(key_bytes)) + _HASH_HEAD
+    if not body.startswith(key_head):
+        return None  # the first hash is not 32 bytes (or the key is empty)
+    head = _ENTRY_TAG + _varint(len(body)) + key_head
+    tail = body[len(key_head) + CHUNK_HASH_BYTES :]
+    step = len(head) + CHUNK_HASH_BYTES + len(tail)
+    whole = msg.SerializeToString()
+    start = len(fields)
+    stop = start + n * step
+    if len(whole) != stop + len(trailer):
+        return None
+    hashes = [whole[p : p + CHUNK_HASH_BYTES] for p in range(start + len(head), stop, step)]
+    if whole != b"".join((fields, head, (tail + head).join(hashes), tail, trailer)):
+        return None
+    return hashes
+
+
+def _entry_template(
+    wire: events_pb2.CacheEventEntry, chunk_hash: bytes
+) -> tuple[CacheEventEntry, bool]:
+    """The core form of one wire entry (with ``chunk_hash``) and whether it passed the checks."""
+    k = wire.key
+    model = k.model_name
+    salt = k.cache_salt
+    size = wire.size_bytes
+    tokens = wire.token_ids
+    offset = wire.token_offset
+    if not offset and not wire.HasField("token_offset"):
+        offset = UNKNOWN_TOKEN_OFFSET
+    entry = CacheEventEntry(
+        ObjectKey(chunk_hash, model, k.kv_rank, k.object_group_id, salt),
+        size,
+        tuple(tokens[:]) if tokens else (),
+        offset,
     )
-    tier = _TIERS.get(msg.tier) or tier_from_proto(msg.tier, f"{field}.tier")
-    entries, clean = _entries_from_proto(msg.entries)
+    try:
+        validate_model_name(model)
+        validate_cache_salt(salt)
+    except InvalidArgument:
+        return entry, False
+    return entry, size >= 0 and offset >= UNKNOWN_TOKEN_OFFSET
+
+
+def _convert(
+    msg: events_pb2.CacheEventBatch, field: str, *, columns: bool = False
+) -> tuple[CacheEventBatch, bool]:
+    """The core form of a wire batch and whether its entries passed the quick checks.
+
+    With ``columns`` a batch of entries that differ only in their hashes
+    gets :class:`UniformEntries` (the ingest fast path), else a tuple.
+    """
+    # Members are IntEnums >= 1, so a miss (None) is the only falsy lookup.
+    raw_type = msg.event_type
+    raw_tier = msg.tier
+    event_type = _EVENT_TYPES.get(raw_type) or event_type_from_proto(
+        raw_type, f"{field}.event_type"
+    )
+    tier = _TIERS.get(raw_tier) or tier_from_proto(raw_tier, f"{field}.tier")
+    instance_id = msg.instance_id
+    incarnation = msg.incarnation
+    seq = msg.seq
+    backend = msg.backend
+    shared = msg.shared
+    ts = msg.ts
+    capacity_bytes = msg.capacity_bytes
+    capacity_revision = msg.capacity_revision
+    traceparent = msg.traceparent
+    wire_entries = msg.entries
+    n = len(wire_entries)
+    entries: Sequence[CacheEventEntry] | None = None
+    clean = True
+    if columns and n >= _UNIFORM_MIN_ENTRIES:
+        fields = events_pb2.CacheEventBatch(
+            instance_id=instance_id,
+            incarnation=incarnation,
+            seq=seq,
+            event_type=raw_type,
+            tier=raw_tier,
+            backend=backend,
+            shared=shared,
+            ts=ts,
+            capacity_bytes=capacity_bytes,
+            capacity_revision=capacity_revision,
+        ).SerializeToString()
+        trailer = b""
+        if traceparent:
+            raw = traceparent.encode()
+            trailer = _TRACEPARENT_TAG + _varint(len(raw)) + raw
+        first = wire_entries[0]
+        hashes = _uniform_hashes(msg, first, n, fields, trailer)
+        if hashes is not None:
+            template, clean = _entry_template(first, hashes[0])
+            entries = UniformEntries(hashes, template)
+    if entries is None:
+        entries, clean = _entries_from_proto(wire_entries)
     batch = CacheEventBatch(
-        instance_id=msg.instance_id,
-        incarnation=msg.incarnation,
-        seq=msg.seq,
+        instance_id=instance_id,
+        incarnation=incarnation,
+        seq=seq,
         event_type=event_type,
         tier=tier,
-        backend=msg.backend,
+        backend=backend,
         entries=entries,
-        shared=msg.shared,
-        ts=msg.ts,
-        capacity_bytes=msg.capacity_bytes,
-        capacity_revision=msg.capacity_revision,
-        traceparent=msg.traceparent,
+        shared=shared,
+        ts=ts,
+        capacity_bytes=capacity_bytes,
+        capacity_revision=capacity_revision,
+        traceparent=traceparent,
     )
     return batch, clean
 
@@ -256,7 +459,7 @@ def validated_batch_from_proto(
     validated once), and only when one of them fails does
     :func:`validate_batch` run to name the first violated invariant.
     """
-    batch, clean = _convert(msg, field)
+    batch, clean = _convert(msg, field, columns=True)
     ts = batch.ts
     if (
         clean

@@ -1,7 +1,8 @@
 """The coordinator's five gRPC services: thin adapters from protobuf to the Coordinator core.
 
 ``EventIngestService.StreamEvents`` is the one with state of its own: each
-storage node keeps one stream open; batches come up and are acked in order,
+storage node keeps one stream open; batches come up (singly, or in groups
+once the stream's initial metadata announced them) and are acked in order,
 and the coordinator's commands to that node (deletes chosen by fleet
 eviction, operator deletes, resync requests) go down the same stream. The
 :class:`NodeStreams` registry is also the core's ``DeleteDispatcher``: a
@@ -16,7 +17,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,7 @@ from services.common.errors import (
     KvmeshError,
     Unavailable,
 )
-from services.common.events import IngestResult, Tier
+from services.common.events import CacheEventBatch, IngestResult, Tier
 from services.common.keys import (
     ObjectKey,
     validate_cache_salt,
@@ -69,6 +70,13 @@ MAX_LOOKUP_KEYS = 100_000
 MAX_TOKENS = 1_000_000
 MAX_PAGE_SIZE = 10_000
 VERSION = "0.1.0"
+#: Initial-metadata key by which StreamEvents announces that it takes batch groups.
+BATCH_GROUPS_METADATA = "kvmesh-batch-groups"
+#: The most batches one BatchGroup may carry (announced under BATCH_GROUPS_METADATA).
+MAX_GROUP_BATCHES = 64
+#: A group is ingested batch after batch on the event loop; after this much of
+#: it the reader lets the loop serve other streams and lookups before going on.
+_GROUP_SLICE_S = 0.002
 
 _TIER_TO_PROTO = {Tier.L1: common_pb2.TIER_L1, Tier.L2: common_pb2.TIER_L2}
 
@@ -304,9 +312,27 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
         self.core = core
         self.streams = streams
 
-    def _ingest(self, msg: events_pb2.CacheEventBatch, field: str) -> IngestResult:
+    def _ingest(
+        self, stream: _Stream, msg: events_pb2.CacheEventBatch, field: str
+    ) -> ingest_pb2.BatchAck:
+        """Check, convert and ingest one batch of ``stream``; its ack."""
+        if msg.instance_id != stream.instance_id:
+            raise InvalidArgument(
+                f"{field}.instance_id {msg.instance_id!r} differs from the stream's "
+                f"{stream.instance_id!r}",
+                field=f"{field}.instance_id",
+            )
         batch = validated_batch_from_proto(msg, field)
-        parent = context_from_traceparent(batch.traceparent) if batch.traceparent else None
+        if batch.traceparent:
+            result = self._ingest_traced(batch)
+        else:
+            result = self.core.ingest_validated(batch)
+        return ingest_pb2.BatchAck(
+            incarnation=batch.incarnation, seq=batch.seq, result=_ACK[result]
+        )
+
+    def _ingest_traced(self, batch: CacheEventBatch) -> IngestResult:
+        parent = context_from_traceparent(batch.traceparent)
         if parent is None:
             return self.core.ingest_validated(batch)
         # The batch carries the trace of the request that made its first change: the
@@ -326,6 +352,33 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
             span.set_attribute("kvmesh.ingest_result", result.name)
             return result
 
+    async def _ingest_group(
+        self,
+        stream: _Stream,
+        msgs: Sequence[events_pb2.CacheEventBatch],
+        put: Callable[[ingest_pb2.StreamEventsResponse], None],
+    ) -> None:
+        """Ingest a BatchGroup batch by batch; one AckGroup for the batches it applied."""
+        n = len(msgs)
+        if n > MAX_GROUP_BATCHES:
+            raise InvalidArgument(
+                f"a batch group holds at most {MAX_GROUP_BATCHES} batches, got {n}",
+                field="batches.batches",
+            )
+        acks: list[ingest_pb2.BatchAck] = []
+        clock = time.perf_counter
+        try:
+            started = clock()
+            for i, msg in enumerate(msgs):
+                acks.append(self._ingest(stream, msg, f"batches.batches[{i}]"))
+                if i + 1 < n and clock() - started > _GROUP_SLICE_S:
+                    await asyncio.sleep(0)
+                    started = clock()
+        finally:
+            # Also when batch i was bad: the ones before it are applied and acked.
+            if acks:
+                put(ingest_pb2.StreamEventsResponse(acks=ingest_pb2.AckGroup(acks=acks)))
+
     async def StreamEvents(
         self, request_iterator: AsyncIterator[ingest_pb2.StreamEventsRequest], context: Any
     ) -> AsyncIterator[ingest_pb2.StreamEventsResponse]:
@@ -337,6 +390,8 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
         instance_id = first.open.instance_id
         if not instance_id:
             raise InvalidArgument("open.instance_id must not be empty", field="open.instance_id")
+        # Tell the node it may send batch groups (ingest.proto: StreamEvents).
+        await context.send_initial_metadata(((BATCH_GROUPS_METADATA, str(MAX_GROUP_BATCHES)),))
         stream = _Stream(
             instance_id, first.open.incarnation, asyncio.get_running_loop(), asyncio.Queue()
         )
@@ -374,25 +429,14 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
     ) -> None:
         """Ingest the stream's batches in order; the generator yields the acks."""
         put = stream.outbox.put_nowait
+        response = ingest_pb2.StreamEventsResponse
         try:
             async for request in request_iterator:
                 kind = request.WhichOneof("kind")
                 if kind == "batch":
-                    msg = request.batch
-                    if msg.instance_id != stream.instance_id:
-                        raise InvalidArgument(
-                            f"batch.instance_id {msg.instance_id!r} differs from the stream's "
-                            f"{stream.instance_id!r}",
-                            field="batch.instance_id",
-                        )
-                    result = self._ingest(msg, "batch")
-                    put(
-                        ingest_pb2.StreamEventsResponse(
-                            ack=ingest_pb2.BatchAck(
-                                incarnation=msg.incarnation, seq=msg.seq, result=_ACK[result]
-                            )
-                        )
-                    )
+                    put(response(ack=self._ingest(stream, request.batch, "batch")))
+                elif kind == "batches":
+                    await self._ingest_group(stream, request.batches.batches, put)
                 elif kind == "command_result":
                     self.streams.record_result(stream.instance_id, request.command_result)
                 elif kind == "open":

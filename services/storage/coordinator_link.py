@@ -21,9 +21,15 @@ session ends, whether by :meth:`GrpcEventSession.close` or a stream error):
 
 * gRPC's own request thread consumes the session's outbox (a queue fed by
   ``send`` and by command results, so the two writers are serialised); a
-  sentinel ends it;
-* the reader thread iterates the responses: acks go straight to
-  ``listener.on_ack`` (in stream order), commands to the command thread;
+  sentinel ends it. Once the coordinator has announced batch groups (the
+  ``kvmesh-batch-groups`` initial metadata, see ingest.proto), batches that
+  are already waiting in the outbox when the thread comes for the next
+  message go up together as one ``batches`` group (never waiting to fill
+  one), which saves the per-message cost on both ends when the emitter has
+  several batches in flight;
+* the reader thread reads the initial metadata, then iterates the
+  responses: acks — of a group too, one per batch in order — go straight
+  to ``listener.on_ack`` (in stream order), commands to the command thread;
   when the stream ends it calls ``listener.on_closed`` exactly once (unless
   the session was closed by its owner, as the contract asks);
 * the command thread runs ``listener.on_command`` one command at a time in
@@ -36,7 +42,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 
 import grpc
@@ -84,6 +90,13 @@ __all__ = [
 ]
 
 INGEST_SERVICE = ingest_pb2.DESCRIPTOR.services_by_name["EventIngestService"].full_name
+#: Initial-metadata key by which the coordinator announces batch groups (ingest.proto).
+BATCH_GROUPS_METADATA = "kvmesh-batch-groups"
+#: Batches per group at most, unless the coordinator announced fewer.
+DEFAULT_MAX_GROUP_BATCHES = 32
+#: Wire bytes per group at most (a bigger batch still goes alone), far below
+#: any message-size limit a coordinator would run with.
+MAX_GROUP_BYTES = 4 * 1024 * 1024
 _UINT32_MAX = 0xFFFFFFFF
 _INGEST_RESULTS: dict[int, IngestResult] = {int(r): r for r in IngestResult}
 #: How long GrpcEventTransport.close waits for each session's threads.
@@ -207,8 +220,14 @@ class GrpcEventSession:
         self._closing = False  # close() was called
         self._ended = False  # the stream is over, for whatever reason
         # None is the end-of-stream sentinel in both queues.
-        self._outbox: queue.SimpleQueue[ingest_pb2.StreamEventsRequest | None] = queue.SimpleQueue()
+        # Batches (encoded), other requests (command results) and the sentinel.
+        self._outbox: queue.SimpleQueue[
+            events_pb2.CacheEventBatch | ingest_pb2.StreamEventsRequest | None
+        ] = queue.SimpleQueue()
         self._commands: queue.SimpleQueue[ingest_pb2.NodeCommand | None] = queue.SimpleQueue()
+        # Batches per message: 1 until the coordinator announces groups.
+        self._group_limit = 1
+        self._max_group_batches = transport.max_group_batches
         self._warned_tokens = False
         self._call: grpc._CallIterator[ingest_pb2.StreamEventsResponse] | None = None
         self._reader = threading.Thread(
@@ -240,11 +259,43 @@ class GrpcEventSession:
     ) -> Iterator[ingest_pb2.StreamEventsRequest]:
         # Consumed by gRPC's request thread; returning half-closes the stream.
         yield hello
+        outbox = self._outbox
+        held: events_pb2.CacheEventBatch | ingest_pb2.StreamEventsRequest | None = None
+        holding = False
         while True:
-            request = self._outbox.get()
-            if request is None:
+            if holding:
+                item, held, holding = held, None, False
+            else:
+                item = outbox.get()
+            if item is None:
                 return
-            yield request
+            if isinstance(item, ingest_pb2.StreamEventsRequest):
+                yield item
+                continue
+            limit = self._group_limit
+            if limit <= 1 or outbox.empty():
+                yield ingest_pb2.StreamEventsRequest(batch=item)
+                continue
+            # Several batches are waiting already: one message for as many as fit.
+            group = [item]
+            size = item.ByteSize()
+            while len(group) < limit:
+                try:
+                    nxt = outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if not isinstance(nxt, events_pb2.CacheEventBatch):
+                    held, holding = nxt, True  # a command result or the end: after the group
+                    break
+                size += nxt.ByteSize()
+                if size > MAX_GROUP_BYTES:
+                    held, holding = nxt, True
+                    break
+                group.append(nxt)
+            if len(group) == 1:
+                yield ingest_pb2.StreamEventsRequest(batch=item)
+            else:
+                yield ingest_pb2.StreamEventsRequest(batches=ingest_pb2.BatchGroup(batches=group))
 
     @property
     def closed(self) -> bool:
@@ -256,8 +307,7 @@ class GrpcEventSession:
 
     def send(self, batch: CacheEventBatch) -> None:
         """Queue ``batch`` on the stream (never blocks); TransportError when the stream is over."""
-        request = ingest_pb2.StreamEventsRequest(batch=self._encode(batch))
-        if not self._write(request):
+        if not self._write(self._encode(batch)):
             raise TransportError("the event stream is closed")
 
     def _encode(self, batch: CacheEventBatch) -> events_pb2.CacheEventBatch:
@@ -283,7 +333,7 @@ class GrpcEventSession:
                     f"cache event batch {batch.ident()} cannot be encoded: {again}"
                 ) from again
 
-    def _write(self, request: ingest_pb2.StreamEventsRequest) -> bool:
+    def _write(self, request: events_pb2.CacheEventBatch | ingest_pb2.StreamEventsRequest) -> bool:
         with self._lock:
             if self._ended or self._closing:
                 return False
@@ -297,10 +347,16 @@ class GrpcEventSession:
         assert call is not None
         error: BaseException | None = None
         try:
+            # Sent when the coordinator accepted the stream (an older one sends
+            # it with its first response); empty when the call ended first.
+            self._accept_groups(call.initial_metadata() or ())
             for response in call:
                 kind = response.WhichOneof("kind")
                 if kind == "ack":
                     self._deliver_ack(response.ack)
+                elif kind == "acks":
+                    for ack in response.acks.acks:
+                        self._deliver_ack(ack)
                 elif kind == "command":
                     self._commands.put(response.command)
                 else:
@@ -316,6 +372,19 @@ class GrpcEventSession:
             error = exc
         finally:
             self._finish(error)
+
+    def _accept_groups(self, metadata: Iterable[tuple[str, str | bytes]]) -> None:
+        """Allow batch groups as big as the coordinator announced (and this transport allows)."""
+        for key, value in metadata:
+            if key != BATCH_GROUPS_METADATA:
+                continue
+            try:
+                announced = int(value)
+            except ValueError:
+                logger.warning("ignoring a malformed %s: %r", BATCH_GROUPS_METADATA, value)
+                return
+            self._group_limit = max(1, min(announced, self._max_group_batches))
+            return
 
     def _deliver_ack(self, ack: ingest_pb2.BatchAck) -> None:
         if ack.incarnation != self.incarnation:
@@ -425,7 +494,8 @@ class GrpcEventTransport:
     (default: the ``StreamEvents`` policy timeout, 2 s) for the coordinator to
     serve ingest and raises :class:`TransportError` otherwise, so an absent
     (or shutting-down) coordinator never hangs the emitter's sender thread;
-    the emitter then retries with its own backoff.
+    the emitter then retries with its own backoff. ``max_group_batches``
+    caps the batches sent in one group (1: never group).
     """
 
     def __init__(
@@ -435,7 +505,11 @@ class GrpcEventTransport:
         channel: grpc.Channel | None = None,
         connect_timeout_s: float | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_group_batches: int = DEFAULT_MAX_GROUP_BATCHES,
     ) -> None:
+        if max_group_batches < 1:
+            raise InvalidArgument("max_group_batches must be >= 1", field="max_group_batches")
+        self.max_group_batches = max_group_batches
         timeout = (
             EventIngestClient.POLICIES["StreamEvents"].timeout
             if connect_timeout_s is None

@@ -21,7 +21,13 @@ Storage — designed for ten million keys without GC or resize stalls:
   ``(instance_id, incarnation)`` are interned to small ints. No per-key
   container object exists, so every big dict holds only untracked objects
   and stays untracked by the cyclic GC: a full collection costs the same at
-  ten keys or ten million.
+  ten keys or ten million. Records are immutable, so the keys a STORE
+  creates with one size share one record object (about 80 bytes per key
+  saved) until one of them changes.
+* A STORE of fresh keys of one key space and one size (what storage nodes
+  send), with no token bindings in play, is applied in bulk: each step is a
+  C-level ``map`` over the batch instead of a Python loop per key. Any other
+  batch goes key by key; both give the same result.
 * The key space is split into 4096 dicts by ``hash(ck)``. One huge dict
   stalls for seconds when it resizes (measured: 1.5 s at 5.6 M keys here,
   mostly first-touch page faults); a shard of ~2.5 k keys resizes in
@@ -80,7 +86,7 @@ from services.common.errors import InvalidArgument
 from services.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
 from services.common.keys import ObjectKey
 
-from .keyspace import SPACE_BYTES, KeySpaces, space_id_of
+from .keyspace import SHARD_BITS, SPACE_BYTES, EncodedBatch, KeySpaces, columnar, space_id_of
 from .persistence import PersistenceType
 from .types import DirectoryStats, KeyInfo, KeyPage, Placement, TierTotals
 from .usage import CacheUsageManager, UsageDelta
@@ -95,7 +101,6 @@ _PL_SIZE = _PL.size
 _ONE_SIZE = _ONE.size
 _U32 = struct.Struct("<I")
 
-SHARD_BITS = 12
 NUM_SHARDS = 1 << SHARD_BITS
 _MASK = NUM_SHARDS - 1
 _INDEX_SHIFT = 4  # 256 reverse-index shards per instance
@@ -108,6 +113,9 @@ _PAGE_TOKEN_VERSION = 1
 _PAGE_HEAD = struct.Struct("<B4sH")
 _BIG_ENDIAN = sys.byteorder == "big"
 _TOKENS = operator.itemgetter(2)
+_SIZES = operator.itemgetter(1)
+# Runs a map() of dict.__setitem__ to the end in C (a maxlen-0 deque keeps nothing).
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 
 
 class PlacementIdentity(NamedTuple):
@@ -269,21 +277,22 @@ class KeyDirectory:
     def consume(self, batch: CacheEventBatch) -> None:
         """Apply one admitted batch (STORE, DELETE, ACCESS; CONFIG only registers the reporter)."""
         et = batch.event_type
-        cks, sids = self._spaces.encode_batch(batch) if batch.entries else ([], [])
+        encoded = self._spaces.encode_batch(batch)
         with self._lock:
             if batch.instance_id not in self._l1_index:
                 self._l1_index[batch.instance_id] = {}
+            cks = encoded.cks
             if cks:
                 if et == EventType.STORE:
-                    self._apply_store(batch, cks, sids)
+                    self._apply_store(batch, encoded)
                 elif et == EventType.DELETE:
-                    self._apply_delete(batch, cks, sids)
+                    self._apply_delete(batch, cks, encoded.sids)
                 elif et == EventType.ACCESS:
                     self._apply_access(batch, cks)
             if self._backlog:
                 self._reclaim_locked(self._reclaim_per_batch)
 
-    def _apply_store(self, batch: CacheEventBatch, cks: list[bytes], sids: list[int]) -> None:
+    def _apply_store(self, batch: CacheEventBatch, encoded: EncodedBatch) -> None:
         iid = batch.instance_id
         tier = batch.tier
         pid = self._intern_pid(
@@ -294,22 +303,111 @@ class KeyDirectory:
             self._shared_reporters.setdefault(pid, {})[iid] = None
         is_l1 = tier == Tier.L1
         idx = self._l1_index[iid] if is_l1 else None
+        entries = batch.entries
+        cols = columnar(entries)
+        bindings = self._bindings if self._binding_cap > 0 else None
+        # One C-level pass tells whether any entry carries tokens, so the
+        # common token-less batch skips the per-entry check.
+        if cols is not None:
+            one_size: int | None = cols.template.size_bytes
+            with_tokens = bindings is not None and bool(cols.template.token_ids)
+        else:
+            sizes = list(map(_SIZES, entries))
+            one_size = sizes[0] if sizes.count(sizes[0]) == len(sizes) else None
+            with_tokens = bindings is not None and any(map(len, map(_TOKENS, entries)))
+        ts = float(batch.ts)
+        # Every new record of this batch is prefix + u64 size. Records are
+        # immutable, so the new keys of one size share one record object.
+        prefix = _ONE.pack(ts, 0, pid, stream, 0)[: _ONE_SIZE - 8]
+        if (
+            one_size is not None
+            and encoded.sid >= 0
+            and not with_tokens
+            and not bindings
+            and encoded.unique
+            and self._store_new_keys(encoded, prefix + one_size.to_bytes(8, "little"), idx)
+        ):
+            n = len(encoded.cks)
+            delta = n * one_size
+            self._num_keys += n
+            self._count[tier] += n
+            self._bytes[tier] += delta
+            if is_l1:
+                if delta:
+                    self._roll_l1(stream, pid, encoded.sid, delta, 0)
+                self._l1_cnt[stream] = self._l1_cnt.get(stream, 0) + n
+            if delta:
+                self._emit_usage({(pid, encoded.sid): delta})
+            return
+        self._store_each(batch, encoded, pid, stream, prefix, idx, with_tokens)
+
+    def _store_new_keys(
+        self, encoded: EncodedBatch, record: bytes, idx: dict[int, dict[bytes, None]] | None
+    ) -> bool:
+        """Insert every key of ``encoded`` with ``record`` if none exists yet; False if one does.
+
+        The bulk path of the common batch (fresh keys of one space and one
+        size, no token bindings): each step is a C-level pass over the
+        batch instead of a Python loop per key. No key is touched when it
+        returns False (frozen shards may have been copied, which only
+        anticipates the copy-on-write of the per-key path).
+        """
+        cks = encoded.cks
+        sis = encoded.shards
+        shards = self._shards
+        if 1 in self._frozen:  # a capture holds some shards: copy the ones written
+            frozen = self._frozen
+            for si in set(sis):
+                if frozen[si]:
+                    self._thaw(si)
+        dicts = list(map(shards.__getitem__, sis))
+        n = len(cks)
+        # One probe per key inserts the fresh ones; ``record`` is new, so a key
+        # that existed is one whose value is not that very object.
+        found = list(map(dict.setdefault, dicts, cks, itertools.repeat(record, n)))
+        inserted = list(map(operator.is_, found, itertools.repeat(record, n))).count(True)
+        if inserted != n:
+            if inserted:  # some existed: undo, so the per-key path starts from the same state
+                for d, ck, v in zip(dicts, cks, found, strict=True):
+                    if v is record:
+                        del d[ck]
+            return False
+        if idx is not None:
+            get = idx.get
+            index_shards = []
+            for si in sis:
+                ish = get(si >> _INDEX_SHIFT)
+                if ish is None:
+                    ish = idx[si >> _INDEX_SHIFT] = {}
+                index_shards.append(ish)
+            _consume(map(dict.__setitem__, index_shards, cks, itertools.repeat(None, n)))
+        return True
+
+    def _store_each(
+        self,
+        batch: CacheEventBatch,
+        encoded: EncodedBatch,
+        pid: int,
+        stream: int,
+        prefix: bytes,
+        idx: dict[int, dict[bytes, None]] | None,
+        with_tokens: bool,
+    ) -> None:
+        """Upsert entry by entry (keys that exist, several spaces or sizes, token bindings)."""
+        cks = encoded.cks
+        sids = encoded.sids
+        tier = batch.tier
+        is_l1 = idx is not None
         shards = self._shards
         frozen = self._frozen
         dead = self._dead
         pid_l1 = self._pid_l1
         bindings = self._bindings if self._binding_cap > 0 else None
-        # One C-level pass tells whether any entry carries tokens, so the
-        # common token-less batch skips the per-entry check.
-        with_tokens = bindings is not None and any(map(len, map(_TOKENS, batch.entries)))
         unpack = _ONE.unpack
         pack = _ONE.pack
         ts = float(batch.ts)
-        # Every new record of this batch is prefix + u64 size; sizes within a
-        # batch are nearly always equal, so the size bytes are reused.
-        prefix = pack(ts, 0, pid, stream, 0)[: _ONE_SIZE - 8]
         last_size = -1
-        size_b = b""
+        record = b""
         sdelta: dict[int, int] = {}
         run_sid = -1
         run = 0
@@ -324,9 +422,9 @@ class KeyDirectory:
                 size = entry[1]
                 if v is None:
                     if size != last_size:
-                        size_b = size.to_bytes(8, "little")
+                        record = prefix + size.to_bytes(8, "little")
                         last_size = size
-                    sh[ck] = prefix + size_b
+                    sh[ck] = record
                     new_keys += 1
                     added += 1
                     d = size

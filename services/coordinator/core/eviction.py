@@ -45,19 +45,21 @@ global order is a k-way merge of the shards; keys of one batch tie.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from operator import itemgetter
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 from services.common.errors import InvalidArgument
 from services.common.events import CacheEventBatch, EventType, Tier
 from services.common.keys import ObjectKey, validate_cache_salt
 
 from .directory import KeyDirectory
-from .keyspace import KeySpaces, space_id_of
+from .keyspace import SHARD_BITS, EncodedBatch, KeySpaces, space_id_of
 from .persistence import PersistenceType
 from .types import DeleteRequest, EvictionReport, PinEntry, PinPage
 from .usage import CacheUsageManager
@@ -68,8 +70,11 @@ MAX_DELETE_BATCH = 10_000
 DEFAULT_EVICTION_RATIO = 0.2
 DEFAULT_TRIGGER_WATERMARK = 1.0
 DEFAULT_MAX_VICTIMS_PER_CYCLE = 100_000
-_LRU_SHARD_BITS = 12
+# The directory's sharding, so a batch's shard numbers are computed once for both.
+_LRU_SHARD_BITS = SHARD_BITS
 _LRU_MASK = (1 << _LRU_SHARD_BITS) - 1
+# Runs a map() to the end in C (a maxlen-0 deque keeps nothing).
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 
 
 @runtime_checkable
@@ -337,6 +342,12 @@ class _SaltBucket:
         self.frozen: set[int] = set()
         self.count = 0
 
+    def for_write(self, k: int) -> dict[bytes, int]:
+        """Shard ``k`` to write to: created if missing, copied if a snapshot holds it."""
+        sh = self.writable(k, True)
+        assert sh is not None
+        return sh
+
     def writable(self, k: int, create: bool) -> dict[bytes, int] | None:
         sh = self.shards.get(k)
         if sh is None:
@@ -400,6 +411,33 @@ class IsolatedLRU:
                     grown += 1
                 sh[ck] = stamp
             bucket.count += grown
+
+    def on_batch_created(self, encoded: EncodedBatch) -> None:
+        """:meth:`on_keys_created` of one batch's keys, in bulk when they share one salt.
+
+        Same effect, key by key: each key is removed if tracked and appended
+        at the most-recent end, in entry order; only the per-key Python loop
+        becomes C-level passes (which needs the keys to be distinct).
+        """
+        if encoded.sid < 0 or not encoded.unique:
+            self.on_keys_created(encoded.cks, encoded.sids)
+            return
+        cks = encoded.cks
+        sis = encoded.shards
+        with self._lock:
+            self._stamp += 1
+            stamp = self._stamp
+            _salt, bucket = self._bucket(encoded.sid, True)
+            assert bucket is not None
+            found = list(map(bucket.shards.get, sis))
+            if bucket.frozen or None in found:
+                dicts = [bucket.for_write(k) for k in sis]
+            else:
+                dicts = cast(list[dict[bytes, int]], found)
+            n = len(cks)
+            popped = list(map(dict.pop, dicts, cks, itertools.repeat(None, n)))
+            _consume(map(dict.__setitem__, dicts, cks, itertools.repeat(stamp, n)))
+            bucket.count += popped.count(None)
 
     def on_keys_touched(self, cks: Sequence[bytes], sids: Sequence[int]) -> None:
         """Move tracked keys to the most-recent end; unknown keys are ignored."""
@@ -626,9 +664,11 @@ class FleetEvictionController:
         et = batch.event_type
         if et not in (EventType.STORE, EventType.ACCESS, EventType.DELETE):
             return
-        cks, sids = self._spaces.encode_batch(batch)
+        encoded = self._spaces.encode_batch(batch)
+        cks = encoded.cks
+        sids = encoded.sids
         if et == EventType.STORE:
-            self.lru.on_keys_created(cks, sids)
+            self.lru.on_batch_created(encoded)
         elif et == EventType.ACCESS:
             self.lru.on_keys_touched(cks, sids)
         else:

@@ -13,6 +13,12 @@ whatever its hash length. A dict of such ``bytes`` keys to ``bytes``/``int``
 values holds no tracked object, so CPython leaves the dict itself untracked
 and the collector never walks it (see ``gc.is_tracked``).
 
+Batches whose entries differ only in their chunk hashes (what storage nodes
+send; the servicer's conversion hands them over as columns, see
+:class:`ColumnarEntries`) are encoded without touching a per-entry object,
+and the encoding of the batch being broadcast is memoised with what the
+consumers' bulk paths need (:class:`EncodedBatch`).
+
 Spaces are few (models × ranks × groups × tenants) and are never forgotten;
 ids are therefore stable for the process lifetime. A checkpoint section that
 stores compact keys also stores the space table it used, and restoring it
@@ -27,8 +33,9 @@ import operator
 import struct
 import threading
 from collections.abc import Callable, Sequence
+from typing import Protocol, cast
 
-from services.common.events import CacheEventBatch
+from services.common.events import CacheEventBatch, CacheEventEntry
 from services.common.keys import ObjectKey
 
 logger = logging.getLogger(__name__)
@@ -36,11 +43,80 @@ logger = logging.getLogger(__name__)
 SPACE_BYTES = 4
 _SUFFIX = struct.Struct("<I")
 _MAX_SPACES = 1 << 32
+#: The directory and the LRU both shard by ``hash(ck) & SHARD_MASK``.
+SHARD_BITS = 12
+SHARD_MASK = (1 << SHARD_BITS) - 1
 
 SpaceTuple = tuple[str, int, int, str]
 """``(model_name, kv_rank, object_group_id, cache_salt)``."""
 
 _TAIL: Callable[[ObjectKey], SpaceTuple] = operator.itemgetter(1, 2, 3, 4)
+
+
+class ColumnarEntries(Protocol):
+    """A batch's entries that differ only in their chunk hash, as columns.
+
+    Entry ``i`` is ``template`` with ``chunk_hashes[i]`` as its key's chunk
+    hash. ``services.common.convert.UniformEntries`` (the servicer's fast
+    conversion) has this shape and is also a ``Sequence[CacheEventEntry]``,
+    so a batch carrying it reads the same to every other caller.
+    """
+
+    @property
+    def chunk_hashes(self) -> Sequence[bytes]:
+        """One chunk hash per entry, in entry order."""
+        ...
+
+    @property
+    def template(self) -> CacheEventEntry:
+        """What every entry is, but for its chunk hash."""
+        ...
+
+
+def columnar(entries: Sequence[CacheEventEntry]) -> ColumnarEntries | None:
+    """``entries`` as columns when they come as :class:`ColumnarEntries`, else None."""
+    if getattr(entries, "chunk_hashes", None) is None:
+        return None
+    return cast(ColumnarEntries, entries)
+
+
+class EncodedBatch:
+    """The compact form of one batch's keys, shared by every consumer of that batch.
+
+    ``cks`` and ``sids`` are per entry; ``sid`` is the one space of every
+    entry (-1 when they differ); ``shards`` is ``hash(ck) & SHARD_MASK`` per
+    entry and ``unique`` tells that no compact key repeats — together what
+    the consumers' bulk (C-level) paths need. Treat every list as read-only.
+    """
+
+    __slots__ = ("_shards", "_unique", "cks", "sid", "sids")
+
+    def __init__(self, cks: list[bytes], sids: list[int], sid: int) -> None:
+        self.cks = cks
+        self.sids = sids
+        self.sid = sid
+        self._shards: list[int] | None = None
+        self._unique: bool | None = None
+
+    @property
+    def shards(self) -> list[int]:
+        """``hash(ck) & SHARD_MASK`` of every compact key (computed once)."""
+        shards = self._shards
+        if shards is None:
+            mask = SHARD_MASK
+            shards = self._shards = [hash(ck) & mask for ck in self.cks]
+        return shards
+
+    @property
+    def unique(self) -> bool:
+        """True when no compact key appears twice (computed once)."""
+        unique = self._unique
+        if unique is None:
+            unique = self._unique = len(set(self.cks)) == len(self.cks)
+        return unique
+
+
+_EMPTY = EncodedBatch([], [], -1)
 
 
 def space_id_of(ck: bytes) -> int:
@@ -71,7 +147,7 @@ class KeySpaces:
         # (model, kv_rank, salt) -> space ids of every object group seen.
         self._groups: dict[tuple[str, int, str], tuple[int, ...]] = {}
         self._memo_batch: CacheEventBatch | None = None
-        self._memo: tuple[list[bytes], list[int]] = ([], [])
+        self._memo = _EMPTY
 
     def __len__(self) -> int:
         return len(self._spaces)
@@ -118,15 +194,36 @@ class KeySpaces:
         """Compact key of ``chunk_hash`` in space ``sid``."""
         return chunk_hash + self._suffixes[sid]
 
-    def encode_batch(self, batch: CacheEventBatch) -> tuple[list[bytes], list[int]]:
+    def encode_batch(self, batch: CacheEventBatch) -> EncodedBatch:
         """Compact keys and space ids of every entry of ``batch``, in entry order.
 
-        The lists are shared with every caller for the same batch object:
-        treat them as read-only.
+        The result is shared with every caller for the same batch object:
+        treat it as read-only.
         """
         if batch is self._memo_batch:
             return self._memo
-        keys = [entry[0] for entry in batch.entries]
+        entries = batch.entries
+        if not entries:
+            return _EMPTY
+        cols = columnar(entries)
+        if cols is not None:
+            # One space for the whole batch, known without looking at an entry.
+            key = cols.template.key
+            tail = (key[1], key[2], key[3], key[4])
+            sid = self._ids.get(tail)
+            if sid is None:
+                sid = self.intern(tail)
+            suffix = self._suffixes[sid]
+            hashes = cols.chunk_hashes
+            encoded = EncodedBatch([h + suffix for h in hashes], [sid] * len(hashes), sid)
+        else:
+            encoded = self._encode_entries(entries)
+        self._memo_batch = batch
+        self._memo = encoded
+        return encoded
+
+    def _encode_entries(self, entries: Sequence[CacheEventEntry]) -> EncodedBatch:
+        keys = [entry[0] for entry in entries]
         tails = set(map(_TAIL, keys))
         if len(tails) == 1:
             # The common case: one model, rank, group and salt per batch.
@@ -135,9 +232,7 @@ class KeySpaces:
             if sid is None:
                 sid = self.intern(tail)
             suffix = self._suffixes[sid]
-            self._memo_batch = batch
-            self._memo = ([k[0] + suffix for k in keys], [sid] * len(keys))
-            return self._memo
+            return EncodedBatch([k[0] + suffix for k in keys], [sid] * len(keys), sid)
         ids = self._ids
         suffixes = self._suffixes
         cks: list[bytes] = []
@@ -145,8 +240,7 @@ class KeySpaces:
         last_tail: tuple[object, ...] = ()
         sid = -1
         suffix = b""
-        for entry in batch.entries:
-            key = entry[0]
+        for key in keys:
             # Entries of one batch almost always share a space; compare the
             # tail tuple instead of hashing it again.
             tail = key[1:]
@@ -159,9 +253,7 @@ class KeySpaces:
                 last_tail = tail
             cks.append(key[0] + suffix)
             sids.append(sid)
-        self._memo_batch = batch
-        self._memo = (cks, sids)
-        return self._memo
+        return EncodedBatch(cks, sids, -1)
 
     def decode(self, ck: bytes) -> ObjectKey:
         """ObjectKey of a compact key."""

@@ -26,7 +26,7 @@ from kvmesh.common.v1 import common_pb2 as kvmesh_dot_common_dot_v1_dot_common__
 from kvmesh.events.v1 import events_pb2 as kvmesh_dot_events_dot_v1_dot_events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"kvmesh/coordinator/v1/ingest.proto\x12\x15kvmesh.coordinator.v1\x1a\x1dkvmesh/common/v1/common.proto\x1a\x1dkvmesh/events/v1/events.proto\"6\n\nStreamOpen\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\"\xc4\x01\n\x13StreamEventsRequest\x12\x31\n\x04open\x18\x01 \x01(\x0b\x32!.kvmesh.coordinator.v1.StreamOpenH\x00\x12\x32\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32!.kvmesh.events.v1.CacheEventBatchH\x00\x12>\n\x0e\x63ommand_result\x18\x03 \x01(\x0b\x32$.kvmesh.coordinator.v1.CommandResultH\x00\x42\x06\n\x04kind\"\\\n\x08\x42\x61tchAck\x12\x13\n\x0bincarnation\x18\x01 \x01(\x03\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12.\n\x06result\x18\x03 \x01(\x0e\x32\x1e.kvmesh.events.v1.IngestResult\"\x84\x01\n\x11\x44\x65leteKeysCommand\x12$\n\x04tier\x18\x01 \x01(\x0e\x32\x16.kvmesh.common.v1.Tier\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12)\n\x04keys\x18\x03 \x03(\x0b\x32\x1b.kvmesh.common.v1.ObjectKey\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\"5\n\rResyncCommand\x12$\n\x04tier\x18\x01 \x01(\x0e\x32\x16.kvmesh.common.v1.Tier\"u\n\x0fSetQuotaCommand\x12\x12\n\ncache_salt\x18\x01 \x01(\t\x12$\n\x04tier\x18\x02 \x01(\x0e\x32\x16.kvmesh.common.v1.Tier\x12\x18\n\x0blimit_bytes\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_limit_bytes\"\xdf\x01\n\x0bNodeCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12?\n\x0b\x64\x65lete_keys\x18\x02 \x01(\x0b\x32(.kvmesh.coordinator.v1.DeleteKeysCommandH\x00\x12\x36\n\x06resync\x18\x03 \x01(\x0b\x32$.kvmesh.coordinator.v1.ResyncCommandH\x00\x12;\n\tset_quota\x18\x04 \x01(\x0b\x32&.kvmesh.coordinator.v1.SetQuotaCommandH\x00\x42\x06\n\x04kind\"q\n\rCommandResult\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x10\n\x08\x61\x66\x66\x65\x63ted\x18\x04 \x01(\r\x12\x1b\n\x13\x65\x66\x66\x65\x63ts_through_seq\x18\x05 \x01(\x03\"\x85\x01\n\x14StreamEventsResponse\x12.\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x1f.kvmesh.coordinator.v1.BatchAckH\x00\x12\x35\n\x07\x63ommand\x18\x02 \x01(\x0b\x32\".kvmesh.coordinator.v1.NodeCommandH\x00\x42\x06\n\x04kind\"J\n\x14IngestBatchesRequest\x12\x32\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32!.kvmesh.events.v1.CacheEventBatch\"}\n\x15IngestBatchesResponse\x12/\n\x07results\x18\x01 \x03(\x0e\x32\x1e.kvmesh.events.v1.IngestResult\x12\x10\n\x08\x61\x64mitted\x18\x02 \x01(\r\x12\x12\n\nduplicates\x18\x03 \x01(\r\x12\r\n\x05stale\x18\x04 \x01(\r2\xed\x01\n\x12\x45ventIngestService\x12k\n\x0cStreamEvents\x12*.kvmesh.coordinator.v1.StreamEventsRequest\x1a+.kvmesh.coordinator.v1.StreamEventsResponse(\x01\x30\x01\x12j\n\rIngestBatches\x12+.kvmesh.coordinator.v1.IngestBatchesRequest\x1a,.kvmesh.coordinator.v1.IngestBatchesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"kvmesh/coordinator/v1/ingest.proto\x12\x15kvmesh.coordinator.v1\x1a\x1dkvmesh/common/v1/common.proto\x1a\x1dkvmesh/events/v1/events.proto\"6\n\nStreamOpen\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\"\xfa\x01\n\x13StreamEventsRequest\x12\x31\n\x04open\x18\x01 \x01(\x0b\x32!.kvmesh.coordinator.v1.StreamOpenH\x00\x12\x32\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32!.kvmesh.events.v1.CacheEventBatchH\x00\x12>\n\x0e\x63ommand_result\x18\x03 \x01(\x0b\x32$.kvmesh.coordinator.v1.CommandResultH\x00\x12\x34\n\x07\x62\x61tches\x18\x04 \x01(\x0b\x32!.kvmesh.coordinator.v1.BatchGroupH\x00\x42\x06\n\x04kind\"@\n\nBatchGroup\x12\x32\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32!.kvmesh.events.v1.CacheEventBatch\"\\\n\x08\x42\x61tchAck\x12\x13\n\x0bincarnation\x18\x01 \x01(\x03\x12\x0b\n\x03seq\x18\x02 \x01(\x03\x12.\n\x06result\x18\x03 \x01(\x0e\x32\x1e.kvmesh.events.v1.IngestResult\"\x84\x01\n\x11\x44\x65leteKeysCommand\x12$\n\x04tier\x18\x01 \x01(\x0e\x32\x16.kvmesh.common.v1.Tier\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12)\n\x04keys\x18\x03 \x03(\x0b\x32\x1b.kvmesh.common.v1.ObjectKey\x12\r\n\x05\x66orce\x18\x04 \x01(\x08\"5\n\rResyncCommand\x12$\n\x04tier\x18\x01 \x01(\x0e\x32\x16.kvmesh.common.v1.Tier\"u\n\x0fSetQuotaCommand\x12\x12\n\ncache_salt\x18\x01 \x01(\t\x12$\n\x04tier\x18\x02 \x01(\x0e\x32\x16.kvmesh.common.v1.Tier\x12\x18\n\x0blimit_bytes\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_limit_bytes\"\xdf\x01\n\x0bNodeCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12?\n\x0b\x64\x65lete_keys\x18\x02 \x01(\x0b\x32(.kvmesh.coordinator.v1.DeleteKeysCommandH\x00\x12\x36\n\x06resync\x18\x03 \x01(\x0b\x32$.kvmesh.coordinator.v1.ResyncCommandH\x00\x12;\n\tset_quota\x18\x04 \x01(\x0b\x32&.kvmesh.coordinator.v1.SetQuotaCommandH\x00\x42\x06\n\x04kind\"q\n\rCommandResult\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x10\n\x08\x61\x66\x66\x65\x63ted\x18\x04 \x01(\r\x12\x1b\n\x13\x65\x66\x66\x65\x63ts_through_seq\x18\x05 \x01(\x03\"9\n\x08\x41\x63kGroup\x12-\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x1f.kvmesh.coordinator.v1.BatchAck\"\xb6\x01\n\x14StreamEventsResponse\x12.\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x1f.kvmesh.coordinator.v1.BatchAckH\x00\x12\x35\n\x07\x63ommand\x18\x02 \x01(\x0b\x32\".kvmesh.coordinator.v1.NodeCommandH\x00\x12/\n\x04\x61\x63ks\x18\x03 \x01(\x0b\x32\x1f.kvmesh.coordinator.v1.AckGroupH\x00\x42\x06\n\x04kind\"J\n\x14IngestBatchesRequest\x12\x32\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32!.kvmesh.events.v1.CacheEventBatch\"}\n\x15IngestBatchesResponse\x12/\n\x07results\x18\x01 \x03(\x0e\x32\x1e.kvmesh.events.v1.IngestResult\x12\x10\n\x08\x61\x64mitted\x18\x02 \x01(\r\x12\x12\n\nduplicates\x18\x03 \x01(\r\x12\r\n\x05stale\x18\x04 \x01(\r2\xed\x01\n\x12\x45ventIngestService\x12k\n\x0cStreamEvents\x12*.kvmesh.coordinator.v1.StreamEventsRequest\x1a+.kvmesh.coordinator.v1.StreamEventsResponse(\x01\x30\x01\x12j\n\rIngestBatches\x12+.kvmesh.coordinator.v1.IngestBatchesRequest\x1a,.kvmesh.coordinator.v1.IngestBatchesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMOPEN']._serialized_start=123
   _globals['_STREAMOPEN']._serialized_end=177
   _globals['_STREAMEVENTSREQUEST']._serialized_start=180
-  _globals['_STREAMEVENTSREQUEST']._serialized_end=376
-  _globals['_BATCHACK']._serialized_start=378
-  _globals['_BATCHACK']._serialized_end=470
-  _globals['_DELETEKEYSCOMMAND']._serialized_start=473
-  _globals['_DELETEKEYSCOMMAND']._serialized_end=605
-  _globals['_RESYNCCOMMAND']._serialized_start=607
-  _globals['_RESYNCCOMMAND']._serialized_end=660
-  _globals['_SETQUOTACOMMAND']._serialized_start=662
-  _globals['_SETQUOTACOMMAND']._serialized_end=779
-  _globals['_NODECOMMAND']._serialized_start=782
-  _globals['_NODECOMMAND']._serialized_end=1005
-  _globals['_COMMANDRESULT']._serialized_start=1007
-  _globals['_COMMANDRESULT']._serialized_end=1120
-  _globals['_STREAMEVENTSRESPONSE']._serialized_start=1123
-  _globals['_STREAMEVENTSRESPONSE']._serialized_end=1256
-  _globals['_INGESTBATCHESREQUEST']._serialized_start=1258
-  _globals['_INGESTBATCHESREQUEST']._serialized_end=1332
-  _globals['_INGESTBATCHESRESPONSE']._serialized_start=1334
-  _globals['_INGESTBATCHESRESPONSE']._serialized_end=1459
-  _globals['_EVENTINGESTSERVICE']._serialized_start=1462
-  _globals['_EVENTINGESTSERVICE']._serialized_end=1699
+  _globals['_STREAMEVENTSREQUEST']._serialized_end=430
+  _globals['_BATCHGROUP']._serialized_start=432
+  _globals['_BATCHGROUP']._serialized_end=496
+  _globals['_BATCHACK']._serialized_start=498
+  _globals['_BATCHACK']._serialized_end=590
+  _globals['_DELETEKEYSCOMMAND']._serialized_start=593
+  _globals['_DELETEKEYSCOMMAND']._serialized_end=725
+  _globals['_RESYNCCOMMAND']._serialized_start=727
+  _globals['_RESYNCCOMMAND']._serialized_end=780
+  _globals['_SETQUOTACOMMAND']._serialized_start=782
+  _globals['_SETQUOTACOMMAND']._serialized_end=899
+  _globals['_NODECOMMAND']._serialized_start=902
+  _globals['_NODECOMMAND']._serialized_end=1125
+  _globals['_COMMANDRESULT']._serialized_start=1127
+  _globals['_COMMANDRESULT']._serialized_end=1240
+  _globals['_ACKGROUP']._serialized_start=1242
+  _globals['_ACKGROUP']._serialized_end=1299
+  _globals['_STREAMEVENTSRESPONSE']._serialized_start=1302
+  _globals['_STREAMEVENTSRESPONSE']._serialized_end=1484
+  _globals['_INGESTBATCHESREQUEST']._serialized_start=1486
+  _globals['_INGESTBATCHESREQUEST']._serialized_end=1560
+  _globals['_INGESTBATCHESRESPONSE']._serialized_start=1562
+  _globals['_INGESTBATCHESRESPONSE']._serialized_end=1687
+  _globals['_EVENTINGESTSERVICE']._serialized_start=1690
+  _globals['_EVENTINGESTSERVICE']._serialized_end=1927
 # @@protoc_insertion_point(module_scope)

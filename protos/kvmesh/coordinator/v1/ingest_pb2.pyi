@@ -4,9 +4,9 @@ isort:skip_file
 Event ingest: the only way facts about cache contents reach the coordinator.
 
 Each storage node opens one StreamEvents call and keeps it open. Batches go
-up, one ack per batch comes down in the same order, and the coordinator's
-commands to that node (delete these keys, resync) come down the same stream,
-so the coordinator never needs to dial a node. A command's effects come back
+up (singly or in groups), one ack per batch comes down in the same order,
+and the coordinator's commands to that node (delete these keys, resync)
+come down the same stream, so the coordinator never needs to dial a node. A command's effects come back
 as ordinary cache events.
 """
 
@@ -58,28 +58,63 @@ class StreamEventsRequest(_message.Message):
     OPEN_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
     COMMAND_RESULT_FIELD_NUMBER: _builtins.int
+    BATCHES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def open(self) -> Global___StreamOpen: ...
     @_builtins.property
     def batch(self) -> _events_pb2.CacheEventBatch: ...
     @_builtins.property
     def command_result(self) -> Global___CommandResult: ...
+    @_builtins.property
+    def batches(self) -> Global___BatchGroup:
+        """Several batches in one message (only to a coordinator that announced
+        `kvmesh-batch-groups`; see StreamEvents). Acked by one AckGroup.
+        """
+
     def __init__(
         self,
         *,
         open: Global___StreamOpen | None = ...,
         batch: _events_pb2.CacheEventBatch | None = ...,
         command_result: Global___CommandResult | None = ...,
+        batches: Global___BatchGroup | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "command_result", b"command_result", "kind", b"kind", "open", b"open"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "batches", b"batches", "command_result", b"command_result", "kind", b"kind", "open", b"open"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "command_result", b"command_result", "kind", b"kind", "open", b"open"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "batches", b"batches", "command_result", b"command_result", "kind", b"kind", "open", b"open"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["open", "batch", "command_result"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["open", "batch", "command_result", "batches"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___StreamEventsRequest: _TypeAlias = StreamEventsRequest  # noqa: Y015
+
+@_typing.final
+class BatchGroup(_message.Message):
+    """Consecutive batches of one stream, in the order they would have been sent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def batches(self) -> _containers.RepeatedCompositeFieldContainer[_events_pb2.CacheEventBatch]:
+        """Each is a batch as in `StreamEventsRequest.batch`; at most the number the
+        coordinator announced (more is INVALID_ARGUMENT naming `batches.batches`,
+        and nothing of the group is applied). An empty group is ignored.
+        """
+
+    def __init__(
+        self,
+        *,
+        batches: _abc.Iterable[_events_pb2.CacheEventBatch] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchGroup: _TypeAlias = BatchGroup  # noqa: Y015
 
 @_typing.final
 class BatchAck(_message.Message):
@@ -268,26 +303,58 @@ class CommandResult(_message.Message):
 Global___CommandResult: _TypeAlias = CommandResult  # noqa: Y015
 
 @_typing.final
+class AckGroup(_message.Message):
+    """The acks of one BatchGroup: one per batch, in the group's order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def acks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchAck]: ...
+    def __init__(
+        self,
+        *,
+        acks: _abc.Iterable[Global___BatchAck] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks", b"acks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckGroup: _TypeAlias = AckGroup  # noqa: Y015
+
+@_typing.final
 class StreamEventsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ACK_FIELD_NUMBER: _builtins.int
     COMMAND_FIELD_NUMBER: _builtins.int
+    ACKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def ack(self) -> Global___BatchAck: ...
+    def ack(self) -> Global___BatchAck:
+        """The ack of a `batch`."""
+
     @_builtins.property
     def command(self) -> Global___NodeCommand: ...
+    @_builtins.property
+    def acks(self) -> Global___AckGroup:
+        """The acks of a `batches` group (after an INVALID_ARGUMENT batch in a
+        group: the acks of the batches before it, then the error).
+        """
+
     def __init__(
         self,
         *,
         ack: Global___BatchAck | None = ...,
         command: Global___NodeCommand | None = ...,
+        acks: Global___AckGroup | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "command", b"command", "kind", b"kind"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "acks", b"acks", "command", b"command", "kind", b"kind"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "command", b"command", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "acks", b"acks", "command", b"command", "kind", b"kind"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["ack", "command"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["ack", "command", "acks"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -51,12 +51,25 @@ class EventIngestServiceServicer:
 
     def StreamEvents(self, request_iterator, context):
         """The emitter stream of one storage node. The first message must be
-        `open`; then any number of `batch` (acked in order, one BatchAck each)
-        and `command_result` messages. A second stream opened for the same
-        instance_id replaces the first (the old one is cancelled).
+        `open`; then any number of `batch` (acked in order, one BatchAck each),
+        `batches` and `command_result` messages. A second stream opened for the
+        same instance_id replaces the first (the old one is cancelled).
+
+        Batch groups: a coordinator that accepts `batches` says so in the
+        stream's initial metadata, `kvmesh-batch-groups: <n>` (the most batches
+        it takes in one group); a client must not send `batches` to one that
+        did not (an older coordinator would never ack them). A group is the
+        same as its batches sent one by one as `batch`, in order: each is
+        checked and ingested in turn, and the acks still come one per batch, in
+        order, together in one `acks` message (AckGroup) once the group is done.
+        Grouping only saves per-message cost; a client groups batches that are
+        already waiting to be sent, never holds one back to fill a group.
+
         Errors (end the stream): INVALID_ARGUMENT (first message not `open`, a
-        malformed batch — ErrorInfo names the field; no cursor advanced and no
-        consumer touched by the bad batch; batches before it stay applied),
+        malformed batch — ErrorInfo names the field, `batch.<field>` or
+        `batches.batches[i].<field>`; no cursor advanced and no consumer
+        touched by the bad batch; batches before it, in its group too, stay
+        applied and their acks are sent before the error),
         UNAVAILABLE (coordinator shutting down). Deadline: none (long-lived);
         the client reconnects with backoff and resends unacked batches.
         """

@@ -4,9 +4,9 @@ isort:skip_file
 Event ingest: the only way facts about cache contents reach the coordinator.
 
 Each storage node opens one StreamEvents call and keeps it open. Batches go
-up, one ack per batch comes down in the same order, and the coordinator's
-commands to that node (delete these keys, resync) come down the same stream,
-so the coordinator never needs to dial a node. A command's effects come back
+up (singly or in groups), one ack per batch comes down in the same order,
+and the coordinator's commands to that node (delete these keys, resync)
+come down the same stream, so the coordinator never needs to dial a node. A command's effects come back
 as ordinary cache events.
 """
 
@@ -40,12 +40,25 @@ class EventIngestServiceStub:
     def __new__(cls, channel: _aio.Channel) -> EventIngestServiceAsyncStub: ...
     StreamEvents: _grpc.StreamStreamMultiCallable[_ingest_pb2.StreamEventsRequest, _ingest_pb2.StreamEventsResponse]
     """The emitter stream of one storage node. The first message must be
-    `open`; then any number of `batch` (acked in order, one BatchAck each)
-    and `command_result` messages. A second stream opened for the same
-    instance_id replaces the first (the old one is cancelled).
+    `open`; then any number of `batch` (acked in order, one BatchAck each),
+    `batches` and `command_result` messages. A second stream opened for the
+    same instance_id replaces the first (the old one is cancelled).
+
+    Batch groups: a coordinator that accepts `batches` says so in the
+    stream's initial metadata, `kvmesh-batch-groups: <n>` (the most batches
+    it takes in one group); a client must not send `batches` to one that
+    did not (an older coordinator would never ack them). A group is the
+    same as its batches sent one by one as `batch`, in order: each is
+    checked and ingested in turn, and the acks still come one per batch, in
+    order, together in one `acks` message (AckGroup) once the group is done.
+    Grouping only saves per-message cost; a client groups batches that are
+    already waiting to be sent, never holds one back to fill a group.
+
     Errors (end the stream): INVALID_ARGUMENT (first message not `open`, a
-    malformed batch — ErrorInfo names the field; no cursor advanced and no
-    consumer touched by the bad batch; batches before it stay applied),
+    malformed batch — ErrorInfo names the field, `batch.<field>` or
+    `batches.batches[i].<field>`; no cursor advanced and no consumer
+    touched by the bad batch; batches before it, in its group too, stay
+    applied and their acks are sent before the error),
     UNAVAILABLE (coordinator shutting down). Deadline: none (long-lived);
     the client reconnects with backoff and resends unacked batches.
     """
@@ -61,12 +74,25 @@ class EventIngestServiceAsyncStub(EventIngestServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     StreamEvents: _aio.StreamStreamMultiCallable[_ingest_pb2.StreamEventsRequest, _ingest_pb2.StreamEventsResponse]  # type: ignore[assignment]
     """The emitter stream of one storage node. The first message must be
-    `open`; then any number of `batch` (acked in order, one BatchAck each)
-    and `command_result` messages. A second stream opened for the same
-    instance_id replaces the first (the old one is cancelled).
+    `open`; then any number of `batch` (acked in order, one BatchAck each),
+    `batches` and `command_result` messages. A second stream opened for the
+    same instance_id replaces the first (the old one is cancelled).
+
+    Batch groups: a coordinator that accepts `batches` says so in the
+    stream's initial metadata, `kvmesh-batch-groups: <n>` (the most batches
+    it takes in one group); a client must not send `batches` to one that
+    did not (an older coordinator would never ack them). A group is the
+    same as its batches sent one by one as `batch`, in order: each is
+    checked and ingested in turn, and the acks still come one per batch, in
+    order, together in one `acks` message (AckGroup) once the group is done.
+    Grouping only saves per-message cost; a client groups batches that are
+    already waiting to be sent, never holds one back to fill a group.
+
     Errors (end the stream): INVALID_ARGUMENT (first message not `open`, a
-    malformed batch — ErrorInfo names the field; no cursor advanced and no
-    consumer touched by the bad batch; batches before it stay applied),
+    malformed batch — ErrorInfo names the field, `batch.<field>` or
+    `batches.batches[i].<field>`; no cursor advanced and no consumer
+    touched by the bad batch; batches before it, in its group too, stay
+    applied and their acks are sent before the error),
     UNAVAILABLE (coordinator shutting down). Deadline: none (long-lived);
     the client reconnects with backoff and resends unacked batches.
     """
@@ -85,12 +111,25 @@ class EventIngestServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_ingest_pb2.StreamEventsResponse], _abc.AsyncIterator[_ingest_pb2.StreamEventsResponse]]:
         """The emitter stream of one storage node. The first message must be
-        `open`; then any number of `batch` (acked in order, one BatchAck each)
-        and `command_result` messages. A second stream opened for the same
-        instance_id replaces the first (the old one is cancelled).
+        `open`; then any number of `batch` (acked in order, one BatchAck each),
+        `batches` and `command_result` messages. A second stream opened for the
+        same instance_id replaces the first (the old one is cancelled).
+
+        Batch groups: a coordinator that accepts `batches` says so in the
+        stream's initial metadata, `kvmesh-batch-groups: <n>` (the most batches
+        it takes in one group); a client must not send `batches` to one that
+        did not (an older coordinator would never ack them). A group is the
+        same as its batches sent one by one as `batch`, in order: each is
+        checked and ingested in turn, and the acks still come one per batch, in
+        order, together in one `acks` message (AckGroup) once the group is done.
+        Grouping only saves per-message cost; a client groups batches that are
+        already waiting to be sent, never holds one back to fill a group.
+
         Errors (end the stream): INVALID_ARGUMENT (first message not `open`, a
-        malformed batch — ErrorInfo names the field; no cursor advanced and no
-        consumer touched by the bad batch; batches before it stay applied),
+        malformed batch — ErrorInfo names the field, `batch.<field>` or
+        `batches.batches[i].<field>`; no cursor advanced and no consumer
+        touched by the bad batch; batches before it, in its group too, stay
+        applied and their acks are sent before the error),
         UNAVAILABLE (coordinator shutting down). Deadline: none (long-lived);
         the client reconnects with backoff and resends unacked batches.
         """
