@@ -556,7 +556,13 @@ def _stats(target: str) -> directory_pb2.GetStatsResponse:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """One run per ``--window`` value; its figures, or ``{"runs": [figures, ...]}`` for several."""
+    """One run per ``--window`` value.
+
+    The top level holds the first run's figures (``entries_per_s``,
+    ``ack_p50_ms``, ``ack_p99_ms``, ``max_stall_ms``, ``lookup16_p50_ms``,
+    ``lookup16_p99_ms``, ``bytes_per_key`` and the parameters); with several
+    windows, ``runs`` lists every run's figures, the first one included.
+    """
     windows = list(args.window)
     if (
         args.emitters < 1
@@ -570,7 +576,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "--emitters, --batch-entries, --window and --keys must be >= 1, --group >= 0"
         )
     runs = [_run_one(args, window) for window in windows]
-    return runs[0] if len(runs) == 1 else {"runs": runs}
+    if len(runs) == 1:
+        return runs[0]
+    return {**runs[0], "runs": runs}
 
 
 def _run_one(args: argparse.Namespace, window: int) -> dict[str, Any]:
