@@ -36,7 +36,6 @@ creates is removed, also on failure.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import math
@@ -48,7 +47,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -57,6 +56,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 import kernels
+from bench.common import LoopThread
 from kvmesh.common.v1 import common_pb2
 from kvmesh.storage.v1 import storage_pb2
 from services.common.keys import ObjectKey
@@ -146,25 +146,6 @@ class _Shape:
             * self.head_dim
             * (self.itemsize)
         )
-
-
-class _LoopThread:
-    """An asyncio loop on its own thread: the server and the client run there."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self.loop.run_forever, name="kvmesh-bench-loop", daemon=True
-        )
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 600.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        self.loop.close()
 
 
 @dataclass
@@ -286,7 +267,7 @@ def _run(
         max_chunks_per_request=max(4096, shape.chunks),
         log_level="WARNING",
     )
-    loop = _LoopThread()
+    loop = LoopThread("kvmesh-bench-loop")
     server: Server | None = None
     client: StorageClient | None = None
     try:
@@ -312,7 +293,7 @@ def _measure(
     args: argparse.Namespace,
     shape: _Shape,
     per_request: int,
-    loop: _LoopThread,
+    loop: LoopThread,
     app: StorageApp,
     client: StorageClient,
     engine_path: str,
@@ -553,7 +534,7 @@ def _breakdown(rounds: list[dict[str, float]], totals: list[float]) -> dict[str,
 
 
 def _check_retrieve(
-    loop: _LoopThread,
+    loop: LoopThread,
     client: StorageClient,
     engine_id: str,
     shape: _Shape,

@@ -47,7 +47,6 @@ removed, also on failure.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import cProfile
 import json
@@ -61,11 +60,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -73,6 +71,7 @@ from typing import Any, TypeVar
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from bench.common import LoopThread
 from kvmesh.common.v1 import common_pb2
 from kvmesh.gateway.v1 import gateway_pb2
 from services.common.server import Server, create_server
@@ -335,29 +334,10 @@ def _node_process(params: _Params, work_dir: Path, data_dir: Path) -> Iterator[_
         _stop(child)
 
 
-class _LoopThread:
-    """An asyncio loop on its own thread, hosting the in-process servers."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self.loop.run_forever, name="kvmesh-bench-servers", daemon=True
-        )
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        self.loop.close()
-
-
 @contextlib.contextmanager
 def _in_process(params: _Params, work_dir: Path, data_dir: Path) -> Iterator[_Endpoints]:
     """Both servers on one loop in a background thread of this process."""
-    loop = _LoopThread()
+    loop = LoopThread("kvmesh-bench-servers")
     servers: list[Server] = []
     try:
 

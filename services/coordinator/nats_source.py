@@ -90,7 +90,7 @@ from services.common.nats_names import (
     instance_from_token,
     nats_error_text,
 )
-from services.common.telemetry import context_from_traceparent
+from services.coordinator import traced_ingest
 from services.coordinator.core.coordinator import Coordinator
 from services.coordinator.core.persistence import PersistenceType
 
@@ -721,26 +721,7 @@ class NatsEventSource:
             self._results[result] += 1
 
     def _ingest(self, batch: CacheEventBatch) -> IngestResult:
-        parent = context_from_traceparent(batch.traceparent) if batch.traceparent else None
-        if parent is None:
-            return self._core.ingest_validated(batch)
-        # The batch carries the trace of the change that opened it: its ingest
-        # joins that trace, as over the gRPC stream.
-        with _tracer.start_as_current_span(
-            "kvmesh.coordinator.IngestBatch",
-            context=parent,
-            kind=trace.SpanKind.CONSUMER,
-            attributes={
-                "kvmesh.instance_id": batch.instance_id,
-                "kvmesh.seq": batch.seq,
-                "kvmesh.event_type": batch.event_type.name,
-                "kvmesh.entries": len(batch.entries),
-                "kvmesh.transport": "nats",
-            },
-        ) as span:
-            result = self._core.ingest_validated(batch)
-            span.set_attribute("kvmesh.ingest_result", result.name)
-            return result
+        return traced_ingest.ingest(self._core, batch, "nats")
 
     def _skip(self, delivery: _Delivery, why: str, *, logged: bool = False) -> None:
         with self._lock:

@@ -47,14 +47,14 @@ from services.common.errors import (
     KvmeshError,
     Unavailable,
 )
-from services.common.events import CacheEventBatch, IngestResult, Tier
+from services.common.events import IngestResult, Tier
 from services.common.keys import (
     ObjectKey,
     validate_cache_salt,
     validate_model_name,
     validate_object_key,
 )
-from services.common.telemetry import context_from_traceparent
+from services.coordinator import traced_ingest
 from services.coordinator.core.coordinator import Coordinator
 from services.coordinator.core.types import (
     Endpoints,
@@ -323,34 +323,10 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
                 field=f"{field}.instance_id",
             )
         batch = validated_batch_from_proto(msg, field)
-        if batch.traceparent:
-            result = self._ingest_traced(batch)
-        else:
-            result = self.core.ingest_validated(batch)
+        result = traced_ingest.ingest(self.core, batch, "grpc")
         return ingest_pb2.BatchAck(
             incarnation=batch.incarnation, seq=batch.seq, result=_ACK[result]
         )
-
-    def _ingest_traced(self, batch: CacheEventBatch) -> IngestResult:
-        parent = context_from_traceparent(batch.traceparent)
-        if parent is None:
-            return self.core.ingest_validated(batch)
-        # The batch carries the trace of the request that made its first change: the
-        # ingest becomes that trace's last span (gateway -> storage -> coordinator).
-        with _tracer.start_as_current_span(
-            "kvmesh.coordinator.IngestBatch",
-            context=parent,
-            kind=trace.SpanKind.CONSUMER,
-            attributes={
-                "kvmesh.instance_id": batch.instance_id,
-                "kvmesh.seq": batch.seq,
-                "kvmesh.event_type": batch.event_type.name,
-                "kvmesh.entries": len(batch.entries),
-            },
-        ) as span:
-            result = self.core.ingest_validated(batch)
-            span.set_attribute("kvmesh.ingest_result", result.name)
-            return result
 
     async def _ingest_group(
         self,
@@ -726,39 +702,33 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             response.limit_bytes = limit
         return response
 
-    async def PinKeys(
-        self, request: policy_pb2.PinKeysRequest, context: Any
-    ) -> policy_pb2.PinKeysResponse:
+    def _pin_query(
+        self, request: policy_pb2.PinKeysRequest | policy_pb2.UnpinKeysRequest, pin: bool
+    ) -> tuple[int, int]:
+        """(requested chunks, affected keys) of a pin or unpin by keys or by tokens."""
         which = request.WhichOneof("query")
         if which == "keys":
             keys = _keys(request.keys)
-            return policy_pb2.PinKeysResponse(
-                requested_chunks=len(keys), affected_keys=self.core.pin_keys(keys)
-            )
+            affected = self.core.pin_keys(keys) if pin else self.core.unpin_keys(keys)
+            return len(keys), affected
         if which == "tokens":
             q = token_query(request.tokens)
-            result = self.core.pin_tokens(q.model_name, q.world_size, q.cache_salt, q.token_ids)
-            return policy_pb2.PinKeysResponse(
-                requested_chunks=result.requested_chunks, affected_keys=result.affected_keys
-            )
+            by_tokens = self.core.pin_tokens if pin else self.core.unpin_tokens
+            result = by_tokens(q.model_name, q.world_size, q.cache_salt, q.token_ids)
+            return result.requested_chunks, result.affected_keys
         raise InvalidArgument("set exactly one of keys or tokens", field="query")
+
+    async def PinKeys(
+        self, request: policy_pb2.PinKeysRequest, context: Any
+    ) -> policy_pb2.PinKeysResponse:
+        requested, affected = self._pin_query(request, pin=True)
+        return policy_pb2.PinKeysResponse(requested_chunks=requested, affected_keys=affected)
 
     async def UnpinKeys(
         self, request: policy_pb2.UnpinKeysRequest, context: Any
     ) -> policy_pb2.UnpinKeysResponse:
-        which = request.WhichOneof("query")
-        if which == "keys":
-            keys = _keys(request.keys)
-            return policy_pb2.UnpinKeysResponse(
-                requested_chunks=len(keys), affected_keys=self.core.unpin_keys(keys)
-            )
-        if which == "tokens":
-            q = token_query(request.tokens)
-            result = self.core.unpin_tokens(q.model_name, q.world_size, q.cache_salt, q.token_ids)
-            return policy_pb2.UnpinKeysResponse(
-                requested_chunks=result.requested_chunks, affected_keys=result.affected_keys
-            )
-        raise InvalidArgument("set exactly one of keys or tokens", field="query")
+        requested, affected = self._pin_query(request, pin=False)
+        return policy_pb2.UnpinKeysResponse(requested_chunks=requested, affected_keys=affected)
 
     async def ListPins(
         self, request: policy_pb2.ListPinsRequest, context: Any
