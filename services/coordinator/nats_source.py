@@ -76,7 +76,7 @@ from opentelemetry import trace
 from kvmesh.common.v1 import common_pb2
 from kvmesh.coordinator.v1 import ingest_pb2
 from kvmesh.events.v1 import events_pb2
-from services.common.convert import key_to_proto, validated_batch_from_proto
+from services.common.convert import validated_batch_from_proto
 from services.common.errors import InvalidArgument, KvmeshError
 from services.common.events import CacheEventBatch, IngestResult, Tier
 from services.common.keys import ObjectKey
@@ -93,6 +93,7 @@ from services.common.nats_names import (
 from services.coordinator import traced_ingest
 from services.coordinator.core.coordinator import Coordinator
 from services.coordinator.core.persistence import PersistenceType
+from services.coordinator.servicer import delete_command
 
 logger = logging.getLogger(__name__)
 
@@ -784,16 +785,7 @@ class NatsEventSource:
         force: bool = False,
     ) -> bool:
         """The core's ``DeleteDispatcher`` over NATS: a ``DeleteKeysCommand`` to the node."""
-        command = ingest_pb2.NodeCommand(
-            delete_keys=ingest_pb2.DeleteKeysCommand(
-                # Same numbers by design (services.common.events).
-                tier=common_pb2.Tier.ValueType(int(tier)),
-                backend=backend,
-                keys=[key_to_proto(k) for k in keys],
-                force=force,
-            )
-        )
-        return self.send_command(instance_id, command)
+        return self.send_command(instance_id, delete_command(tier, backend, keys, force))
 
     async def _on_result(self, msg: Msg) -> None:
         token = msg.subject[len(COMMAND_RESULTS_ROOT) + 1 :]

@@ -86,6 +86,20 @@ def tier_to_proto(tier: Tier) -> common_pb2.Tier.ValueType:
     return _TIER_TO_PROTO[tier]
 
 
+def delete_command(
+    tier: Tier, backend: str, keys: Sequence[ObjectKey], force: bool
+) -> ingest_pb2.NodeCommand:
+    """The NodeCommand that asks a node to delete ``keys`` (any transport carries it)."""
+    return ingest_pb2.NodeCommand(
+        delete_keys=ingest_pb2.DeleteKeysCommand(
+            tier=tier_to_proto(tier),
+            backend=backend,
+            keys=[key_to_proto(k) for k in keys],
+            force=force,
+        )
+    )
+
+
 def tier_filter(value: int, field: str = "tier") -> Tier | None:
     """A tier filter: L1, L2, or None for TIER_ALL / unspecified."""
     if value == common_pb2.TIER_L1:
@@ -273,15 +287,7 @@ class NodeStreams:
         force: bool = False,
     ) -> bool:
         """The core's DeleteDispatcher: a DeleteKeysCommand down the node's stream."""
-        command = ingest_pb2.NodeCommand(
-            delete_keys=ingest_pb2.DeleteKeysCommand(
-                tier=tier_to_proto(tier),
-                backend=backend,
-                keys=[key_to_proto(k) for k in keys],
-                force=force,
-            )
-        )
-        return self.send(instance_id, command)
+        return self.send(instance_id, delete_command(tier, backend, keys, force))
 
     def record_result(self, instance_id: str, result: ingest_pb2.CommandResult) -> None:
         with self._lock:

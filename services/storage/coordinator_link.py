@@ -151,6 +151,27 @@ def command_from_proto(msg: ingest_pb2.NodeCommand) -> NodeCommand:
     raise UnsupportedCommand(f"command {command_id!r} has no kind this node understands")
 
 
+def execute_command(listener: SessionListener, msg: ingest_pb2.NodeCommand) -> CommandResult:
+    """Run one wire command through the emitter's listener; always returns a result.
+
+    A command that does not convert is answered with its error code; a
+    listener that raises (it must not) is answered INTERNAL, so the
+    coordinator always hears back, whichever transport carried the command.
+    """
+    try:
+        command = command_from_proto(msg)
+    except KvmeshError as exc:
+        logger.warning("rejecting command %s: %s", msg.command_id, exc.message)
+        return CommandResult(command_id=msg.command_id, code=exc.code, message=exc.message)
+    try:
+        return listener.on_command(command)
+    except Exception as exc:
+        logger.exception("on_command failed for %s", msg.command_id)
+        return CommandResult(
+            command_id=msg.command_id, code="INTERNAL", message=f"{type(exc).__name__}: {exc}"
+        )
+
+
 def result_to_proto(result: CommandResult) -> ingest_pb2.CommandResult:
     """The wire form of a command's result (``affected`` saturates at uint32)."""
     return ingest_pb2.CommandResult(
@@ -441,19 +462,7 @@ class GrpcEventSession:
                 )
 
     def _execute(self, msg: ingest_pb2.NodeCommand) -> CommandResult:
-        try:
-            command = command_from_proto(msg)
-        except KvmeshError as exc:
-            logger.warning("rejecting command %s: %s", msg.command_id, exc.message)
-            return CommandResult(command_id=msg.command_id, code=exc.code, message=exc.message)
-        try:
-            return self._listener.on_command(command)
-        except Exception as exc:
-            # on_command must not raise; if it does, the coordinator still gets an answer.
-            logger.exception("on_command failed for %s", msg.command_id)
-            return CommandResult(
-                command_id=msg.command_id, code="INTERNAL", message=f"{type(exc).__name__}: {exc}"
-            )
+        return execute_command(self._listener, msg)
 
     # ------------------------------------------------------------------ shutdown
 

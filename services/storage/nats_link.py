@@ -76,7 +76,7 @@ from nats.js.client import JetStreamContext
 
 from kvmesh.coordinator.v1 import ingest_pb2
 from services.common.convert import batch_to_proto
-from services.common.errors import InvalidArgument, KvmeshError
+from services.common.errors import InvalidArgument
 from services.common.events import CacheEventBatch, IngestResult
 from services.common.nats_names import (
     DEFAULT_NATS_URL,
@@ -90,7 +90,7 @@ from services.common.nats_names import (
     nats_error_text,
     subject_token,
 )
-from services.storage.coordinator_link import command_from_proto, result_to_proto
+from services.storage.coordinator_link import execute_command, result_to_proto
 from services.storage.emitter import CommandResult, SessionListener, TransportError
 
 logger = logging.getLogger(__name__)
@@ -571,19 +571,7 @@ class NatsEventSession:
                 "ignoring an undecodable command on %s", commands_subject(self.instance_id)
             )
             return None
-        try:
-            command = command_from_proto(msg)
-        except KvmeshError as exc:
-            logger.warning("rejecting command %s: %s", msg.command_id, exc.message)
-            return CommandResult(command_id=msg.command_id, code=exc.code, message=exc.message)
-        try:
-            return self._listener.on_command(command)
-        except Exception as exc:
-            # on_command must not raise; if it does, the coordinator still gets an answer.
-            logger.exception("on_command failed for %s", msg.command_id)
-            return CommandResult(
-                command_id=msg.command_id, code="INTERNAL", message=f"{type(exc).__name__}: {exc}"
-            )
+        return execute_command(self._listener, msg)
 
     async def _publish_result(self, payload: bytes) -> None:
         nc = self._nc
