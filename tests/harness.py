@@ -88,6 +88,18 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, interval: flo
         time.sleep(interval)
 
 
+def no_thread_left_since(before: set[threading.Thread]) -> None:
+    """Fail unless every thread started after ``before`` was taken has ended (waits up to 10 s)."""
+
+    def extra() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t not in before and t.is_alive()]
+
+    try:
+        wait_for(lambda: not extra(), timeout=10.0)
+    except AssertionError:
+        raise AssertionError(f"threads still running: {[t.name for t in extra()]}") from None
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago."""
     with socket.socket() as s:

@@ -26,7 +26,7 @@ import pytest
 from services.common.events import CacheEventBatch
 from services.common.server import Server, create_server
 from services.coordinator.app import CoordinatorApp
-from tests.harness import ServerThread, free_port, wait_for
+from tests.harness import ServerThread, free_port, no_thread_left_since
 from tests.integration.coordinator.conftest import coord_config
 from tests.integration.coordinator_link import test_emitter_over_grpc as link
 from tests.integration.coordinator_link.fake_coordinator import DEADLINE_S, Cursor
@@ -146,17 +146,7 @@ def real(real_handle: RealCoordinatorHandle) -> RealCoordinatorHandle:
 def no_new_threads() -> Callable[[], None]:
     """As the link tests' fixture: every thread started since the test began has ended."""
     before = set(threading.enumerate())
-
-    def check() -> None:
-        def extra() -> list[threading.Thread]:
-            return [t for t in threading.enumerate() if t not in before and t.is_alive()]
-
-        try:
-            wait_for(lambda: not extra(), timeout=10.0)
-        except AssertionError:
-            raise AssertionError(f"threads still running: {[t.name for t in extra()]}") from None
-
-    return check
+    return lambda: no_thread_left_since(before)
 
 
 def test_every_batch_reaches_the_real_coordinator_exactly_once_in_order(

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.harness import ServerThread, free_port, server_thread, wait_for
+from tests.harness import ServerThread, free_port, no_thread_left_since, server_thread
 from tests.integration.coordinator_link.fake_coordinator import CoordinatorHandle, FakeCoordinator
 
 
@@ -39,14 +39,4 @@ def coordinator(coordinator_handle: CoordinatorHandle) -> CoordinatorHandle:
 def no_new_threads() -> Callable[[], None]:
     """Call the yielded function to assert every thread started since the test began has ended."""
     before = set(threading.enumerate())
-
-    def check() -> None:
-        def extra() -> list[threading.Thread]:
-            return [t for t in threading.enumerate() if t not in before and t.is_alive()]
-
-        try:
-            wait_for(lambda: not extra(), timeout=10.0)
-        except AssertionError:
-            raise AssertionError(f"threads still running: {[t.name for t in extra()]}") from None
-
-    return check
+    return lambda: no_thread_left_since(before)
