@@ -10,6 +10,7 @@ both must agree bit for bit (test vectors in tests/unit/test_hashing.py).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import blake3
@@ -27,6 +28,8 @@ def tokens_to_be_u32(tokens: Sequence[int] | np.ndarray) -> bytes:
     arr = np.asarray(tokens)
     if arr.size == 0:
         return b""
+    if arr.dtype == np.uint32:  # as a Protobuf fixed32 field arrives: nothing to check
+        return arr.astype(">u4").tobytes()
     if arr.dtype.kind not in "iu":
         raise InvalidArgument("token_ids must be integers", field="token_ids")
     if arr.dtype.kind == "i" and int(arr.min()) < 0:
@@ -37,12 +40,27 @@ def tokens_to_be_u32(tokens: Sequence[int] | np.ndarray) -> bytes:
 
 
 class TokenHasher:
-    """Prefix-chained chunk hashes of a token sequence."""
+    """Prefix-chained chunk hashes of a token sequence.
 
-    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    With ``memo_entries`` > 0 it remembers the hash of recently seen
+    (previous hash, chunk tokens) pairs, least recently used first out. A
+    KV cache exists because prefixes repeat — every request behind one
+    system prompt hashes the same chunks — and blake3 of one 256-token link
+    (1056 bytes) costs ~2–3 µs here, against well under 1 µs to find the
+    exact same bytes in a dict. The memo key is the full input of the hash,
+    so a hit is exact, never a collision; each entry holds about 1.1 KiB.
+    """
+
+    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, *, memo_entries: int = 0) -> None:
         if chunk_size < 1:
             raise InvalidArgument("chunk_size must be >= 1", field="chunk_size")
+        if memo_entries < 0:
+            raise InvalidArgument("memo_entries must be >= 0", field="memo_entries")
         self.chunk_size = chunk_size
+        self.memo_entries = memo_entries
+        self._memo: OrderedDict[bytes, bytes] = OrderedDict()
+        self.memo_hits = 0
+        self.memo_misses = 0
 
     def num_full_chunks(self, num_tokens: int) -> int:
         """How many complete chunks ``num_tokens`` tokens contain."""
@@ -69,7 +87,26 @@ class TokenHasher:
         step = self.chunk_size * 4
         hashes: list[bytes] = []
         prev = prefix_hash
+        if not self.memo_entries:
+            for i in range(n_chunks):
+                prev = blake3.blake3(prev + raw[i * step : (i + 1) * step]).digest()
+                hashes.append(prev)
+            return hashes
+        memo = self._memo
+        hits = 0
         for i in range(n_chunks):
-            prev = blake3.blake3(prev + raw[i * step : (i + 1) * step]).digest()
+            link = prev + raw[i * step : (i + 1) * step]
+            found = memo.get(link)
+            if found is None:
+                found = blake3.blake3(link).digest()
+                memo[link] = found
+                if len(memo) > self.memo_entries:
+                    memo.popitem(last=False)
+            else:
+                memo.move_to_end(link)
+                hits += 1
+            prev = found
             hashes.append(prev)
+        self.memo_hits += hits
+        self.memo_misses += n_chunks - hits
         return hashes

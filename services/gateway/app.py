@@ -26,6 +26,18 @@ SERVICE_NAME = "kvmesh.gateway.v1.GatewayService"
 _SERIES = [
     Series("kvmesh_gateway_lookups", "Lookups handled.", "lookups", "counter"),
     Series(
+        "kvmesh_gateway_hash_memo_hits",
+        "Prompt chunks whose hash came from the memo of recent prefixes.",
+        "hash_memo_hits",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_hash_memo_misses",
+        "Prompt chunks hashed with blake3 (not in the memo).",
+        "hash_memo_misses",
+        "counter",
+    ),
+    Series(
         "kvmesh_gateway_lookup_requested_tokens",
         "Tokens (complete chunks) asked about by lookups.",
         "lookup_requested_tokens",
@@ -125,6 +137,7 @@ class GatewayApp:
             max_tokens=config.max_tokens,
             max_wait_ms=config.max_wait_ms,
             engine_reap_s=config.engine_reap_seconds,
+            hash_memo_entries=config.hash_memo_entries,
         )
         self._sweeper: asyncio.Task[None] | None = None
 

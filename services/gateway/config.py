@@ -20,6 +20,11 @@ class GatewaySettings:
     )
     max_tokens: int = setting(1_000_000, "largest prompt accepted, in tokens")
     max_wait_ms: int = setting(60_000, "longest server-side wait a caller may ask for")
+    hash_memo_entries: int = setting(
+        8192,
+        "chunk hashes of recently seen prefixes kept in memory (about 1.1 KiB each) so a "
+        "repeated prefix is not re-hashed; 0 turns the memo off",
+    )
     engine_reap_seconds: float = setting(
         120.0,
         "an engine that pinged once and then went silent this long is unregistered (0 = never)",
@@ -35,6 +40,8 @@ class GatewaySettings:
             raise ConfigError("max_tokens must be >= chunk_size")
         if self.max_wait_ms < 0:
             raise ConfigError("max_wait_ms must be >= 0")
+        if self.hash_memo_entries < 0:
+            raise ConfigError("hash_memo_entries must be >= 0")
         if self.engine_reap_seconds < 0:
             raise ConfigError("engine_reap_seconds must be >= 0")
 

@@ -105,6 +105,14 @@ class KeyGridSpec:
 class NodeStorage(Protocol):
     """What the gateway needs from its node's storage service."""
 
+    #: True when a cancelled lookup_and_lock / prefetch_status leaves nothing
+    #: behind (an in-process node gives back what a cancelled lookup locked and
+    #: keeps an undelivered status). The gateway then awaits those calls
+    #: directly; otherwise it shields them in a task of their own, because a
+    #: remote node finishes the call (and takes the locks) whatever the caller
+    #: does. Awaiting directly keeps an all-L1 lookup free of event-loop turns.
+    cancel_safe: bool
+
     async def register_engine(self, engine_id: str, registration: object) -> tuple[bool, str]:
         """Map an engine's KV memory; (registered already, the node's instance id)."""
         ...
@@ -312,11 +320,12 @@ class Gateway:
         max_tokens: int = 1_000_000,
         max_wait_ms: int = 60_000,
         engine_reap_s: float = 120.0,
+        hash_memo_entries: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.storage = storage
         self.chunk_size = chunk_size
-        self.hasher = TokenHasher(chunk_size)
+        self.hasher = TokenHasher(chunk_size, memo_entries=hash_memo_entries)
         self.session_ttl_s = session_ttl_s
         self.max_tokens = max_tokens
         self.max_wait_ms = max_wait_ms
@@ -659,6 +668,9 @@ class Gateway:
                 model_name, cache_salt, ranks, hashes, self._chunk_bytes_for(model_name, world_size)
             )
             lookup = _Lookup(model_name, world_size, cache_salt, readers, n_chunks, hashes, "")
+            if self.storage.cancel_safe:
+                state = await self.storage.lookup_and_lock(request_id, grid, readers, wait_ms)
+                return self._adopt(session, lookup, state), n_chunks
             call = asyncio.ensure_future(
                 self.storage.lookup_and_lock(request_id, grid, readers, wait_ms)
             )
@@ -669,11 +681,15 @@ class Gateway:
             except asyncio.CancelledError:
                 self._background(self._release_abandoned(lookup, call))
                 raise
-            lookup.prefetch_id = state.prefetch_id
-            if state.completed:
-                self._complete(lookup, state)
-            session.lookup = lookup
-            return self._status(lookup), n_chunks
+            return self._adopt(session, lookup, state), n_chunks
+
+    def _adopt(self, session: _Session, lookup: _Lookup, state: PrefetchState) -> PrefetchStatus:
+        """Make a started lookup the session's; its status."""
+        lookup.prefetch_id = state.prefetch_id
+        if state.completed:
+            self._complete(lookup, state)
+        session.lookup = lookup
+        return self._status(lookup)
 
     def _background(self, coro: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -715,12 +731,17 @@ class Gateway:
             raise NotFound(f"request {session.request_id!r} has no lookup", reason="NO_LOOKUP")
         if not lookup.completed:
             started = time.perf_counter()
-            call = asyncio.ensure_future(self.storage.prefetch_status(lookup.prefetch_id, wait_ms))
-            try:
-                state = await asyncio.shield(call)
-            except asyncio.CancelledError:
-                call.add_done_callback(functools.partial(self._late_status, lookup))
-                raise
+            if self.storage.cancel_safe:
+                state = await self.storage.prefetch_status(lookup.prefetch_id, wait_ms)
+            else:
+                call = asyncio.ensure_future(
+                    self.storage.prefetch_status(lookup.prefetch_id, wait_ms)
+                )
+                try:
+                    state = await asyncio.shield(call)
+                except asyncio.CancelledError:
+                    call.add_done_callback(functools.partial(self._late_status, lookup))
+                    raise
             if wait_ms > 0:
                 # An engine waiting for L2 loads (LMCache's lock/prefetch waits).
                 self.counters.prefetch_waits += 1
@@ -1103,6 +1124,8 @@ class Gateway:
         data: dict[str, object] = dict(vars(self.counters))
         data["active_sessions"] = len(self._sessions)
         data["registered_engines"] = len(self._engines)
+        data["hash_memo_hits"] = self.hasher.memo_hits
+        data["hash_memo_misses"] = self.hasher.memo_misses
         return data
 
     def engine_ids(self) -> list[str]:

@@ -80,6 +80,9 @@ def _prepared(
 class GrpcNodeStorage:
     """NodeStorage implemented with the asyncio StorageClient."""
 
+    # A remote node finishes a call whatever the caller does: shield it.
+    cancel_safe = False
+
     def __init__(self, client: StorageClient) -> None:
         self.client = client
 

@@ -42,6 +42,10 @@ def _grid_rows(grid: KeyGridSpec) -> list[list[ObjectKey]]:
 class LocalNodeStorage:
     """NodeStorage over a StorageNode in the same process."""
 
+    # StorageNode.lookup_and_lock releases what a cancelled lookup locked, and
+    # prefetch_status only forgets a result it has returned.
+    cancel_safe = True
+
     def __init__(self, node: StorageNode, instance_id: str) -> None:
         self.node = node
         self.instance_id = instance_id

@@ -58,3 +58,54 @@ def test_tokens_outside_uint32_are_invalid_argument(bad: list[int]) -> None:
 def test_chunk_size_must_be_positive() -> None:
     with pytest.raises(InvalidArgument):
         TokenHasher(0)
+
+
+# -- the memo of recent prefix hashes ----------------------------------------------------
+
+
+def test_memoized_hashes_equal_fresh_ones_for_every_prompt() -> None:
+    rng = np.random.default_rng(7)
+    plain = TokenHasher(16)
+    memo = TokenHasher(16, memo_entries=64)
+    shared = rng.integers(0, 50_000, 48, dtype=np.uint32)
+    for _ in range(20):
+        tail = rng.integers(0, 50_000, int(rng.integers(0, 64)), dtype=np.uint32)
+        prompt = np.concatenate([shared, tail])
+        assert memo.hash_chunks(prompt) == plain.hash_chunks(prompt)
+        # Continuing a chain from a hash is memoized under that hash, not the default.
+        head = plain.hash_chunks(prompt[:16])
+        assert memo.hash_chunks(prompt[16:], prefix_hash=head[0]) == plain.hash_chunks(prompt)[1:]
+    assert plain.memo_hits == plain.memo_misses == 0
+
+
+def test_the_memo_hits_on_a_repeated_prefix_and_matches_the_lmcache_vectors() -> None:
+    tokens = list(range(8 * 256))
+    hasher = TokenHasher(256, memo_entries=16)
+    first = hasher.hash_chunks(tokens)
+    assert (hasher.memo_hits, hasher.memo_misses) == (0, 8)
+    assert hasher.hash_chunks(tokens) == first == TokenHasher(256).hash_chunks(tokens)
+    assert (hasher.memo_hits, hasher.memo_misses) == (8, 8)
+
+
+def test_the_memo_never_holds_more_than_its_entries() -> None:
+    hasher = TokenHasher(4, memo_entries=5)
+    tokens = np.arange(4 * 12, dtype=np.uint32)
+    hasher.hash_chunks(tokens)
+    assert len(hasher._memo) == 5
+    # The oldest links were dropped: hashing again misses at the start, hits none of them.
+    hits = hasher.memo_hits
+    hasher.hash_chunks(tokens[:8])
+    assert hasher.memo_hits == hits
+    assert len(hasher._memo) == 5
+
+
+def test_a_memo_size_below_zero_is_invalid_argument() -> None:
+    with pytest.raises(InvalidArgument):
+        TokenHasher(16, memo_entries=-1)
+
+
+def test_uint32_tokens_skip_the_range_check_but_hash_the_same() -> None:
+    values = [0, 1, 2**32 - 1, 12345] * 8
+    as_u32 = np.array(values, dtype=np.uint32)
+    as_i64 = np.array(values, dtype=np.int64)
+    assert TokenHasher(8).hash_chunks(as_u32) == TokenHasher(8).hash_chunks(as_i64)

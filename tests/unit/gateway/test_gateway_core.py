@@ -35,6 +35,9 @@ MODEL = "m"
 class FakeStorage:
     """NodeStorage with L1 residency, read-lock counts and an optional slow 'L2'."""
 
+    # Like a remote node: the gateway must shield its calls.
+    cancel_safe = False
+
     def __init__(self) -> None:
         self.resident: set[ObjectKey] = set()
         self.l2: set[ObjectKey] = set()
