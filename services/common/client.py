@@ -19,10 +19,11 @@ import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 
+from services.common.lane import LaneChannel, lane_path
 from services.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from services.common.telemetry import tracing_enabled
 
@@ -55,7 +56,16 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
 
 
 def create_channel(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
-    """A blocking channel to ``target`` (``host:port`` or ``unix:path``); traced if enabled."""
+    """A blocking channel to ``target``; traced if enabled.
+
+    ``host:port`` and ``unix:path`` are gRPC; ``lane:path`` is the local lane
+    (services/common/lane.py), which the server limits to its own
+    max_message_bytes.
+    """
+    path = lane_path(target)
+    if path is not None:
+        lane: Any = LaneChannel(path)
+        return cast(grpc.Channel, lane)
     channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
     if tracing_enabled():
         from opentelemetry.instrumentation.grpc import client_interceptor, grpcext
@@ -70,6 +80,8 @@ def create_aio_channel(
     target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> grpc.aio.Channel:
     """An asyncio channel to ``target``, traced when tracing is on."""
+    if lane_path(target) is not None:
+        raise ValueError(f"{target}: the local lane has a blocking client only; dial gRPC")
     interceptors = None
     if tracing_enabled():
         from opentelemetry.instrumentation.grpc import aio_client_interceptors

@@ -38,6 +38,7 @@ from prometheus_client.registry import Collector
 
 from services.common.config import ConfigError, setting
 from services.common.interceptors import ServiceInterceptor
+from services.common.lane import HandlerCollector, LaneServer, claim_unix_socket
 from services.common.metrics import MetricsServer, RpcMetrics
 from services.common.telemetry import configure_tracing, shutdown_tracing, tracing_enabled
 
@@ -55,6 +56,11 @@ class ServerSettings:
     host: str = setting("127.0.0.1", "address to listen on for gRPC")
     port: int = setting(0, "gRPC port (0 picks a free one)")
     unix_socket: str = setting("", "listen on this unix socket path instead of TCP")
+    lane_socket: str = setting(
+        "",
+        "also serve the unary RPCs on this unix socket over the local lane (framed Protobuf, "
+        "a fraction of gRPC's per-call cost; clients dial lane:<path>); empty turns it off",
+    )
     metrics_host: str = setting("127.0.0.1", "address of the Prometheus /metrics endpoint")
     metrics_port: int = setting(0, "port of /metrics (0 picks a free one, -1 disables it)")
     grace_seconds: float = setting(5.0, "how long in-flight RPCs may finish on shutdown")
@@ -76,6 +82,13 @@ class ServerSettings:
             raise ConfigError("grace_seconds must be >= 0")
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes must be >= 1024")
+        if self.lane_socket and self.lane_socket == self.unix_socket:
+            raise ConfigError("lane_socket and unix_socket must be different paths")
+        for name in ("unix_socket", "lane_socket"):
+            # Checked before the app is built: a path that can never be bound.
+            path = Path(getattr(self, name))
+            if str(path) != "." and path.exists() and not path.is_socket():
+                raise ConfigError(f"{name} {path} exists and is not a socket")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ConfigError(f"log_level {self.log_level!r} is not a log level")
 
@@ -137,6 +150,7 @@ class Server:
         registry: CollectorRegistry,
         metrics: MetricsServer | None,
         settings: ServerSettings,
+        lane: LaneServer | None = None,
     ) -> None:
         self.app = app
         self.grpc_server = server
@@ -147,6 +161,7 @@ class Server:
         self.registry = registry
         self.metrics = metrics
         self.settings = settings
+        self.lane = lane
         self._stopped = False
 
     @property
@@ -162,6 +177,8 @@ class Server:
         ``on_bound(grpc_address, metrics_address)`` hook first.
         """
         await self.grpc_server.start()
+        if self.lane is not None:
+            await self.lane.start()
         on_bound = getattr(self.app, "on_bound", None)
         if callable(on_bound):
             on_bound(self.address, self.metrics.address if self.metrics else "")
@@ -176,7 +193,10 @@ class Server:
             return
         self._stopped = True
         await self.health.enter_graceful_shutdown()
-        await self.grpc_server.stop(self.settings.grace_seconds if grace is None else grace)
+        grace = self.settings.grace_seconds if grace is None else grace
+        if self.lane is not None:
+            await self.lane.stop(grace)
+        await self.grpc_server.stop(grace)
         try:
             await self.app.stop()
         finally:
@@ -190,6 +210,7 @@ class Server:
             "service": self.app.name,
             "grpc": self.address,
             "metrics": self.metrics.address if self.metrics else "",
+            "lane": self.lane.target if self.lane is not None else "",
             "pid": os.getpid(),
         }
 
@@ -197,12 +218,7 @@ class Server:
 def _bind(server: grpc.aio.Server, settings: ServerSettings) -> tuple[str, int]:
     if settings.unix_socket:
         path = Path(settings.unix_socket)
-        if path.exists():
-            if not path.is_socket():
-                raise ConfigError(f"unix_socket {path} exists and is not a socket")
-            if _socket_in_use(path):
-                raise ConfigError(f"cannot listen on unix:{path}: a server is using it")
-            path.unlink()  # a stale socket left by a killed server
+        claim_unix_socket(path)  # removes a stale socket left by a killed server
         target = f"unix:{path}"
         try:
             server.add_insecure_port(target)
@@ -237,15 +253,6 @@ def _port_in_use(settings: ServerSettings) -> bool:
     return False
 
 
-def _socket_in_use(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX) as probe:
-        try:
-            probe.connect(str(path))
-        except OSError:
-            return False
-    return True
-
-
 def create_server(
     settings: ServerSettings,
     app: ServiceApp,
@@ -260,13 +267,16 @@ def create_server(
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
         interceptors.append(aio_server_interceptor())
-    interceptors.append(ServiceInterceptor(RpcMetrics(registry, app.name)))
+    service_interceptor = ServiceInterceptor(RpcMetrics(registry, app.name))
+    interceptors.append(service_interceptor)
     server = grpc.aio.server(
         interceptors=interceptors, options=server_options(settings.max_message_bytes)
     )
     bindings = list(app.bindings())
+    handlers = HandlerCollector()
     for binding in bindings:
         binding.add_to_server(server)
+        binding.add_to_server(handlers)  # type: ignore[arg-type]
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [b.name for b in bindings]
@@ -283,7 +293,21 @@ def create_server(
                 f"cannot serve /metrics on {settings.metrics_host}:{settings.metrics_port}: "
                 f"{exc.strerror or exc}"
             ) from exc
-    return Server(app, server, address, port, health, names, registry, metrics, settings)
+    lane: LaneServer | None = None
+    if settings.lane_socket:
+        lane = LaneServer(
+            settings.lane_socket,
+            handlers,
+            intercept=service_interceptor.intercept_service,
+            max_message_bytes=settings.max_message_bytes,
+        )
+        try:
+            lane.bind()
+        except ConfigError:
+            if metrics is not None:
+                metrics.close()
+            raise
+    return Server(app, server, address, port, health, names, registry, metrics, settings, lane)
 
 
 def write_ready_file(path: str, endpoints: dict[str, Any]) -> None:

@@ -224,6 +224,12 @@ def test_port_in_use_exits_with_one_line_reason() -> None:
         (["gateway", "--chunk-size", "zero"], "chunk_size"),
         (["gateway", "--chunk-size", "0"], "chunk_size must be >= 1"),
         (["gateway", "--config", "/nonexistent/kvmesh.yaml"], "cannot read config file"),
+        (["gateway", "--hash-memo-entries", "-1"], "hash_memo_entries must be >= 0"),
+        (
+            ["gateway", "--unix-socket", "/tmp/k.sock", "--lane-socket", "/tmp/k.sock"],
+            "lane_socket and unix_socket must be different paths",
+        ),
+        (["node", "--lane-socket", "/etc/hostname"], "lane_socket /etc/hostname exists and is not"),
         (["no-such-command"], "invalid choice"),
     ],
 )

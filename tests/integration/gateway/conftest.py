@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from services.common.server import Server
 from services.gateway.app import GatewayApp
 from services.gateway.client import GatewayClient
 from services.gateway.config import GatewayConfig
@@ -60,9 +61,11 @@ def thread() -> Iterator[ServerThread]:
 StackFactory = Callable[..., Stack]
 
 
-@pytest.fixture(params=["separate", "node"])
+@pytest.fixture(params=["separate", "node", "lane"])
 def arrangement(request: pytest.FixtureRequest) -> str:
-    """Gateway and storage as two servers (gRPC link), or one ``kvmesh node`` (in-process link)."""
+    """Gateway and storage as two servers (gRPC link), or one ``kvmesh node`` (in-process
+    link); ``lane`` is that node with the engine's client on the local lane instead of gRPC.
+    """
     return str(request.param)
 
 
@@ -85,8 +88,13 @@ def make_stack(
         node: Node | None = None,
     ) -> Stack:
         colocated = (
-            arrangement == "node" and node is None and "storage_target" not in (gateway or {})
+            arrangement in ("node", "lane")
+            and node is None
+            and "storage_target" not in (gateway or {})
         )
+        lane: dict[str, Any] = {}
+        if arrangement == "lane":
+            lane["lane_socket"] = str(shm_dirs.root / f"lane{len(stacks)}.sock")
         if node is None:
             settings: dict[str, Any] = {
                 "port": 0,
@@ -102,9 +110,9 @@ def make_stack(
             }
             settings.update(storage or {})
             if colocated:
-                merged = {**settings, "chunk_size": CHUNK, **(gateway or {})}
+                merged = {**settings, "chunk_size": CHUNK, **lane, **(gateway or {})}
                 server = thread.start(NodeConfig(**merged), NodeApp)
-                stack = Stack(Node(thread, server), server, GatewayClient(server.target))
+                stack = Stack(Node(thread, server), server, GatewayClient(_target(server)))
                 stacks.append(stack)
                 return stack
             node = Node(thread, thread.start(StorageConfig(**settings), StorageApp))
@@ -115,9 +123,10 @@ def make_stack(
             "storage_target": node.server.target,
             "chunk_size": CHUNK,
         }
+        gw_settings.update(lane)
         gw_settings.update(gateway or {})
         server = thread.start(GatewayConfig(**gw_settings), GatewayApp)
-        stack = Stack(node, server, GatewayClient(server.target))
+        stack = Stack(node, server, GatewayClient(_target(server)))
         stacks.append(stack)
         return stack
 
@@ -130,6 +139,11 @@ def make_stack(
             if id(stack.node) not in closed:
                 closed.add(id(stack.node))
                 stack.node.close()
+
+
+def _target(server: Server) -> str:
+    """What the engine's client dials: the local lane when the server has one."""
+    return server.lane.target if server.lane is not None else server.target
 
 
 @pytest.fixture

@@ -1,0 +1,788 @@
+"""The local lane: a service's unary RPCs as framed Protobuf over a unix socket.
+
+Why it exists: on the small hosts kvmesh is measured on, one Python gRPC
+round trip costs 0.6–0.9 ms even for an empty message (gRPC core hands each
+call between its own threads and the Python one), while a plain unix-socket
+round trip costs about 0.04 ms. An engine asks its node's gateway for a
+lookup on every scheduled request, so that hop is the one that matters; the
+lane serves it without gRPC's thread hand-offs.
+
+It changes the transport only, never the contract: the lane carries the
+exact request and response messages of the service's ``.proto``, runs the
+same servicer behind the same error-mapping and metrics interceptor, and
+answers with the same status codes and ``google.rpc.Status`` details
+(ErrorInfo included). On the client side :class:`LaneChannel` stands in for
+a ``grpc.Channel``, so the generated stubs and the typed clients — their
+deadlines and their retry policy — work over it unchanged: dial
+``lane:<path>`` instead of ``host:port``. Streaming RPCs are not served on
+the lane (UNIMPLEMENTED); use gRPC for those.
+
+Wire format, version 1 (integers little-endian):
+
+- on connect the server sends ``b"KVMLANE1"`` and ``u32 max_message_bytes``;
+- request: ``u32 payload_len, u32 call_id, u32 timeout_ms (0 = none),
+  u16 method_len, u16 traceparent_len``, then the full method path
+  (``/kvmesh.gateway.v1.GatewayService/Lookup``, ASCII), the W3C
+  traceparent (ASCII, may be empty) and the serialized request;
+- response: ``u32 payload_len, u32 call_id, u8 code, 3 bytes padding``,
+  then the serialized response when ``code`` is 0 (OK), otherwise a
+  serialized ``google.rpc.Status`` whose code equals ``code``.
+
+Calls on one connection may be answered out of order; ``call_id`` pairs
+them. A frame the server cannot parse, or one over ``max_message_bytes``,
+closes the connection after an error reply where one can be addressed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import status_pb2
+
+from services.common.config import ConfigError
+from services.common.interceptors import STATUS_DETAILS_KEY
+from services.common.telemetry import (
+    context_from_traceparent,
+    current_traceparent,
+    tracing_enabled,
+)
+
+logger = logging.getLogger(__name__)
+
+TARGET_PREFIX = "lane:"
+MAGIC = b"KVMLANE1"
+_HELLO = struct.Struct("<8sI")
+_REQUEST = struct.Struct("<IIIHH")
+_RESPONSE = struct.Struct("<IIB3x")
+_OK = 0
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+#: Calls one connection may have in flight before the server stops reading it.
+MAX_IN_FLIGHT_PER_CONNECTION = 64
+_RECV_BYTES = 1 << 16
+_CONNECT_RETRY_S = 0.05
+
+
+def lane_path(target: str) -> str | None:
+    """The socket path of a ``lane:<path>`` target, None for any other target."""
+    if not target.startswith(TARGET_PREFIX):
+        return None
+    return target[len(TARGET_PREFIX) :]
+
+
+def claim_unix_socket(path: Path) -> None:
+    """Make ``path`` free to bind: remove a stale socket, refuse a live one or a file.
+
+    A server killed with SIGKILL leaves its socket file behind; binding over
+    it needs the file gone, but a socket some server still answers on must
+    not be stolen. Raises ConfigError with the reason.
+    """
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_socket():
+        raise ConfigError(f"{path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # nothing listens: a stale socket
+            return
+    raise ConfigError(f"cannot listen on unix:{path}: a server is using it")
+
+
+def _status_bytes(code: grpc.StatusCode, message: str) -> bytes:
+    status = status_pb2.Status(code=code.value[0], message=message)
+    data: bytes = status.SerializeToString()
+    return data
+
+
+# -- server ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Method:
+    """A resolved unary method: the interceptor-wrapped behaviour and its codecs."""
+
+    behaviour: Callable[[Any, Any], Awaitable[Any]]
+    deserialize: Callable[[bytes], Any]
+    serialize: Callable[[Any], bytes]
+
+
+class _CallDetails(grpc.HandlerCallDetails):
+    def __init__(self, method: str, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.method = method
+        self.invocation_metadata = metadata
+
+
+class HandlerCollector:
+    """Stands in for a grpc server to collect a binding's method handlers.
+
+    ``add_*Servicer_to_server`` functions register their handlers both ways
+    (generic and per method); both are kept so that either kind resolves.
+    """
+
+    def __init__(self) -> None:
+        self.registered: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+        self.generic: list[grpc.GenericRpcHandler] = []
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self.generic.extend(handlers)
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        for name, handler in handlers.items():
+            self.registered[f"/{service}/{name}"] = handler
+
+    def find(self, method: str) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = self.registered.get(method)
+        if handler is not None:
+            return handler
+        details = _CallDetails(method, ())
+        for generic in self.generic:
+            found = generic.service(details)
+            if found is not None:
+                return found
+        return None
+
+
+class _LaneContext:
+    """The part of ``grpc.aio.ServicerContext`` kvmesh's servicers and interceptor use."""
+
+    def __init__(self, peer: str, metadata: tuple[tuple[str, str], ...], deadline: float | None):
+        self._peer = peer
+        self._metadata = metadata
+        self._deadline = deadline
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+        self._trailing: tuple[tuple[str, Any], ...] = ()
+
+    async def abort(
+        self,
+        code: grpc.StatusCode,
+        details: str = "",
+        trailing_metadata: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self._code = code
+        self._details = details
+        self._trailing = tuple(trailing_metadata)
+        raise grpc.aio.AbortError()
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def details(self) -> str:
+        return self._details
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, Any]]) -> None:
+        self._trailing = tuple(metadata)
+
+    def trailing_metadata(self) -> tuple[tuple[str, Any], ...]:
+        return self._trailing
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def cancelled(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return False
+
+    def error_status(self) -> tuple[int, bytes]:
+        """(code, serialized google.rpc.Status) of an aborted call."""
+        code = self._code or grpc.StatusCode.UNKNOWN
+        for key, value in self._trailing:
+            if key == STATUS_DETAILS_KEY and isinstance(value, bytes):
+                return code.value[0], value
+        return code.value[0], _status_bytes(code, self._details or code.name)
+
+
+Interceptor = Callable[
+    [Callable[[grpc.HandlerCallDetails], Awaitable[Any]], grpc.HandlerCallDetails],
+    Awaitable[Any],
+]
+
+
+class LaneServer:
+    """Serves the unary methods a :class:`HandlerCollector` holds on a unix socket."""
+
+    def __init__(
+        self,
+        path: str,
+        handlers: HandlerCollector,
+        *,
+        intercept: Interceptor | None,
+        max_message_bytes: int,
+    ) -> None:
+        self.path = Path(path)
+        self.target = TARGET_PREFIX + str(self.path)
+        self._handlers = handlers
+        self._intercept = intercept
+        self._max_message_bytes = max_message_bytes
+        self._methods: dict[str, _Method | None] = {}
+        self._connections: set[_LaneConnection] = set()
+        self._listener: socket.socket | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._hello = _HELLO.pack(MAGIC, max_message_bytes)
+        # Decided once, as create_server decides on the gRPC tracing interceptor.
+        self._traced = tracing_enabled()
+
+    def bind(self) -> None:
+        """Claim and bind the socket (ConfigError when it cannot); serving starts in start()."""
+        claim_unix_socket(self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(str(self.path))
+            listener.listen(128)
+        except OSError as exc:
+            listener.close()
+            raise ConfigError(f"cannot listen on {self.target}: {exc.strerror or exc}") from exc
+        listener.setblocking(False)
+        self._listener = listener
+
+    async def start(self) -> None:
+        if self._listener is None:
+            self.bind()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(
+            lambda: _LaneConnection(self), sock=self._listener
+        )
+
+    async def stop(self, grace: float) -> None:
+        """Refuse new connections, let calls in flight finish within ``grace``, close."""
+        if self._server is not None:
+            self._server.close()
+        elif self._listener is not None:
+            self._listener.close()
+        pending = [task for conn in self._connections for task in conn.tasks]
+        if pending:
+            await asyncio.wait(pending, timeout=grace)
+        for conn in list(self._connections):
+            conn.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+        self._server = None
+        self._listener = None
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    async def _resolve(self, method: str) -> _Method | None:
+        if method in self._methods:
+            return self._methods[method]
+        resolved: _Method | None = None
+        handler: Any = self._handlers.find(method)
+        if handler is not None and handler.unary_unary is not None:
+            if self._intercept is not None:
+
+                async def continuation(_: grpc.HandlerCallDetails) -> Any:
+                    return handler
+
+                handler = await self._intercept(continuation, _CallDetails(method, ()))
+            resolved = _Method(
+                handler.unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        self._methods[method] = resolved
+        return resolved
+
+    async def invoke(
+        self, method: str, timeout_ms: int, traceparent: str, payload: bytes, peer: str
+    ) -> tuple[int, bytes]:
+        """Run one call; (status code, response bytes or serialized Status)."""
+        entry = self._methods.get(method) or await self._resolve(method)
+        if entry is None:
+            return grpc.StatusCode.UNIMPLEMENTED.value[0], _status_bytes(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"method {method} is not served on the local lane (streaming RPCs and "
+                "unknown methods need gRPC)",
+            )
+        try:
+            request = entry.deserialize(payload)
+        except DecodeError as exc:
+            return grpc.StatusCode.INVALID_ARGUMENT.value[0], _status_bytes(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request of {method} does not parse: {exc}"
+            )
+        metadata: tuple[tuple[str, str], ...] = ()
+        if traceparent:
+            metadata = (("traceparent", traceparent),)
+        deadline = time.monotonic() + timeout_ms / 1000.0 if timeout_ms else None
+        context = _LaneContext(peer, metadata, deadline)
+        # No timer per call: a client whose deadline passes closes its connection,
+        # and that cancels the call (connection_lost), as a cancelled gRPC call is.
+        try:
+            if self._traced:
+                with _server_span(method, traceparent):
+                    response = await entry.behaviour(request, context)
+            else:
+                response = await entry.behaviour(request, context)
+        except grpc.aio.AbortError:
+            return context.error_status()
+        return _OK, entry.serialize(response)
+
+
+@contextlib.contextmanager
+def _server_span(method: str, traceparent: str) -> Iterator[None]:
+    """A SERVER span for the call (the OTel gRPC interceptor's stand-in on the lane)."""
+    from opentelemetry import trace
+
+    service, _, name = method.lstrip("/").rpartition("/")
+    tracer = trace.get_tracer("kvmesh.lane")
+    with tracer.start_as_current_span(
+        method.lstrip("/"),
+        context=context_from_traceparent(traceparent),
+        kind=trace.SpanKind.SERVER,
+        attributes={"rpc.system": "kvmesh-lane", "rpc.service": service, "rpc.method": name},
+    ):
+        yield
+
+
+class _LaneConnection(asyncio.Protocol):
+    """One client connection: parses request frames, runs each call as a task."""
+
+    def __init__(self, lane: LaneServer) -> None:
+        self.lane = lane
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+        self._paused = False
+        self._closing = False
+        self._peer = lane.target
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport (uvloop's does not subclass asyncio.Transport).
+        self._transport = cast(asyncio.Transport, transport)
+        self.lane._connections.add(self)
+        self._transport.write(self.lane._hello)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        self.lane._connections.discard(self)
+        # Like a cancelled gRPC call: handlers shield what must finish (storage calls).
+        for task in self.tasks:
+            task.cancel()
+
+    def close(self) -> None:
+        self._closing = True
+        if self._transport is not None:
+            self._transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._buffer:
+            self._buffer += data
+            view: bytes | bytearray = self._buffer
+        else:
+            view = data
+        used = self._parse(view)
+        if view is self._buffer:
+            del self._buffer[:used]
+        elif used < len(data):
+            self._buffer += data[used:]
+
+    def _parse(self, data: bytes | bytearray) -> int:
+        """Dispatch every complete frame in ``data``; bytes consumed."""
+        pos = 0
+        size = len(data)
+        header = _REQUEST.size
+        limit = self.lane._max_message_bytes
+        while not self._closing and size - pos >= header:
+            payload_len, call_id, timeout_ms, method_len, tp_len = _REQUEST.unpack_from(data, pos)
+            if payload_len > limit:
+                self._send(
+                    call_id,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                    _status_bytes(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"request of {payload_len} bytes exceeds max_message_bytes {limit}",
+                    ),
+                )
+                self.close()
+                return size
+            end = pos + header + method_len + tp_len + payload_len
+            if end > size:
+                break
+            start = pos + header
+            try:
+                method = bytes(data[start : start + method_len]).decode("ascii")
+                traceparent = bytes(data[start + method_len : start + method_len + tp_len]).decode(
+                    "ascii"
+                )
+            except UnicodeDecodeError:
+                logger.warning("lane %s: a frame with a non-ASCII method; closing", self._peer)
+                self.close()
+                return size
+            payload = bytes(data[start + method_len + tp_len : end])
+            pos = end
+            task = asyncio.get_running_loop().create_task(
+                self._call(call_id, method, timeout_ms, traceparent, payload)
+            )
+            self.tasks.add(task)
+            task.add_done_callback(self._done)
+            if len(self.tasks) >= MAX_IN_FLIGHT_PER_CONNECTION and not self._paused:
+                assert self._transport is not None
+                self._transport.pause_reading()
+                self._paused = True
+        return pos
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if self._paused and len(self.tasks) < MAX_IN_FLIGHT_PER_CONNECTION // 2:
+            self._paused = False
+            if self._transport is not None and not self._closing:
+                self._transport.resume_reading()
+
+    async def _call(
+        self, call_id: int, method: str, timeout_ms: int, traceparent: str, payload: bytes
+    ) -> None:
+        try:
+            code, body = await self.lane.invoke(
+                method, timeout_ms, traceparent, payload, self._peer
+            )
+        except Exception as exc:  # a bug in the lane itself; the caller still gets an answer
+            logger.error("lane call %s failed", method, exc_info=exc)
+            code = grpc.StatusCode.INTERNAL.value[0]
+            body = _status_bytes(grpc.StatusCode.INTERNAL, f"internal error in {method}")
+        self._send(call_id, code, body)
+
+    def _send(self, call_id: int, code: int, body: bytes) -> None:
+        if self._transport is None or self._transport.is_closing():
+            return
+        header = _RESPONSE.pack(len(body), call_id, code)
+        if len(body) < _RECV_BYTES:
+            self._transport.write(header + body)
+        else:
+            self._transport.writelines((header, body))
+
+
+# -- client ------------------------------------------------------------------------------
+
+
+class LaneRpcError(grpc.RpcError, grpc.Call):
+    """A failed lane call, shaped like the error of a failed gRPC call."""
+
+    def __init__(
+        self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, Any], ...] = ()
+    ) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+        self._trailing = trailing
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> Any:
+        return self._trailing
+
+    def initial_metadata(self) -> Any:
+        return ()
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float:
+        return 0.0
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return f"<LaneRpcError {self._code.name}: {self._details}>"
+
+
+def _unavailable(path: str, why: object) -> LaneRpcError:
+    return LaneRpcError(grpc.StatusCode.UNAVAILABLE, f"local lane {path}: {why}")
+
+
+class _Connection:
+    """One socket to the lane server; one call at a time."""
+
+    def __init__(self, sock: socket.socket, max_message_bytes: int) -> None:
+        self.sock = sock
+        self.max_message_bytes = max_message_bytes
+        self.next_call_id = 1
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def _recv_exact(sock: socket.socket, count: int) -> bytes:
+    if count == 0:
+        return b""
+    buffer = bytearray(count)
+    view = memoryview(buffer)
+    got = 0
+    while got < count:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionResetError("the server closed the connection")
+        got += n
+    return bytes(buffer)
+
+
+class LaneChannel:
+    """A blocking ``grpc.Channel`` stand-in for ``lane:<path>`` targets.
+
+    Thread-safe: each call takes an idle connection (or opens one) and gives
+    it back when the answer is in. A connection that failed or timed out is
+    closed, never reused. After ``fork()`` the child opens its own.
+    """
+
+    def __init__(self, path: str) -> None:
+        if not path:
+            raise ValueError("a lane target needs a socket path: lane:/path/to/socket")
+        self.path = path
+        self._idle: list[_Connection] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._closed = False
+        # Decided once, as create_channel decides on the gRPC tracing interceptor.
+        self.traced = tracing_enabled()
+
+    # grpc.Channel's surface used by generated stubs -------------------------------------
+
+    def unary_unary(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        _registered_method: bool = False,
+    ) -> _LaneUnaryUnary:
+        return _LaneUnaryUnary(self, method, request_serializer, response_deserializer)
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
+        return _NotOnLane(method)
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
+        return _NotOnLane(method)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
+        return _NotOnLane(method)
+
+    def subscribe(self, callback: Callable[..., None], try_to_connect: bool = False) -> None:
+        """Connectivity callbacks are not tracked on the lane."""
+
+    def unsubscribe(self, callback: Callable[..., None]) -> None:
+        """Connectivity callbacks are not tracked on the lane."""
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def __enter__(self) -> LaneChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # connections ------------------------------------------------------------------------
+
+    def _acquire(self, deadline: float | None, wait_for_ready: bool) -> _Connection:
+        with self._lock:
+            if self._closed:
+                raise ValueError("Cannot invoke RPC on closed channel!")
+            if self._pid != os.getpid():  # forked: the parent's sockets are not ours
+                self._idle = []
+                self._pid = os.getpid()
+            if self._idle:
+                return self._idle.pop()
+        while True:
+            try:
+                return self._connect(deadline)
+            except LaneRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or not wait_for_ready:
+                    raise
+                if deadline is not None and time.monotonic() + _CONNECT_RETRY_S >= deadline:
+                    raise LaneRpcError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, f"Deadline Exceeded ({exc.details()})"
+                    ) from None
+                time.sleep(_CONNECT_RETRY_S)
+
+    def _connect(self, deadline: float | None) -> _Connection:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(_remaining(deadline))
+            sock.connect(self.path)
+            hello = _recv_exact(sock, _HELLO.size)
+        except TimeoutError:
+            sock.close()
+            raise LaneRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except OSError as exc:
+            sock.close()
+            raise _unavailable(self.path, exc.strerror or exc) from None
+        magic, max_message_bytes = _HELLO.unpack(hello)
+        if magic != MAGIC:
+            sock.close()
+            raise _unavailable(self.path, "the socket does not speak kvmesh lane version 1")
+        return _Connection(sock, max_message_bytes)
+
+    def _release(self, conn: _Connection) -> None:
+        with self._lock:
+            if not self._closed and self._pid == os.getpid():
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def call(
+        self,
+        method: bytes,
+        payload: bytes,
+        timeout: float | None,
+        traceparent: str,
+        wait_for_ready: bool,
+    ) -> bytes:
+        """One round trip; the response bytes, or LaneRpcError."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn = self._acquire(deadline, wait_for_ready)
+        if len(payload) > conn.max_message_bytes:
+            self._release(conn)
+            raise LaneRpcError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request of {len(payload)} bytes exceeds the server's max_message_bytes "
+                f"{conn.max_message_bytes}",
+            )
+        call_id = conn.next_call_id
+        conn.next_call_id = (call_id + 1) & 0xFFFFFFFF
+        tp = traceparent.encode("ascii")
+        timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))
+        frame = _REQUEST.pack(len(payload), call_id, timeout_ms, len(method), len(tp))
+        sock = conn.sock
+        try:
+            sock.settimeout(_remaining(deadline))
+            sock.sendall(b"".join((frame, method, tp, payload)))
+            head = sock.recv(_RECV_BYTES)
+            while 0 < len(head) < _RESPONSE.size:
+                head += sock.recv(_RECV_BYTES)
+            if not head:
+                raise ConnectionResetError("the server closed the connection")
+            body_len, answered, code = _RESPONSE.unpack_from(head)
+            body = head[_RESPONSE.size :]
+            if len(body) < body_len:
+                body += _recv_exact(sock, body_len - len(body))
+        except TimeoutError:
+            conn.close()
+            raise LaneRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except OSError as exc:
+            conn.close()
+            raise _unavailable(self.path, f"connection lost: {exc.strerror or exc}") from None
+        if answered != call_id or len(body) != body_len:
+            conn.close()
+            raise LaneRpcError(grpc.StatusCode.INTERNAL, "local lane: out-of-step response")
+        self._release(conn)
+        if code == _OK:
+            return body
+        status = status_pb2.Status.FromString(body)
+        status_code = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+        trailing = ((STATUS_DETAILS_KEY, body),) if status.details else ()
+        raise LaneRpcError(status_code, status.message, trailing)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise LaneRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    return left
+
+
+class _LaneUnaryUnary:
+    """``grpc.UnaryUnaryMultiCallable`` over a lane."""
+
+    def __init__(
+        self,
+        channel: LaneChannel,
+        method: str,
+        serializer: Callable[[Any], bytes] | None,
+        deserializer: Callable[[bytes], Any] | None,
+    ) -> None:
+        self._channel = channel
+        self._method = method
+        self._method_bytes = method.encode("ascii")
+        self._serialize = serializer or (lambda message: message)
+        self._deserialize = deserializer or (lambda data: data)
+
+    def __call__(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        traceparent = next((v for k, v in metadata or () if k == "traceparent"), "")
+        if not self._channel.traced:
+            return self._invoke(request, timeout, traceparent, bool(wait_for_ready))
+        from opentelemetry import trace
+
+        tracer = trace.get_tracer("kvmesh.lane")
+        with tracer.start_as_current_span(
+            self._method.lstrip("/"),
+            kind=trace.SpanKind.CLIENT,
+            attributes={"rpc.system": "kvmesh-lane"},
+        ):
+            return self._invoke(
+                request, timeout, traceparent or current_traceparent(), bool(wait_for_ready)
+            )
+
+    def _invoke(
+        self, request: Any, timeout: float | None, traceparent: str, wait_for_ready: bool
+    ) -> Any:
+        payload = self._serialize(request)
+        body = self._channel.call(self._method_bytes, payload, timeout, traceparent, wait_for_ready)
+        try:
+            return self._deserialize(body)
+        except DecodeError as exc:
+            raise LaneRpcError(
+                grpc.StatusCode.INTERNAL, f"response of {self._method} does not parse: {exc}"
+            ) from None
+
+    def with_call(self, *args: Any, **kwargs: Any) -> tuple[Any, LaneRpcError | None]:
+        return self(*args, **kwargs), None
+
+
+class _NotOnLane:
+    """A streaming method: the lane serves unary calls only."""
+
+    def __init__(self, method: str) -> None:
+        self._method = method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise LaneRpcError(
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"{self._method} is a streaming RPC; the local lane serves unary RPCs only",
+        )
