@@ -113,10 +113,12 @@ class _Job:
         return self.rows[cell[0]][cell[1]]
 
     def held_prefix(self) -> int:
-        for c in range(self.num_chunks):
-            if not all(row[c] for row in self.held):
-                return c
-        return self.num_chunks
+        """Columns held in every row, from the left (the first gap in any row ends it)."""
+        prefix = self.num_chunks
+        for row in self.held:
+            if False in row:
+                prefix = min(prefix, row.index(False))
+        return prefix
 
 
 class PrefetchController:
@@ -205,14 +207,14 @@ class PrefetchController:
         job = _Job(handle, rows, readers, nbytes, [[False] * len(r) for r in rows])
         if job.num_chunks:
             flat = [k for r in rows for k in r]
-            results = self.l1.reserve_read(flat, readers)
+            held = [res is L1Result.SUCCESS for res in self.l1.reserve_read(flat, readers)]
             width = job.num_chunks
-            for i, res in enumerate(results):
-                job.held[i // width][i % width] = res is L1Result.SUCCESS
-        if job.held_prefix() == job.num_chunks or not any(t.available() for t in self.tiers):
+            job.held = [held[i : i + width] for i in range(0, len(held), width)]
+        prefix = job.held_prefix()
+        if prefix == job.num_chunks or not any(t.available() for t in self.tiers):
             with self._cond:
                 self.completed_l1_only += 1
-            self._finish(job, job.held_prefix())
+            self._finish(job, prefix)
             return handle
         with self._cond:
             self._jobs[handle.id] = job
@@ -478,7 +480,7 @@ class PrefetchController:
     def _finish(self, job: _Job, end: int, error: str = "") -> None:
         self._drop_after(job, 0 if error else end)
         self._release(job, end)
-        locked = tuple(job.rows[r][c] for r in range(len(job.rows)) for c in range(end))
+        locked = tuple(key for row in job.rows for key in row[:end])
         if locked:
             self.l1.touch(locked)
         l2_cells = sum(1 for c in job.loaded if c[1] < end)
