@@ -101,7 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--gateway",
         metavar="ADDR",
         default=None,
-        help="use this running gateway (host:port) instead of starting a local fleet",
+        help="use this running gateway (host:port, unix:path, or lane:path for its local "
+        "lane) instead of starting a local fleet",
     )
     p.add_argument(
         "--prompt-tokens", type=int, default=8192, help="length of the prompts (default: 8192)"
@@ -313,7 +314,8 @@ def run_demo(args: argparse.Namespace) -> int:
             l1 = parse_size(args.l1_size)
             fleet = Fleet(FleetOptions(l1_size_bytes=l1, chunk_size=args.chunk_size))
             fleet.start()
-            gateway = fleet.endpoint("node-0-gateway")
+            # The engine runs on the fleet's host: it dials the gateway's local lane.
+            gateway = fleet.endpoint("node-0-gateway", "lane")
         else:
             gateway = args.gateway
         chunk = _gateway_chunk_size(gateway)

@@ -158,7 +158,7 @@ class Fleet:
                 ]  # fmt: skip
                 if opts.colocated:
                     # One process per node: storage and gateway, linked in-process.
-                    args = [*storage_args, "--chunk-size", str(opts.chunk_size)]
+                    args = [*storage_args, "--chunk-size", str(opts.chunk_size), *self._lane(i)]
                     child = self._child(node, "node", [*args, *opts.extra_gateway_args])
                 else:
                     child = self._child(f"{node}-storage", "storage", storage_args)
@@ -175,6 +175,7 @@ class Fleet:
                     [
                         "--storage-target", storage.endpoints["grpc"],
                         "--chunk-size", str(opts.chunk_size),
+                        *self._lane(i),
                         *opts.extra_gateway_args,
                     ],
                 )  # fmt: skip
@@ -184,6 +185,10 @@ class Fleet:
         except BaseException:
             self.stop()
             raise
+
+    def _lane(self, node: int) -> list[str]:
+        """Flags giving node ``node``'s gateway its local lane, in the fleet's private dir."""
+        return ["--lane-socket", str(self.shm_dir / f"node-{node}.lane")]
 
     def endpoint(self, name: str, kind: str = "grpc") -> str:
         """Bound endpoint of a child ('coordinator', 'node-0-storage', 'node-0-gateway').
@@ -200,7 +205,7 @@ class Fleet:
         raise KeyError(name)
 
     def describe(self) -> list[str]:
-        """One line per service: name, gRPC address, metrics address, pid."""
+        """One line per service: name, gRPC address, metrics address, pid (and its lane)."""
         lines = []
         for child in self.children:
             e = child.endpoints
@@ -208,6 +213,8 @@ class Fleet:
                 f"  {child.name:<16} grpc {e.get('grpc', '?'):<22} "
                 f"metrics http://{e.get('metrics', '?')}/metrics  pid {e.get('pid', '?')}"
             )
+            if e.get("lane"):
+                lines.append(f"  {'':<16} engines on this host: {e['lane']}")
         return lines
 
     def stop(self) -> None:

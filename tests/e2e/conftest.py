@@ -40,8 +40,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 @pytest.fixture(scope="module")
 def engine(fleet: Fleet) -> Iterator[Engine]:
-    """An engine registered with node 0's gateway."""
-    config = EngineConfig(model=MODEL, num_blocks=512, gateway=fleet.endpoint("node-0-gateway"))
+    """An engine registered with node 0's gateway, on its local lane (an engine on its host)."""
+    config = EngineConfig(
+        model=MODEL, num_blocks=512, gateway=fleet.endpoint("node-0-gateway", "lane")
+    )
     with Engine(config) as eng:
         yield eng
 
