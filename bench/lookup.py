@@ -4,13 +4,20 @@ DESIGN §7: a Lookup of a 32-chunk prefix through the gateway must have a p50
 of at most 0.5 ms. LMCache 0.5.6 measures 1.5 ms lookup p50 on this machine
 kind, and an empty round trip of 0.3 ms (ZMQ) / 0.7 ms (its own gRPC).
 
-What runs: a storage node (L2 ``none``) and a gateway in front of it, each in
-its own process started with ``kvmesh storage`` / ``kvmesh gateway`` as they
-are deployed (``--arrangement processes``); or both services in one
-``kvmesh node`` process whose gateway calls storage in-process (``node``:
-one gRPC hop per lookup instead of two); or both on one asyncio loop in a
-background thread of this process (``in-process``: the client and the
-servers then share one GIL, which is not how kvmesh runs). An engine KV
+What runs, by ``--arrangement`` (the headline is the first that runs):
+
+- ``node-lane``: storage and gateway in one ``kvmesh node`` process (the
+  gateway calls storage in-process), the engine's client on the node's
+  local lane (``lane:<socket>``, services/common/lane.py) — how an engine on
+  the node's host is meant to connect;
+- ``node``: the same process, the engine's client on gRPC (TCP loopback);
+- ``processes``: ``kvmesh storage`` and ``kvmesh gateway`` in their own
+  processes, as when deployed apart (two gRPC hops per lookup);
+- ``in-process``: both servers on one asyncio loop in a background thread
+  of this process (client and servers then share one GIL, which is not how
+  kvmesh runs).
+
+An engine KV
 cache (flash-attn, block size 16, small dims so the store is quick) in a
 /dev/shm file is registered through the gateway, and one prompt of
 ``--chunks`` chunks of ``--chunk-tokens`` tokens is stored, so the whole
@@ -93,7 +100,7 @@ LMCACHE_REFERENCE = {
     "empty_rtt_p50_ms_grpc": 0.7,
 }
 
-ARRANGEMENTS = ("processes", "node", "in-process")
+ARRANGEMENTS = ("node-lane", "node", "processes", "in-process")
 MODEL = "bench/model"
 _MIB = 1 << 20
 _STARTUP_TIMEOUT_S = 60.0
@@ -112,15 +119,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arrangement",
         choices=[*ARRANGEMENTS, "all"],
         default="all",
-        help="storage and gateway in their own processes (as deployed apart), in one "
-        "'kvmesh node' process (in-process link), in a thread of this process, or all; the "
-        "headline figures come from the first one that runs",
+        help="one 'kvmesh node' process dialled on its local lane or on gRPC, storage and "
+        "gateway in their own processes (as deployed apart), both in a thread of this "
+        "process, or all; the headline figures come from the first one that runs",
     )
     parser.add_argument(
         "--storage-transport",
         choices=["tcp", "unix"],
         default="tcp",
         help="how the gateway reaches its storage node: loopback TCP or a unix socket",
+    )
+    parser.add_argument(
+        "--hash-memo-entries",
+        type=int,
+        default=8192,
+        help="the gateway's memo of recent prefix hashes (its default; 0 hashes every "
+        "lookup's 32 chunks with blake3 afresh)",
     )
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--kv-heads", type=int, default=2)
@@ -148,6 +162,7 @@ class _Params:
     block_size: int
     seed: int
     storage_transport: str = "tcp"
+    hash_memo_entries: int = 8192
 
     @property
     def tokens(self) -> int:
@@ -207,6 +222,7 @@ def _gateway_settings(params: _Params, storage_target: str) -> dict[str, Any]:
         "storage_target": storage_target,
         "chunk_size": params.chunk_tokens,
         "max_tokens": max(1_000_000, params.tokens),
+        "hash_memo_entries": params.hash_memo_entries,
         "log_level": "WARNING",
     }
 
@@ -320,16 +336,24 @@ def _processes(
 
 
 @contextlib.contextmanager
-def _node_process(params: _Params, work_dir: Path, data_dir: Path) -> Iterator[_Endpoints]:
-    """One ``kvmesh node`` process serving both services, linked in-process."""
+def _node_process(
+    params: _Params, work_dir: Path, data_dir: Path, *, lane: bool
+) -> Iterator[_Endpoints]:
+    """One ``kvmesh node`` process serving both services, linked in-process.
+
+    With ``lane`` the node also serves its local lane and the engine dials that.
+    """
     run_dir = data_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     settings = {**_storage_settings(params, work_dir, data_dir), **_gateway_settings(params, "")}
     del settings["storage_target"]
+    if lane:
+        settings["lane_socket"] = str(run_dir / "lane.sock")
     child = _spawn("node", "node", settings, run_dir, None)
     try:
         ends = _wait_ready(child)
-        yield _Endpoints(ends["grpc"], ends["metrics"], ends["metrics"], [])
+        target = ends["lane"] if lane else ends["grpc"]
+        yield _Endpoints(target, ends["metrics"], ends["metrics"], [])
     finally:
         _stop(child)
 
@@ -666,8 +690,8 @@ def _arrangement(
             servers: contextlib.AbstractContextManager[_Endpoints]
             if name == "processes":
                 servers = _processes(params, work_dir, data_dir, profile_dir)
-            elif name == "node":
-                servers = _node_process(params, work_dir, data_dir)
+            elif name in ("node", "node-lane"):
+                servers = _node_process(params, work_dir, data_dir, lane=name == "node-lane")
             else:
                 servers = _in_process(params, work_dir, data_dir)
             with servers as endpoints:
@@ -719,6 +743,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size,
         seed=args.seed,
         storage_transport=args.storage_transport,
+        hash_memo_entries=args.hash_memo_entries,
     )
     if params.chunks < 1 or params.iterations < 1 or params.warmup < 0:
         raise ValueError("--chunks and --iterations must be >= 1, --warmup >= 0")
@@ -746,10 +771,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "head_dim": params.head_dim,
             "block_size": params.block_size,
             "dtype": "fp16",
+            "hash_memo_entries": params.hash_memo_entries,
             "lookup": "new request_id per iteration, wait_timeout_ms 5000, prefix in L1, "
             "then EndSession (timed separately)",
-            "transport": "engine -> gateway: TCP loopback; gateway -> storage: "
-            + ("unix socket" if params.storage_transport == "unix" else "TCP loopback"),
+            "transport": "engine -> gateway: the local lane (unix socket) in node-lane, "
+            "gRPC over TCP loopback otherwise; gateway -> storage: in-process in node and "
+            "node-lane, else gRPC over "
+            + ("a unix socket" if params.storage_transport == "unix" else "TCP loopback"),
         },
         "arrangements": arrangements,
     }
@@ -768,6 +796,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['empty_rtt_p50_ms']:.3f} ms; target p50 <= {result['target_lookup_p50_ms']} ms"
         f" ({'met' if result['meets_target'] else 'NOT met'})",
         "LMCache 0.5.6 here: lookup p50 1.5 ms, empty round trip 0.3 ms (ZMQ) / 0.7 ms (gRPC)",
+        "engine -> gateway: " + result["parameters"]["transport"].split(": ", 1)[1],
         "",
         f"{'':22}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'mean ms':>9}",
     ]
