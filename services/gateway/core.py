@@ -824,7 +824,11 @@ class Gateway:
         lookup = session.lookup
         if lookup is None:
             return 0
-        if touch and lookup.chunk_hashes:
+        if touch and lookup.chunk_hashes and self.storage.cancel_safe:
+            # In-process: no round trips to overlap, and two tasks would cost loop turns.
+            released = await self._release_lookup(lookup)
+            await self._touch(session.request_id, lookup)
+        elif touch and lookup.chunk_hashes:
             # The LRU refresh does not depend on the release: one storage round trip
             # for both instead of two in a row (EndSession is on every request's path).
             released, _ = await asyncio.gather(
