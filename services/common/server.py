@@ -195,8 +195,10 @@ class Server:
         await self.health.enter_graceful_shutdown()
         grace = self.settings.grace_seconds if grace is None else grace
         if self.lane is not None:
-            await self.lane.stop(grace)
-        await self.grpc_server.stop(grace)
+            # Both drain within the one grace period.
+            await asyncio.gather(self.lane.stop(grace), self.grpc_server.stop(grace))
+        else:
+            await self.grpc_server.stop(grace)
         try:
             await self.app.stop()
         finally:
