@@ -23,7 +23,7 @@ from typing import Any, TypeVar, cast
 
 import grpc
 
-from services.common.lane import LaneChannel, lane_path
+from services.common.lane import AsyncLaneChannel, LaneChannel, lane_path
 from services.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from services.common.telemetry import tracing_enabled
 
@@ -79,9 +79,11 @@ def create_channel(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYT
 def create_aio_channel(
     target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> grpc.aio.Channel:
-    """An asyncio channel to ``target``, traced when tracing is on."""
-    if lane_path(target) is not None:
-        raise ValueError(f"{target}: the local lane has a blocking client only; dial gRPC")
+    """An asyncio channel to ``target`` (``lane:path`` too), traced when tracing is on."""
+    path = lane_path(target)
+    if path is not None:
+        lane: Any = AsyncLaneChannel(path)
+        return cast(grpc.aio.Channel, lane)
     interceptors = None
     if tracing_enabled():
         from opentelemetry.instrumentation.grpc import aio_client_interceptors

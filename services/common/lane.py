@@ -29,14 +29,23 @@ Wire format, version 1 (integers little-endian):
   serialized ``google.rpc.Status`` whose code equals ``code``.
 
 Calls on one connection may be answered out of order; ``call_id`` pairs
-them. A frame the server cannot parse, or one over ``max_message_bytes``,
-closes the connection after an error reply where one can be addressed.
+them. A request frame with an empty method and payload cancels the call
+with that ``call_id`` (an asyncio client whose deadline passed; a blocking
+client closes its connection instead) and is not answered. A frame the
+server cannot parse, or one over ``max_message_bytes``, closes the
+connection after an error reply where one can be addressed.
+
+:class:`LaneChannel` is the blocking client (one call per connection at a
+time, a pool of connections); :class:`AsyncLaneChannel` the asyncio one
+(every call pipelined on one connection), for a service calling another on
+the same host — a gateway calling its storage node.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -366,6 +375,7 @@ class _LaneConnection(asyncio.Protocol):
     def __init__(self, lane: LaneServer) -> None:
         self.lane = lane
         self.tasks: set[asyncio.Task[None]] = set()
+        self._by_call: dict[int, asyncio.Task[None]] = {}
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
         self._paused = False
@@ -436,19 +446,27 @@ class _LaneConnection(asyncio.Protocol):
                 return size
             payload = bytes(data[start + method_len + tp_len : end])
             pos = end
+            if not method and not payload:
+                running = self._by_call.get(call_id)
+                if running is not None:
+                    running.cancel()
+                continue
             task = asyncio.get_running_loop().create_task(
                 self._call(call_id, method, timeout_ms, traceparent, payload)
             )
             self.tasks.add(task)
-            task.add_done_callback(self._done)
+            self._by_call[call_id] = task
+            task.add_done_callback(functools.partial(self._done, call_id))
             if len(self.tasks) >= MAX_IN_FLIGHT_PER_CONNECTION and not self._paused:
                 assert self._transport is not None
                 self._transport.pause_reading()
                 self._paused = True
         return pos
 
-    def _done(self, task: asyncio.Task[None]) -> None:
+    def _done(self, call_id: int, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
+        if self._by_call.get(call_id) is task:
+            del self._by_call[call_id]
         if self._paused and len(self.tasks) < MAX_IN_FLIGHT_PER_CONNECTION // 2:
             self._paused = False
             if self._transport is not None and not self._closing:
@@ -786,3 +804,289 @@ class _NotOnLane:
             grpc.StatusCode.UNIMPLEMENTED,
             f"{self._method} is a streaming RPC; the local lane serves unary RPCs only",
         )
+
+
+# -- asyncio client ----------------------------------------------------------------------
+
+
+def _aio_error(error: LaneRpcError) -> grpc.aio.AioRpcError:
+    """The error an asyncio gRPC call would raise, for callers catching AioRpcError."""
+    return grpc.aio.AioRpcError(
+        error.code(),
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(*error.trailing_metadata()),
+        error.details(),
+        None,
+    )
+
+
+class _AsyncConnection:
+    """One connection of an AsyncLaneChannel: every call pipelined, answers by call id."""
+
+    def __init__(
+        self,
+        path: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        max_message_bytes: int,
+    ) -> None:
+        self.path = path
+        self.max_message_bytes = max_message_bytes
+        self.alive = True
+        self._reader = reader
+        self._writer = writer
+        self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self._next_id = 1
+        self._reading = asyncio.get_running_loop().create_task(self._read_answers())
+
+    def start(self, frame_rest: Sequence[bytes], payload_len: int, timeout_ms: int) -> int:
+        """Send one request; its call id (the answer arrives through ``answer(call_id)``)."""
+        call_id = self._next_id
+        self._next_id = (call_id % 0xFFFFFFFF) + 1
+        method, traceparent, payload = frame_rest
+        self._pending[call_id] = asyncio.get_running_loop().create_future()
+        header = _REQUEST.pack(payload_len, call_id, timeout_ms, len(method), len(traceparent))
+        self._writer.write(b"".join((header, method, traceparent, payload)))
+        return call_id
+
+    async def drain(self) -> None:
+        await self._writer.drain()
+
+    def answer(self, call_id: int) -> asyncio.Future[tuple[int, bytes]]:
+        return self._pending[call_id]
+
+    def cancel(self, call_id: int) -> None:
+        """Forget the call and ask the server to cancel it."""
+        self._pending.pop(call_id, None)
+        if self.alive and not self._writer.is_closing():
+            self._writer.write(_REQUEST.pack(0, call_id, 0, 0, 0))
+
+    async def _read_answers(self) -> None:
+        why = "the server closed the connection"
+        try:
+            while True:
+                head = await self._reader.readexactly(_RESPONSE.size)
+                size, call_id, code = _RESPONSE.unpack(head)
+                body = await self._reader.readexactly(size) if size else b""
+                waiter = self._pending.pop(call_id, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result((code, body))
+        except asyncio.IncompleteReadError:
+            pass
+        except OSError as exc:
+            why = f"connection lost: {exc.strerror or exc}"
+        except asyncio.CancelledError:
+            why = "the channel was closed"
+        finally:
+            self.alive = False
+            pending, self._pending = self._pending, {}
+            for waiter in pending.values():
+                if not waiter.done():
+                    waiter.set_exception(_unavailable(self.path, why))
+            self._writer.close()
+
+    async def close(self) -> None:
+        self._reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reading
+
+
+class AsyncLaneChannel:
+    """A ``grpc.aio.Channel`` stand-in for ``lane:<path>`` targets.
+
+    Calls share one connection (pipelined, paired by call id); a call whose
+    deadline passes or whose caller is cancelled is cancelled on the server.
+    A lost connection fails the calls in flight with UNAVAILABLE and the next
+    call opens a new one. Errors are ``grpc.aio.AioRpcError``, as from a gRPC
+    channel. Use it from one event loop.
+    """
+
+    def __init__(self, path: str) -> None:
+        if not path:
+            raise ValueError("a lane target needs a socket path: lane:/path/to/socket")
+        self.path = path
+        self.traced = tracing_enabled()
+        self._conn: _AsyncConnection | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._closed = False
+
+    def unary_unary(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        _registered_method: bool = False,
+    ) -> _AsyncLaneUnaryUnary:
+        return _AsyncLaneUnaryUnary(self, method, request_serializer, response_deserializer)
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
+        return _NotOnLane(method)
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
+        return _NotOnLane(method)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
+        return _NotOnLane(method)
+
+    async def channel_ready(self) -> None:
+        """Wait until a connection is open."""
+        await self._connection(None, wait_for_ready=True)
+
+    async def close(self, grace: float | None = None) -> None:
+        self._closed = True
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
+
+    async def __aenter__(self) -> AsyncLaneChannel:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _connection(self, deadline: float | None, wait_for_ready: bool) -> _AsyncConnection:
+        conn = self._conn
+        if conn is not None and conn.alive:
+            return conn
+        if self._closed:
+            raise ValueError("Cannot invoke RPC on closed channel!")
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            conn = self._conn
+            if conn is not None and conn.alive:
+                return conn
+            while True:
+                try:
+                    self._conn = await self._connect(deadline)
+                    return self._conn
+                except LaneRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE or not wait_for_ready:
+                        raise
+                    if deadline is not None and time.monotonic() + _CONNECT_RETRY_S >= deadline:
+                        raise LaneRpcError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"Deadline Exceeded ({exc.details()})",
+                        ) from None
+                    await asyncio.sleep(_CONNECT_RETRY_S)
+
+    async def _connect(self, deadline: float | None) -> _AsyncConnection:
+        try:
+            async with asyncio.timeout(_remaining(deadline)):
+                reader, writer = await asyncio.open_unix_connection(self.path)
+                try:
+                    hello = await reader.readexactly(_HELLO.size)
+                except BaseException:
+                    writer.close()
+                    raise
+        except TimeoutError:
+            raise LaneRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except asyncio.IncompleteReadError:
+            raise _unavailable(self.path, "the server closed the connection") from None
+        except OSError as exc:
+            raise _unavailable(self.path, exc.strerror or exc) from None
+        magic, max_message_bytes = _HELLO.unpack(hello)
+        if magic != MAGIC:
+            writer.close()
+            raise _unavailable(self.path, "the socket does not speak kvmesh lane version 1")
+        return _AsyncConnection(self.path, reader, writer, max_message_bytes)
+
+    async def call(
+        self,
+        method: bytes,
+        payload: bytes,
+        timeout: float | None,
+        traceparent: str,
+        wait_for_ready: bool,
+    ) -> bytes:
+        """One call; the response bytes, or LaneRpcError."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn = await self._connection(deadline, wait_for_ready)
+        if len(payload) > conn.max_message_bytes:
+            raise LaneRpcError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request of {len(payload)} bytes exceeds the server's max_message_bytes "
+                f"{conn.max_message_bytes}",
+            )
+        timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))
+        tp = traceparent.encode("ascii")
+        left = _remaining(deadline)
+        call_id = conn.start((method, tp, payload), len(payload), timeout_ms)
+        try:
+            async with asyncio.timeout(left):
+                if len(payload) >= _RECV_BYTES:
+                    await conn.drain()
+                code, body = await conn.answer(call_id)
+        except TimeoutError:
+            conn.cancel(call_id)
+            raise LaneRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except asyncio.CancelledError:
+            conn.cancel(call_id)
+            raise
+        except OSError as exc:
+            conn.cancel(call_id)
+            raise _unavailable(self.path, f"connection lost: {exc.strerror or exc}") from None
+        if code == _OK:
+            return body
+        status = status_pb2.Status.FromString(body)
+        trailing = ((STATUS_DETAILS_KEY, body),) if status.details else ()
+        raise LaneRpcError(_CODES.get(code, grpc.StatusCode.UNKNOWN), status.message, trailing)
+
+
+class _AsyncLaneUnaryUnary:
+    """``grpc.aio.UnaryUnaryMultiCallable`` over a lane."""
+
+    def __init__(
+        self,
+        channel: AsyncLaneChannel,
+        method: str,
+        serializer: Callable[[Any], bytes] | None,
+        deserializer: Callable[[bytes], Any] | None,
+    ) -> None:
+        self._channel = channel
+        self._method = method
+        self._method_bytes = method.encode("ascii")
+        self._serialize = serializer or (lambda message: message)
+        self._deserialize = deserializer or (lambda data: data)
+
+    async def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        traceparent = next((v for k, v in metadata or () if k == "traceparent"), "")
+        try:
+            if not self._channel.traced:
+                return await self._invoke(request, timeout, traceparent, bool(wait_for_ready))
+            from opentelemetry import trace
+
+            tracer = trace.get_tracer("kvmesh.lane")
+            with tracer.start_as_current_span(
+                self._method.lstrip("/"),
+                kind=trace.SpanKind.CLIENT,
+                attributes={"rpc.system": "kvmesh-lane"},
+            ):
+                return await self._invoke(
+                    request, timeout, traceparent or current_traceparent(), bool(wait_for_ready)
+                )
+        except LaneRpcError as exc:
+            raise _aio_error(exc) from None
+
+    async def _invoke(
+        self, request: Any, timeout: float | None, traceparent: str, wait_for_ready: bool
+    ) -> Any:
+        payload = self._serialize(request)
+        body = await self._channel.call(
+            self._method_bytes, payload, timeout, traceparent, wait_for_ready
+        )
+        try:
+            return self._deserialize(body)
+        except DecodeError as exc:
+            raise LaneRpcError(
+                grpc.StatusCode.INTERNAL, f"response of {self._method} does not parse: {exc}"
+            ) from None

@@ -28,10 +28,12 @@ import pytest
 from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from services.common.client import create_aio_channel
 from services.common.config import ConfigError
 from services.common.interceptors import error_info
 from services.common.lane import (
+    AsyncLaneChannel,
     HandlerCollector,
     LaneChannel,
     LaneServer,
@@ -579,7 +581,7 @@ exporter = InMemorySpanExporter()
 provider = TracerProvider()
 provider.add_span_processor(SimpleSpanProcessor(exporter))
 trace.set_tracer_provider(provider)
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.app import GatewayApp
 from services.gateway.client import GatewayClient
 from services.gateway.config import GatewayConfig
@@ -615,3 +617,157 @@ print("ok")
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("ok")
+
+
+# -- the asyncio client (a service calling another on its host) ---------------------------
+
+
+def _astub(channel: AsyncLaneChannel) -> Any:
+    return health_pb2_grpc.HealthStub(channel)  # type: ignore[arg-type]
+
+
+def test_async_calls_share_one_connection_and_are_paired_by_call_id(
+    slow_lane: tuple[ServerThread, LaneServer, _SlowHealth],
+) -> None:
+    _, lane, servicer = slow_lane
+
+    async def scenario() -> list[str]:
+        async with AsyncLaneChannel(str(lane.path)) as channel:
+            stub = _astub(channel)
+            delays = [200, 0, 100, 0, 50]
+            replies = await asyncio.gather(
+                *(
+                    stub.Check(health_pb2.HealthCheckRequest(service=str(d)), timeout=10)
+                    for d in delays
+                )
+            )
+            assert all(r.status == health_pb2.HealthCheckResponse.SERVING for r in replies)
+            assert len(lane._connections) == 1
+            return list(servicer.finished)
+
+    finished = asyncio.run(scenario())
+    # Answered as they finished, not as they were sent.
+    assert finished.index("0") < finished.index("50") < finished.index("100")
+    assert finished.index("100") < finished.index("200")
+
+
+def test_an_async_deadline_cancels_only_that_call_on_the_server(
+    slow_lane: tuple[ServerThread, LaneServer, _SlowHealth],
+) -> None:
+    _, lane, servicer = slow_lane
+
+    async def scenario() -> None:
+        async with AsyncLaneChannel(str(lane.path)) as channel:
+            stub = _astub(channel)
+            survivor = asyncio.ensure_future(
+                stub.Check(health_pb2.HealthCheckRequest(service="400"), timeout=10)
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Check(health_pb2.HealthCheckRequest(service="5000"), timeout=0.2)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert (await survivor).status == health_pb2.HealthCheckResponse.SERVING
+
+    asyncio.run(scenario())
+    assert servicer.cancelled.wait(5)
+    assert "5000" not in servicer.finished
+    assert "400" in servicer.finished
+
+
+def test_a_cancelled_async_caller_cancels_its_call_on_the_server(
+    slow_lane: tuple[ServerThread, LaneServer, _SlowHealth],
+) -> None:
+    _, lane, servicer = slow_lane
+
+    async def scenario() -> None:
+        async with AsyncLaneChannel(str(lane.path)) as channel:
+            call = asyncio.ensure_future(
+                _astub(channel).Check(health_pb2.HealthCheckRequest(service="5000"), timeout=10)
+            )
+            await asyncio.sleep(0.2)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+    asyncio.run(scenario())
+    assert servicer.cancelled.wait(5)
+
+
+def test_async_calls_in_flight_fail_unavailable_when_the_server_goes(sock_dir: Path) -> None:
+    servicer = _SlowHealth()
+    handlers = HandlerCollector()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, handlers)  # type: ignore[arg-type]
+    lane = LaneServer(str(sock_dir / "gone.sock"), handlers, intercept=None, max_message_bytes=4096)
+    with server_thread() as thread:
+        thread.run(lane.start())
+
+        async def scenario() -> None:
+            async with AsyncLaneChannel(str(lane.path)) as channel:
+                stub = _astub(channel)
+                call = asyncio.ensure_future(
+                    stub.Check(health_pb2.HealthCheckRequest(service="5000"), timeout=10)
+                )
+                await asyncio.sleep(0.2)
+                await asyncio.wrap_future(
+                    asyncio.run_coroutine_threadsafe(lane.stop(0.0), thread.loop)
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Check(health_pb2.HealthCheckRequest(service="0"), timeout=2)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        asyncio.run(scenario())
+
+
+def test_async_errors_carry_the_error_info_like_grpc(gateway: tuple[ServerThread, Server]) -> None:
+    _, server = gateway
+    assert server.lane is not None
+    lane_target = server.lane.target
+
+    async def scenario() -> None:
+        channel = create_aio_channel(lane_target)
+        try:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.QueryPrefetchStatus(
+                    gateway_pb2.QueryPrefetchStatusRequest(request_id="nobody"), timeout=5
+                )
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            info = error_info(err.value)
+            assert info is not None
+            assert info.reason == "UNKNOWN_REQUEST"
+            size = await stub.GetChunkSize(gateway_pb2.GetChunkSizeRequest(), timeout=5)
+            assert size.chunk_size == 16
+        finally:
+            await channel.close()
+
+    asyncio.run(scenario())
+
+
+def test_async_wait_for_ready_waits_for_the_server(sock_dir: Path) -> None:
+    path = sock_dir / "late.sock"
+    handlers = HandlerCollector()
+    health_pb2_grpc.add_HealthServicer_to_server(_SlowHealth(), handlers)  # type: ignore[arg-type]
+    lane = LaneServer(str(path), handlers, intercept=None, max_message_bytes=4096)
+    with server_thread() as thread:
+
+        async def scenario() -> None:
+            async with AsyncLaneChannel(str(path)) as channel:
+                stub = _astub(channel)
+                request = health_pb2.HealthCheckRequest(service="0")
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Check(request, timeout=2)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                waiting = asyncio.ensure_future(
+                    stub.Check(request, timeout=10, wait_for_ready=True)
+                )
+                await asyncio.sleep(0.3)
+                assert not waiting.done()
+                await asyncio.wrap_future(
+                    asyncio.run_coroutine_threadsafe(lane.start(), thread.loop)
+                )
+                assert (await waiting).status == health_pb2.HealthCheckResponse.SERVING
+
+        asyncio.run(scenario())
+        thread.run(lane.stop(0.5))

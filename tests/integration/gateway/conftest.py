@@ -61,10 +61,12 @@ def thread() -> Iterator[ServerThread]:
 StackFactory = Callable[..., Stack]
 
 
-@pytest.fixture(params=["separate", "node", "lane"])
+@pytest.fixture(params=["separate", "node", "lane", "separate-lane"])
 def arrangement(request: pytest.FixtureRequest) -> str:
     """Gateway and storage as two servers (gRPC link), or one ``kvmesh node`` (in-process
-    link); ``lane`` is that node with the engine's client on the local lane instead of gRPC.
+    link); ``lane`` is that node with the engine's client on the local lane instead of gRPC,
+    ``separate-lane`` the two servers with the lane on both hops (engine -> gateway ->
+    storage).
     """
     return str(request.param)
 
@@ -93,7 +95,7 @@ def make_stack(
             and "storage_target" not in (gateway or {})
         )
         lane: dict[str, Any] = {}
-        if arrangement == "lane":
+        if arrangement in ("lane", "separate-lane"):
             lane["lane_socket"] = str(shm_dirs.root / f"lane{len(stacks)}.sock")
         if node is None:
             settings: dict[str, Any] = {
@@ -115,12 +117,14 @@ def make_stack(
                 stack = Stack(Node(thread, server), server, GatewayClient(_target(server)))
                 stacks.append(stack)
                 return stack
+            if arrangement == "separate-lane":
+                settings["lane_socket"] = str(shm_dirs.root / f"storage{len(stacks)}.sock")
             node = Node(thread, thread.start(StorageConfig(**settings), StorageApp))
         gw_settings: dict[str, Any] = {
             "port": 0,
             "metrics_port": -1,
             "grace_seconds": 0.2,
-            "storage_target": node.server.target,
+            "storage_target": _target(node.server),
             "chunk_size": CHUNK,
         }
         gw_settings.update(lane)
