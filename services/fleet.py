@@ -161,7 +161,10 @@ class Fleet:
                     args = [*storage_args, "--chunk-size", str(opts.chunk_size), *self._lane(i)]
                     child = self._child(node, "node", [*args, *opts.extra_gateway_args])
                 else:
-                    child = self._child(f"{node}-storage", "storage", storage_args)
+                    storage_lane = ["--lane-socket", str(self.shm_dir / f"{node}-storage.lane")]
+                    child = self._child(
+                        f"{node}-storage", "storage", [*storage_args, *storage_lane]
+                    )
                 self._spawn(child)
                 storages.append(child)
             self._wait_ready(storages)
@@ -173,7 +176,8 @@ class Fleet:
                     f"node-{i}-gateway",
                     "gateway",
                     [
-                        "--storage-target", storage.endpoints["grpc"],
+                        # Same host: the gateway reaches its storage node on the local lane.
+                        "--storage-target", storage.endpoints["lane"],
                         "--chunk-size", str(opts.chunk_size),
                         *self._lane(i),
                         *opts.extra_gateway_args,

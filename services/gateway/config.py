@@ -52,7 +52,9 @@ class GatewayConfig(ServerSettings, GatewaySettings):
 
     port: int = setting(DEFAULT_PORT, "gRPC port of the engine-facing API (0 picks a free one)")
     storage_target: str = setting(
-        "127.0.0.1:8301", "address of this node's storage service (host:port or unix:path)"
+        "127.0.0.1:8301",
+        "address of this node's storage service (host:port, unix:path, or lane:path for "
+        "its local lane)",
     )
 
     def validate(self) -> None:
