@@ -24,8 +24,11 @@ What runs, as deployed:
   stay ``--batch-entries`` entries each and every batch's ack latency is
   still measured on its own; the window adds queueing to every ack
   (Little's law). ``--window`` takes several values to run one
-  configuration after another, each against a fresh coordinator (the
-  default runs window 1 without groups and window 2 with them). Every
+  configuration after another, each against a fresh coordinator. The
+  default runs first what a storage node runs (window
+  ``DEFAULT_MAX_IN_FLIGHT_BATCHES`` of ``services.storage.emitter``, 2,
+  with groups: the headline figures), then window 1 without groups
+  (LMCache's synchronous flush, for the comparison). Every
   request is serialized before the clock starts (the stream sends the
   bytes as they are; a group is the batches' bytes joined) and each emitter
   streams with ``grpc.aio`` (a write and a read per message on its own event
@@ -94,6 +97,7 @@ from services.common.convert import batch_to_proto, key_to_proto
 from services.common.events import Tier
 from services.common.keys import ObjectKey, worker_kv_rank
 from services.coordinator.servicer import BATCH_GROUPS_METADATA
+from services.storage.emitter import DEFAULT_MAX_IN_FLIGHT_BATCHES
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--window",
         type=int,
         nargs="+",
-        default=[1, 2],
+        default=[DEFAULT_MAX_IN_FLIGHT_BATCHES, 1],
         help="batches in flight (sent, not acked) per emitter; 1 is LMCache's synchronous flush."
-        " Several values: one run each (default: 1 2)",
+        f" Several values: one run each (default: {DEFAULT_MAX_IN_FLIGHT_BATCHES}, the storage"
+        " node's window, then 1)",
     )
     parser.add_argument(
         "--group",
