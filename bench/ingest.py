@@ -491,6 +491,9 @@ async def _emit(
         error = f"stream failed after {acked} acks: {exc.code().name}: {exc.details()}"
     finally:
         sender.cancel()
+        # Its own failure (a write on a broken stream) is the one reported above.
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await sender
         await channel.close()
     if acked != n and not error:
         error = f"stream ended after {acked} of {n} acks"
