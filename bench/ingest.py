@@ -24,11 +24,16 @@ What runs, as deployed:
   stay ``--batch-entries`` entries each and every batch's ack latency is
   still measured on its own; the window adds queueing to every ack
   (Little's law). ``--window`` takes several values to run one
-  configuration after another, each against a fresh coordinator (the
-  default runs window 1 without groups and window 2 with them). Every
+  configuration after another, each against a fresh coordinator. The
+  default runs first what a storage node runs (window
+  ``DEFAULT_MAX_IN_FLIGHT_BATCHES`` of ``services.storage.emitter``, 2,
+  with groups: the headline figures), then window 1 without groups
+  (LMCache's synchronous flush, for the comparison). Every
   request is serialized before the clock starts (the stream sends the
-  bytes as they are; a group is the batches' bytes joined), so the client
-  side costs little;
+  bytes as they are; a group is the batches' bytes joined) and each emitter
+  streams with ``grpc.aio`` (a write and a read per message on its own event
+  loop, no request thread to hand each message to), so the client side,
+  which shares this machine's cores with the coordinator, costs little;
 * all emitters start together; each batch's send and ack times are taken
   with the system-wide monotonic clock, so the emitters' timelines merge.
 
@@ -58,6 +63,7 @@ emitters, plus the coordinator's directory.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import ctypes
 import itertools
@@ -73,7 +79,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from array import array
 from collections.abc import Iterator, Sequence
@@ -92,6 +97,7 @@ from services.common.convert import batch_to_proto, key_to_proto
 from services.common.events import Tier
 from services.common.keys import ObjectKey, worker_kv_rank
 from services.coordinator.servicer import BATCH_GROUPS_METADATA
+from services.storage.emitter import DEFAULT_MAX_IN_FLIGHT_BATCHES
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--window",
         type=int,
         nargs="+",
-        default=[1, 2],
+        default=[DEFAULT_MAX_IN_FLIGHT_BATCHES, 1],
         help="batches in flight (sent, not acked) per emitter; 1 is LMCache's synchronous flush."
-        " Several values: one run each (default: 1 2)",
+        f" Several values: one run each (default: {DEFAULT_MAX_IN_FLIGHT_BATCHES}, the storage"
+        " node's window, then 1)",
     )
     parser.add_argument(
         "--group",
@@ -381,12 +388,37 @@ def _build_payloads(job: EmitterJob) -> tuple[bytes, list[bytes], list[bytes], l
 def _emitter_main(job: EmitterJob, ready: Any, go: EventType, results: Any) -> None:
     """One emitter process: prepare, report ready, wait for go, stream, report times."""
     try:
-        opening, payloads, items, sample = _build_payloads(job)
-        channel = grpc.insecure_channel(
+        prepared = _build_payloads(job)
+    except Exception as exc:
+        ready.put((job.index, f"{type(exc).__name__}: {exc}"))
+        return
+    asyncio.run(_emit(job, *prepared, ready, go, results))
+
+
+async def _emit(
+    job: EmitterJob,
+    opening: bytes,
+    payloads: list[bytes],
+    items: list[bytes],
+    sample: list[ObjectKey],
+    ready: Any,
+    go: EventType,
+    results: Any,
+) -> None:
+    """Stream every batch over one ``StreamEvents`` call and report the times.
+
+    ``grpc.aio``: a write and a read are one completion each on this
+    process's event loop, with no hand-off to a request thread per message
+    (the synchronous API's request iterator costs a thread switch per batch),
+    so the emitters take as little as possible of the CPU the coordinator
+    shares with them.
+    """
+    try:
+        channel = grpc.aio.insecure_channel(
             job.target, options=[("grpc.max_send_message_length", 64 * 1024 * 1024)]
         )
-        grpc.channel_ready_future(channel).result(timeout=_START_TIMEOUT_S)
-        stream: grpc.StreamStreamMultiCallable[bytes, ingest_pb2.StreamEventsResponse]
+        await asyncio.wait_for(channel.channel_ready(), _START_TIMEOUT_S)
+        stream: grpc.aio.StreamStreamMultiCallable[bytes, ingest_pb2.StreamEventsResponse]
         stream = channel.stream_stream(
             STREAM_METHOD,
             request_serializer=None,  # the requests are bytes already
@@ -396,51 +428,48 @@ def _emitter_main(job: EmitterJob, ready: Any, go: EventType, results: Any) -> N
         ready.put((job.index, f"{type(exc).__name__}: {exc}"))
         return
     ready.put((job.index, ""))
-    go.wait()
+    go.wait()  # nothing else runs on this loop yet: blocking here is fine
     n = len(payloads)
     send_ns = array("q", bytes(8 * n))
     ack_ns = array("q", bytes(8 * n))
-    window = threading.Semaphore(job.window)
-    # Groups only once the coordinator announced them (ingest.proto). The
-    # first batch waits for the announcement: batches sent singly come back
-    # with single acks, which free the window one batch at a time and would
-    # keep later messages single too.
-    group_limit = [1]
-    announced = threading.Event()
-    messages = [0]
     clock = time.monotonic_ns
+    room = job.window  # batches the window lets out now
+    room_freed = asyncio.Event()
+    messages = admitted = acked = 0
+    error = ""
+    cpu0 = time.process_time()
+    call = stream()
 
-    def requests() -> Iterator[bytes]:
-        # Runs on gRPC's request thread; ending it half-closes the stream.
-        yield opening
-        announced.wait(_START_TIMEOUT_S)
+    async def send() -> None:
+        nonlocal room, messages
+        await call.write(opening)
+        # Groups only once the coordinator announced them (ingest.proto). The
+        # first batch waits for the announcement: batches sent singly come back
+        # with single acks, which free the window one batch at a time and would
+        # keep later messages single too.
+        group_limit = 1
+        for key, value in await call.initial_metadata() or ():
+            if key == BATCH_GROUPS_METADATA:
+                group_limit = max(1, min(job.group, int(value)))
         i = 0
         while i < n:
-            window.acquire()
-            k = 1
+            while room == 0:
+                room_freed.clear()
+                await room_freed.wait()
             # Every batch the window lets out now goes in this message.
-            limit = min(group_limit[0], n - i)
-            while k < limit and window.acquire(blocking=False):
-                k += 1
+            k = min(room, group_limit, n - i)
+            room -= k
             now = clock()
             for j in range(i, i + k):
                 send_ns[j] = now
-            messages[0] += 1
-            yield payloads[i] if k == 1 else _group_request(items[i : i + k])
+            messages += 1
+            await call.write(payloads[i] if k == 1 else _group_request(items[i : i + k]))
             i += k
+        await call.done_writing()  # half-close: the coordinator ends the call
 
-    admitted = acked = 0
-    error = ""
-    cpu0 = time.process_time()
-    call = stream(requests())
+    sender = asyncio.create_task(send())
     try:
-        try:
-            for key, value in call.initial_metadata() or ():
-                if key == BATCH_GROUPS_METADATA:
-                    group_limit[0] = max(1, min(job.group, int(value)))
-        finally:
-            announced.set()
-        for response in call:
+        async for response in call:
             kind = response.WhichOneof("kind")
             if kind == "ack":
                 acks: Sequence[ingest_pb2.BatchAck] = (response.ack,)
@@ -454,18 +483,22 @@ def _emitter_main(job: EmitterJob, ready: Any, go: EventType, results: Any) -> N
                 acked += 1
                 if ack.result == events_pb2.INGEST_RESULT_ADMITTED:
                     admitted += 1
-            # All at once, so the request thread sees the whole group's room.
-            window.release(len(acks))
+            # All at once, so the sender sees the whole group's room.
+            room += len(acks)
+            room_freed.set()
+        await sender
     except grpc.RpcError as exc:
         error = f"stream failed after {acked} acks: {exc.code().name}: {exc.details()}"
     finally:
-        channel.close()
+        sender.cancel()
+        # Its own failure (a write on a broken stream) is the one reported above.
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await sender
+        await channel.close()
     if acked != n and not error:
         error = f"stream ended after {acked} of {n} acks"
     cpu_s = time.process_time() - cpu0
-    results.put(
-        EmitterResult(job.index, send_ns, ack_ns, admitted, sample, cpu_s, messages[0], error)
-    )
+    results.put(EmitterResult(job.index, send_ns, ack_ns, admitted, sample, cpu_s, messages, error))
 
 
 # ------------------------------------------------------------------------------- figures

@@ -37,6 +37,8 @@ salt of a batch once rather than per entry.
 
 from __future__ import annotations
 
+import functools
+import struct
 from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
 
@@ -82,6 +84,8 @@ _HASH_HEAD = b"\x0a\x20"  # ObjectKey.chunk_hash (field 1), 32 bytes long
 _TRACEPARENT_TAG = b"\x62"  # CacheEventBatch.traceparent (field 12)
 #: Below this many entries the per-entry conversion is as cheap as the proof.
 _UNIFORM_MIN_ENTRIES = 6
+#: Batches up to this many entries read their hashes with one cached Struct each.
+_HASH_COLUMNS_MAX = 1024
 
 
 class UniformEntries(Sequence[CacheEventEntry]):
@@ -309,7 +313,7 @@ def _uniform_hashes(
     n: int,
     fields: bytes,
     trailer: bytes,
-) -> list[bytes] | None:
+) -> Sequence[bytes] | None:
     """The chunk hashes of ``msg`` when its ``n`` entries differ only in them, else None.
 
     ``fields`` is the wire form of ``msg``'s fields 1-10 and ``trailer``
@@ -338,10 +342,22 @@ def _uniform_hashes(
     stop = start + n * step
     if len(whole) != stop + len(trailer):
         return None
-    hashes = [whole[p : p + CHUNK_HASH_BYTES] for p in range(start + len(head), stop, step)]
+    first_at = start + len(head)
+    hashes: Sequence[bytes]
+    if n <= _HASH_COLUMNS_MAX:
+        hashes = _hash_columns(step, n).unpack_from(whole, first_at)
+    else:
+        hashes = [whole[p : p + CHUNK_HASH_BYTES] for p in range(first_at, stop, step)]
     if whole != b"".join((fields, head, (tail + head).join(hashes), tail, trailer)):
         return None
     return hashes
+
+
+@functools.lru_cache(maxsize=64)
+def _hash_columns(step: int, n: int) -> struct.Struct:
+    """Reads ``n`` chunk hashes ``step`` bytes apart in one C call (a slice per hash costs more)."""
+    skip = step - CHUNK_HASH_BYTES
+    return struct.Struct("<" + f"{CHUNK_HASH_BYTES}s{skip}x" * (n - 1) + f"{CHUNK_HASH_BYTES}s")
 
 
 def _entry_template(

@@ -92,7 +92,10 @@ __all__ = [
 INGEST_SERVICE = ingest_pb2.DESCRIPTOR.services_by_name["EventIngestService"].full_name
 #: Initial-metadata key by which the coordinator announces batch groups (ingest.proto).
 BATCH_GROUPS_METADATA = "kvmesh-batch-groups"
-#: Batches per group at most, unless the coordinator announced fewer.
+#: Batches per group at most, unless the coordinator announced fewer. A cap,
+#: not a target: a group holds the batches already waiting, so with the
+#: emitter's default window (``DEFAULT_MAX_IN_FLIGHT_BATCHES``, 2) groups are
+#: of 2 at most, as ``kvmesh bench ingest`` sends by default.
 DEFAULT_MAX_GROUP_BATCHES = 32
 #: Wire bytes per group at most (a bigger batch still goes alone), far below
 #: any message-size limit a coordinator would run with.

@@ -56,6 +56,16 @@ from services.common.telemetry import current_traceparent
 
 logger = logging.getLogger(__name__)
 
+#: Batches sent and not yet acked per stream, by default. Two keep a batch
+#: travelling while the coordinator applies the previous one, and when both
+#: acks come back together the link sends the next two as one batch group,
+#: halving gRPC's per-message cost on both ends (on the coordinator about as
+#: much as applying a 64-entry batch). A larger window queues more per node
+#: in front of the coordinator, which every batch's ack waits behind (it adds
+#: latency, Little's law), and lets one catching-up node crowd out the rest.
+#: ``kvmesh bench ingest`` runs this window by default (DESIGN §7).
+DEFAULT_MAX_IN_FLIGHT_BATCHES = 2
+
 _PLACEMENT_EVENT_TYPES = frozenset({EventType.STORE, EventType.DELETE, EventType.ACCESS})
 
 
@@ -251,8 +261,9 @@ class EmitterConfig:
     most ``max_buffered_batches`` unacked batches and about
     ``max_buffered_bytes`` (an estimate of their payload); beyond either the
     oldest are dropped. ``max_in_flight_batches`` bounds what is sent but not
-    yet acked on one stream; a stream with batches in flight and no ack for
-    ``ack_timeout_s`` is treated as dead. Reconnects wait
+    yet acked on one stream (see :data:`DEFAULT_MAX_IN_FLIGHT_BATCHES`); a
+    stream with batches in flight and no ack for ``ack_timeout_s`` is
+    treated as dead. Reconnects wait
     ``reconnect_base_s`` doubling up to ``reconnect_max_s``, each wait
     shortened by a random fraction up to ``reconnect_jitter``.
     """
@@ -263,7 +274,7 @@ class EmitterConfig:
     max_entries_per_batch: int = 1024
     max_buffered_batches: int = 65_536
     max_buffered_bytes: int = 256 * 1024 * 1024
-    max_in_flight_batches: int = 1024
+    max_in_flight_batches: int = DEFAULT_MAX_IN_FLIGHT_BATCHES
     ack_timeout_s: float = 30.0
     reconnect_base_s: float = 0.05
     reconnect_max_s: float = 5.0

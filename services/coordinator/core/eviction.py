@@ -435,9 +435,17 @@ class IsolatedLRU:
             else:
                 dicts = cast(list[dict[bytes, int]], found)
             n = len(cks)
-            popped = list(map(dict.pop, dicts, cks, itertools.repeat(None, n)))
-            _consume(map(dict.__setitem__, dicts, cks, itertools.repeat(stamp, n)))
-            bucket.count += popped.count(None)
+            # One probe per key appends the untracked ones: a store of fresh
+            # keys (the common case) is done. Stamps only grow, so a key that
+            # was tracked returns an older one; then every key of the batch
+            # is moved to the end in entry order, the order the key-by-key
+            # path leaves.
+            stamps = list(map(dict.setdefault, dicts, cks, itertools.repeat(stamp, n)))
+            tracked = n - stamps.count(stamp)
+            if tracked:
+                _consume(map(dict.pop, dicts, cks))
+                _consume(map(dict.__setitem__, dicts, cks, itertools.repeat(stamp, n)))
+            bucket.count += n - tracked
 
     def on_keys_touched(self, cks: Sequence[bytes], sids: Sequence[int]) -> None:
         """Move tracked keys to the most-recent end; unknown keys are ignored."""
