@@ -11,8 +11,10 @@ What runs, by ``--arrangement`` (the headline is the first that runs):
   local lane (``lane:<socket>``, services/common/lane.py) — how an engine on
   the node's host is meant to connect;
 - ``node``: the same process, the engine's client on gRPC (TCP loopback);
-- ``processes``: ``kvmesh storage`` and ``kvmesh gateway`` in their own
-  processes, as when deployed apart (two gRPC hops per lookup);
+- ``processes-lane``: ``kvmesh storage`` and ``kvmesh gateway`` in their
+  own processes (as ``kvmesh up`` runs them), both hops on local lanes;
+- ``processes``: the same two processes with both hops on gRPC (TCP
+  loopback), as when deployed on different hosts;
 - ``in-process``: both servers on one asyncio loop in a background thread
   of this process (client and servers then share one GIL, which is not how
   kvmesh runs).
@@ -100,7 +102,7 @@ LMCACHE_REFERENCE = {
     "empty_rtt_p50_ms_grpc": 0.7,
 }
 
-ARRANGEMENTS = ("node-lane", "node", "processes", "in-process")
+ARRANGEMENTS = ("node-lane", "node", "processes-lane", "processes", "in-process")
 MODEL = "bench/model"
 _MIB = 1 << 20
 _STARTUP_TIMEOUT_S = 60.0
@@ -309,27 +311,38 @@ def _stop(child: _Child) -> None:
 
 @contextlib.contextmanager
 def _processes(
-    params: _Params, work_dir: Path, data_dir: Path, profile_dir: Path | None
+    params: _Params,
+    work_dir: Path,
+    data_dir: Path,
+    profile_dir: Path | None,
+    *,
+    lane: bool = False,
 ) -> Iterator[_Endpoints]:
-    """``kvmesh storage`` and ``kvmesh gateway`` as child processes."""
+    """``kvmesh storage`` and ``kvmesh gateway`` as child processes.
+
+    With ``lane`` both hops (engine -> gateway -> storage) take the local lane.
+    """
     run_dir = data_dir / "run"
     run_dir.mkdir(parents=True, exist_ok=True)
     children: list[_Child] = []
     try:
         sprof = profile_dir / "storage.prof" if profile_dir else None
-        storage = _spawn(
-            "storage", "storage", _storage_settings(params, work_dir, data_dir), run_dir, sprof
-        )
+        s_settings = _storage_settings(params, work_dir, data_dir)
+        g_lane = {}
+        if lane:
+            s_settings["lane_socket"] = str(run_dir / "storage.lane")
+            g_lane["lane_socket"] = str(run_dir / "gateway.lane")
+        storage = _spawn("storage", "storage", s_settings, run_dir, sprof)
         children.append(storage)
         s_end = _wait_ready(storage)
         gprof = profile_dir / "gateway.prof" if profile_dir else None
-        gateway = _spawn(
-            "gateway", "gateway", _gateway_settings(params, s_end["grpc"]), run_dir, gprof
-        )
+        g_settings = {**_gateway_settings(params, s_end["lane" if lane else "grpc"]), **g_lane}
+        gateway = _spawn("gateway", "gateway", g_settings, run_dir, gprof)
         children.append(gateway)
         g_end = _wait_ready(gateway)
         pids = [c.process.pid for c in children] if profile_dir else []
-        yield _Endpoints(g_end["grpc"], g_end["metrics"], s_end["metrics"], pids)
+        target = g_end["lane" if lane else "grpc"]
+        yield _Endpoints(target, g_end["metrics"], s_end["metrics"], pids)
     finally:
         for child in reversed(children):
             _stop(child)
@@ -688,8 +701,9 @@ def _arrangement(
     try:
         with _engine_file(work_dir, params) as engine:
             servers: contextlib.AbstractContextManager[_Endpoints]
-            if name == "processes":
-                servers = _processes(params, work_dir, data_dir, profile_dir)
+            if name in ("processes", "processes-lane"):
+                lane = name == "processes-lane"
+                servers = _processes(params, work_dir, data_dir, profile_dir, lane=lane)
             elif name in ("node", "node-lane"):
                 servers = _node_process(params, work_dir, data_dir, lane=name == "node-lane")
             else:
@@ -774,9 +788,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "hash_memo_entries": params.hash_memo_entries,
             "lookup": "new request_id per iteration, wait_timeout_ms 5000, prefix in L1, "
             "then EndSession (timed separately)",
-            "transport": "engine -> gateway: the local lane (unix socket) in node-lane, "
-            "gRPC over TCP loopback otherwise; gateway -> storage: in-process in node and "
-            "node-lane, else gRPC over "
+            "transport": "engine -> gateway: the local lane (unix socket) in node-lane and "
+            "processes-lane, gRPC over TCP loopback otherwise; gateway -> storage: in-process "
+            "in node and node-lane, the local lane in processes-lane, else gRPC over "
             + ("a unix socket" if params.storage_transport == "unix" else "TCP loopback"),
         },
         "arrangements": arrangements,

@@ -47,7 +47,13 @@ def test_bench_lookup_reports_every_arrangement_and_the_issue_keys(shm_dir: Path
         assert key in result
     assert result["chunks"] == 4
     assert result["headline_arrangement"] == "node-lane"
-    assert set(result["arrangements"]) == {"node-lane", "node", "processes", "in-process"}
+    assert set(result["arrangements"]) == {
+        "node-lane",
+        "node",
+        "processes-lane",
+        "processes",
+        "in-process",
+    }
     for figures in result["arrangements"].values():
         for op in ("lookup", "end_session", "relookup", "get_chunk_size", "ping"):
             assert 0 < figures[op]["p50_ms"] <= figures[op]["max_ms"]
