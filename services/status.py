@@ -84,9 +84,15 @@ def render(data: dict[str, Any], target: str) -> str:
         f"chunk size {status.chunk_size}  keys {status.num_keys}  "
         f"batches admitted {status.batches_admitted} / duplicate {status.batches_duplicate} "
         f"/ stale {status.batches_stale}",
-        "",
-        "Instances",
     ]
+    if status.HasField("nats"):
+        n = status.nats
+        out.append(
+            f"NATS stream {n.stream}: {'connected' if n.connected else 'NOT connected'}, "
+            f"next seq {n.next_seq}, {n.pending} pending (lag), {n.applied} applied, "
+            f"{n.skipped} skipped"
+        )
+    out += ["", "Instances"]
     cursors = {c.instance_id: c for c in data["cursors"].cursors}
     rows = []
     for inst in data["instances"].instances:

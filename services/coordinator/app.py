@@ -192,7 +192,7 @@ class CoordinatorApp:
         directory = DirectoryServicer(core)
         membership = MembershipServicer(core, streams)
         policy = PolicyServicer(core)
-        admin = AdminServicer(core, streams)
+        admin = AdminServicer(core, streams, self.nats.stats if self.nats is not None else None)
 
         def add(fn: Any, servicer: Any) -> Any:
             def adder(server: grpc.aio.Server) -> None:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from google.protobuf import timestamp_pb2
@@ -62,6 +62,9 @@ from services.coordinator.core.types import (
     ModuleMemoryStatus,
     QuotaStatus,
 )
+
+if TYPE_CHECKING:  # nats-py is optional; the source is built only with --nats-url
+    from services.coordinator.nats_source import NatsSourceStats
 
 logger = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvmesh.coordinator")
@@ -840,9 +843,15 @@ def _check_salt(salt: str) -> None:
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     """Checkpoints and status."""
 
-    def __init__(self, core: Coordinator, streams: NodeStreams) -> None:
+    def __init__(
+        self,
+        core: Coordinator,
+        streams: NodeStreams,
+        nats_stats: Callable[[], NatsSourceStats] | None = None,
+    ) -> None:
         self.core = core
         self.streams = streams
+        self.nats_stats = nats_stats
 
     async def Checkpoint(
         self, request: admin_pb2.CheckpointRequest, context: Any
@@ -880,4 +889,16 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             response.started_at.CopyFrom(_timestamp(s.started_at))
         if s.last_checkpoint_time:
             response.last_checkpoint.CopyFrom(_timestamp(s.last_checkpoint_time))
+        if self.nats_stats is not None:
+            n = self.nats_stats()
+            response.nats.CopyFrom(
+                admin_pb2.NatsSourceStatus(
+                    connected=n.connected,
+                    stream=n.stream,
+                    next_seq=n.next_seq,
+                    pending=n.pending,
+                    applied=n.applied,
+                    skipped=n.skipped,
+                )
+            )
         return response

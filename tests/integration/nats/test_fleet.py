@@ -17,6 +17,7 @@ import pytest
 
 from kvmesh.common.v1 import common_pb2
 from kvmesh.coordinator.v1 import admin_pb2, directory_pb2, policy_pb2
+from services.status import collect, render
 from tests.harness import free_port
 from tests.integration.coordinator.support import Clients, CliProcess, eventually
 from tests.integration.nats.conftest import Fleet
@@ -240,3 +241,30 @@ def test_a_delete_reaches_a_nats_node_and_its_deletes_come_back(fleet: Fleet) ->
     results = list(coord.app.streams.command_results.values())
     assert [r.code for r in results] == ["OK", "OK"]
     assert sum(r.affected for r in results) == 6
+
+
+def test_kvmesh_status_shows_the_stream_position_and_lag(fleet: Fleet) -> None:
+    coord = fleet.coordinator()
+    node = fleet.storage(coordinator_target=coord.target)
+    engine = fleet.engine(node)
+    wait_l2(node, set(store(node, engine, 4)))
+    wait_caught_up(coord.clients, node)
+    source = coord.app.nats
+    assert source is not None
+    wait_true(lambda: source.stats().pending == 0)
+    stats = source.stats()
+
+    reply = coord.clients.admin.get_status(admin_pb2.GetStatusRequest())
+    assert reply.HasField("nats")
+    assert (reply.nats.stream, reply.nats.connected) == (stats.stream, True)
+    assert reply.nats.next_seq == stats.next_seq > 1
+    assert (reply.nats.pending, reply.nats.applied, reply.nats.skipped) == (0, stats.applied, 0)
+    shown = render(collect(coord.target), coord.target)
+    assert f"NATS stream {stats.stream}: connected, next seq {stats.next_seq}, 0 pending" in shown
+
+
+def test_a_coordinator_without_nats_reports_no_stream(fleet: Fleet) -> None:
+    coord = fleet.coordinator(nats_url="")
+    reply = coord.clients.admin.get_status(admin_pb2.GetStatusRequest())
+    assert not reply.HasField("nats")
+    assert "NATS" not in render(collect(coord.target), coord.target)

@@ -95,6 +95,7 @@ class GetStatusResponse(_message.Message):
     LAST_CHECKPOINT_FIELD_NUMBER: _builtins.int
     RESTORED_FIELD_NUMBER: _builtins.int
     CHUNK_SIZE_FIELD_NUMBER: _builtins.int
+    NATS_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     ready: _builtins.bool
     """False until the coordinator has caught up after a start; eviction waits for it."""
@@ -114,6 +115,12 @@ class GetStatusResponse(_message.Message):
     def last_checkpoint(self) -> _timestamp_pb2.Timestamp:
         """Unset when no checkpoint was written or restored yet."""
 
+    @_builtins.property
+    def nats(self) -> Global___NatsSourceStatus:
+        """The NATS JetStream event source, when the coordinator consumes one;
+        unset when it does not (--nats-url empty).
+        """
+
     def __init__(
         self,
         *,
@@ -130,11 +137,56 @@ class GetStatusResponse(_message.Message):
         last_checkpoint: _timestamp_pb2.Timestamp | None = ...,
         restored: _builtins.bool = ...,
         chunk_size: _builtins.int = ...,
+        nats: Global___NatsSourceStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_checkpoint", b"last_checkpoint", "started_at", b"started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_checkpoint", b"last_checkpoint", "nats", b"nats", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches_admitted", b"batches_admitted", "batches_duplicate", b"batches_duplicate", "batches_stale", b"batches_stale", "checkpoint_path", b"checkpoint_path", "chunk_size", b"chunk_size", "connected_streams", b"connected_streams", "last_checkpoint", b"last_checkpoint", "num_keys", b"num_keys", "ready", b"ready", "registered_instances", b"registered_instances", "restored", b"restored", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches_admitted", b"batches_admitted", "batches_duplicate", b"batches_duplicate", "batches_stale", b"batches_stale", "checkpoint_path", b"checkpoint_path", "chunk_size", b"chunk_size", "connected_streams", b"connected_streams", "last_checkpoint", b"last_checkpoint", "nats", b"nats", "num_keys", b"num_keys", "ready", b"ready", "registered_instances", b"registered_instances", "restored", b"restored", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015
+
+@_typing.final
+class NatsSourceStatus(_message.Message):
+    """Where the coordinator reads its NATS JetStream stream, and how far behind it is."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONNECTED_FIELD_NUMBER: _builtins.int
+    STREAM_FIELD_NUMBER: _builtins.int
+    NEXT_SEQ_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
+    APPLIED_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
+    connected: _builtins.bool
+    """A pull session is delivering now."""
+    stream: _builtins.str
+    next_seq: _builtins.int
+    """Stream sequence of the next message to apply (0 = the stream's first);
+    checkpointed, so a restarted coordinator resumes here.
+    """
+    pending: _builtins.int
+    """Messages the stream held beyond the last one applied, as of that message
+    (0 = caught up then): the lag.
+    """
+    applied: _builtins.int
+    """Messages applied, and skipped (undecodable or invalid), since start."""
+    skipped: _builtins.int
+    def __init__(
+        self,
+        *,
+        connected: _builtins.bool = ...,
+        stream: _builtins.str = ...,
+        next_seq: _builtins.int = ...,
+        pending: _builtins.int = ...,
+        applied: _builtins.int = ...,
+        skipped: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "connected", b"connected", "next_seq", b"next_seq", "pending", b"pending", "skipped", b"skipped", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NatsSourceStatus: _TypeAlias = NatsSourceStatus  # noqa: Y015
