@@ -9,6 +9,7 @@ a real ``kvmesh gateway`` process killed with SIGKILL.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import signal
 import socket
@@ -771,3 +772,51 @@ def test_async_wait_for_ready_waits_for_the_server(sock_dir: Path) -> None:
 
         asyncio.run(scenario())
         thread.run(lane.stop(0.5))
+
+
+# -- calls start at once; a call that waits keeps its context ----------------------------
+
+_REQUEST_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("request", default="")
+
+
+class _ContextHealth(health_pb2_grpc.HealthServicer):
+    """Sets a context variable, waits, resets it: what a tracing span does around a wait."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    async def Check(self, request: Any, context: Any) -> Any:  # noqa: N802 - the RPC's name
+        token = _REQUEST_VAR.set(request.service)
+        if request.service.startswith("wait"):
+            await asyncio.sleep(0.01)
+        self.seen.append((request.service, _REQUEST_VAR.get()))
+        _REQUEST_VAR.reset(token)  # raises ValueError in any other context
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+def test_calls_that_wait_keep_their_own_context_and_quick_ones_leave_none_behind(
+    sock_dir: Path,
+) -> None:
+    servicer = _ContextHealth()
+    handlers = HandlerCollector()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, handlers)  # type: ignore[arg-type]
+    lane = LaneServer(str(sock_dir / "ctx.sock"), handlers, intercept=None, max_message_bytes=4096)
+    method = "/grpc.health.v1.Health/Check"
+    with server_thread() as thread:
+        thread.run(lane.start())
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(10)
+            sock.connect(str(lane.path))
+            recv_exact(sock, HELLO.size)
+            names = ["wait-a", "quick-b", "wait-c", "quick-d"]
+            frames = [
+                frame(i, method, health_pb2.HealthCheckRequest(service=name).SerializeToString())
+                for i, name in enumerate(names, start=1)
+            ]
+            sock.sendall(b"".join(frames))  # one read: all four start from one callback
+            replies = sorted(read_reply(sock)[:2] for _ in names)
+        thread.run(lane.stop(1.0))
+    assert replies == [(1, 0), (2, 0), (3, 0), (4, 0)]  # every reset found its own token
+    assert sorted(servicer.seen) == sorted((n, n) for n in names)
+    # The quick calls ran before the waiting ones finished, and nothing leaked between them.
+    assert [n for n, _ in servicer.seen[:2]] == ["quick-b", "quick-d"]
