@@ -376,8 +376,8 @@ class _PendingBatch:
         self.backend = backend
         self.shared = shared
         self.entries: list[CacheEventEntry] = []
-        # The trace of the change that opened the batch, so the coordinator's ingest
-        # joins that request's trace.
+        # The trace of the first traced change in the batch (usually the one that
+        # opened it), so the coordinator's ingest joins that request's trace.
         self.traceparent = current_traceparent()
 
 
@@ -601,6 +601,9 @@ class CacheEventEmitter:
                 start = cap - len(last.entries)
                 last.entries.extend(entries[:start])
                 wake = len(last.entries) >= cap
+                if not last.traceparent:
+                    # Opened by an untraced change: the first traced one names the trace.
+                    last.traceparent = current_traceparent()
             for offset in range(start, len(entries), cap):
                 batch = _PendingBatch(EventType(event_type), Tier(tier), backend, shared)
                 batch.entries.extend(entries[offset : offset + cap])

@@ -364,3 +364,26 @@ def test_records_after_close_are_discarded_and_counted() -> None:
     assert [b.seq for b in em.unacked_batches()] == [1]  # close() flushed the first
     assert em.stats().records_after_close == 1
     assert em.flush() == 0
+
+
+def test_a_batch_carries_the_trace_of_its_first_traced_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import services.storage.emitter as emitter_module
+
+    em = make_emitter()
+    current = {"traceparent": ""}
+    monkeypatch.setattr(emitter_module, "current_traceparent", lambda: current["traceparent"])
+    retrieve = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    later = "00-" + "ef" * 16 + "-" + "12" * 8 + "-01"
+    # An untraced change (a lookup's LRU touch) opens the batch; a traced retrieve joins it.
+    em.record(EventType.ACCESS, Tier.L1, "dram", False, [entry(1)])
+    current["traceparent"] = retrieve
+    em.record(EventType.ACCESS, Tier.L1, "dram", False, [entry(2)])
+    current["traceparent"] = later
+    em.record(EventType.ACCESS, Tier.L1, "dram", False, [entry(3)])
+    em.record(EventType.STORE, Tier.L1, "dram", False, [entry(4)])
+
+    batches = flushed(em)
+
+    assert [b.traceparent for b in batches] == [retrieve, later]
