@@ -254,7 +254,7 @@ class LaneServer:
         self._handlers = handlers
         self._intercept = intercept
         self._max_message_bytes = max_message_bytes
-        self._methods: dict[str, _Method | None] = {}
+        self._methods: dict[str, _Method] = {}
         self._connections: set[_LaneConnection] = set()
         self._listener: socket.socket | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -302,9 +302,9 @@ class LaneServer:
             self.path.unlink()
 
     async def _resolve(self, method: str) -> _Method | None:
-        if method in self._methods:
-            return self._methods[method]
-        resolved: _Method | None = None
+        resolved = self._methods.get(method)
+        if resolved is not None:
+            return resolved
         handler: Any = self._handlers.find(method)
         if handler is not None and handler.unary_unary is not None:
             if self._intercept is not None:
@@ -316,7 +316,8 @@ class LaneServer:
             resolved = _Method(
                 handler.unary_unary, handler.request_deserializer, handler.response_serializer
             )
-        self._methods[method] = resolved
+            # Only served methods are remembered: made-up names must not grow the table.
+            self._methods[method] = resolved
         return resolved
 
     async def invoke(
@@ -341,8 +342,9 @@ class LaneServer:
             metadata = (("traceparent", traceparent),)
         deadline = time.monotonic() + timeout_ms / 1000.0 if timeout_ms else None
         context = _LaneContext(peer, metadata, deadline)
-        # No timer per call: a client whose deadline passes closes its connection,
-        # and that cancels the call (connection_lost), as a cancelled gRPC call is.
+        # No timer per call: a client whose deadline passes closes its connection
+        # (blocking client) or sends a cancel frame (asyncio client), and that
+        # cancels the call, as a cancelled gRPC call is.
         try:
             if self._traced:
                 with _server_span(method, traceparent):

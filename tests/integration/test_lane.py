@@ -218,6 +218,20 @@ def test_a_request_that_does_not_parse_is_invalid_argument_and_the_connection_li
         assert gateway_pb2.GetChunkSizeResponse.FromString(body).chunk_size == 16
 
 
+def test_made_up_method_names_do_not_grow_the_servers_method_table(
+    gateway: tuple[ServerThread, Server],
+) -> None:
+    _, server = gateway
+    assert server.lane is not None
+    with raw_connect(server) as sock:
+        for i in range(200):
+            sock.sendall(frame(i + 1, f"{GATEWAY}Made{i}", b""))
+            assert read_reply(sock)[:2] == (i + 1, grpc.StatusCode.UNIMPLEMENTED.value[0])
+        sock.sendall(frame(999, GATEWAY + "Ping", b""))
+        assert read_reply(sock)[:2] == (999, 0)
+    assert list(server.lane._methods) == [GATEWAY + "Ping"]
+
+
 def test_an_oversized_frame_is_refused_and_its_connection_closed(
     gateway: tuple[ServerThread, Server],
 ) -> None:
