@@ -74,7 +74,15 @@ SERVICES: list[ServiceCommand] = [
 
 async def _serve(settings: ServerSettings, factory: Callable[[Any], ServiceApp]) -> None:
     app = factory(settings)
-    server = create_server(settings, app)
+    try:
+        server = create_server(settings, app)
+    except BaseException:
+        # Nothing will serve: give back what building the app took (a storage
+        # node's shared-memory segments would otherwise outlive the process).
+        discard = getattr(app, "discard", None)
+        if callable(discard):
+            await discard()
+        raise
     await run_until_signalled(server)
 
 

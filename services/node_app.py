@@ -49,6 +49,10 @@ class NodeApp:
         await self.storage.start()
         await self.gateway.start()
 
+    async def discard(self) -> None:
+        """Release the storage node's resources when the server could not be created."""
+        await self.storage.discard()
+
     async def stop(self) -> None:
         await self.gateway.stop()
         await self.storage.stop()

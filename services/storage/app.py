@@ -354,6 +354,10 @@ class StorageApp:
             except Exception:
                 logger.exception("expiring engine-driven transactions failed")
 
+    async def discard(self) -> None:
+        """Release what construction took when the server could not be created (never started)."""
+        await self.stop()
+
     async def stop(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()

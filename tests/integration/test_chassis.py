@@ -217,6 +217,34 @@ def test_port_in_use_exits_with_one_line_reason() -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("service", ["storage", "node"])
+def test_a_node_that_cannot_listen_leaves_no_shared_memory_behind(
+    service: str, tmp_path: Path
+) -> None:
+    shm = Path("/dev/shm") / f"kvmesh-chassis-{os.getpid()}-{service}"
+    shm.mkdir()
+    try:
+        with socket.socket() as holder:
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            port = holder.getsockname()[1]
+            result = kvmesh_cli(
+                service,
+                "--port", str(port),
+                "--metrics-port", "-1",
+                "--shm-dir", str(shm),
+                "--data-dir", str(tmp_path / "data"),
+                "--l1-size-bytes", str(64 << 20),
+                "--l1-segment-bytes", str(16 << 20),
+                "--l2", "none",
+            )  # fmt: skip
+        assert result.returncode == 2
+        assert "address in use" in result.stderr.strip().splitlines()[-1]
+        assert sorted(p.name for p in shm.iterdir()) == []
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
