@@ -218,7 +218,7 @@ class Fleet:
                 f"metrics http://{e.get('metrics', '?')}/metrics  pid {e.get('pid', '?')}"
             )
             if e.get("lane"):
-                lines.append(f"  {'':<16} engines on this host: {e['lane']}")
+                lines.append(f"  {'':<16} lane {e['lane']}  (same-host clients)")
         return lines
 
     def stop(self) -> None:
