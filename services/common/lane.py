@@ -601,6 +601,116 @@ def _unavailable(path: str, why: object) -> LaneRpcError:
     return LaneRpcError(grpc.StatusCode.UNAVAILABLE, f"local lane {path}: {why}")
 
 
+def _deadline_exceeded() -> LaneRpcError:
+    return LaneRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
+def _max_message_bytes(path: str, hello: bytes) -> int:
+    """The server's limit from its hello; UNAVAILABLE when the socket speaks something else."""
+    magic, max_message_bytes = _HELLO.unpack(hello)
+    if magic != MAGIC:
+        raise _unavailable(path, "the socket does not speak kvmesh lane version 1")
+    return int(max_message_bytes)
+
+
+def _check_size(payload: bytes, limit: int) -> None:
+    if len(payload) > limit:
+        raise LaneRpcError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"request of {len(payload)} bytes exceeds the server's max_message_bytes {limit}",
+        )
+
+
+def _request_frame(
+    call_id: int, method: bytes, traceparent: str, payload: bytes, timeout: float | None
+) -> bytes:
+    tp = traceparent.encode("ascii")
+    timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))
+    header = _REQUEST.pack(len(payload), call_id, timeout_ms, len(method), len(tp))
+    return b"".join((header, method, tp, payload))
+
+
+def _result(code: int, body: bytes) -> bytes:
+    """The response bytes of an answered call, or its error as LaneRpcError."""
+    if code == _OK:
+        return body
+    status = status_pb2.Status.FromString(body)
+    trailing = ((STATUS_DETAILS_KEY, body),) if status.details else ()
+    raise LaneRpcError(_CODES.get(code, grpc.StatusCode.UNKNOWN), status.message, trailing)
+
+
+def _may_retry_connect(exc: LaneRpcError, deadline: float | None, wait_for_ready: bool) -> None:
+    """Return if a failed connect should be tried again after a pause; raise otherwise."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE or not wait_for_ready:
+        raise exc
+    if deadline is not None and time.monotonic() + _CONNECT_RETRY_S >= deadline:
+        raise LaneRpcError(
+            grpc.StatusCode.DEADLINE_EXCEEDED, f"Deadline Exceeded ({exc.details()})"
+        ) from None
+
+
+class _ChannelBase:
+    """What both lane channels share: the target, tracing, and no streaming RPCs."""
+
+    def __init__(self, path: str) -> None:
+        if not path:
+            raise ValueError("a lane target needs a socket path: lane:/path/to/socket")
+        self.path = path
+        # Decided once, as create_channel decides on the gRPC tracing interceptor.
+        self.traced = tracing_enabled()
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
+        return _NotOnLane(method)
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
+        return _NotOnLane(method)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
+        return _NotOnLane(method)
+
+
+class _MultiCallableBase:
+    """What both lane multi-callables share: codecs, the trace context, the client span."""
+
+    def __init__(
+        self,
+        traced: bool,
+        method: str,
+        serializer: Callable[[Any], bytes] | None,
+        deserializer: Callable[[bytes], Any] | None,
+    ) -> None:
+        self._traced = traced
+        self._method = method
+        self._method_bytes = method.encode("ascii")
+        self._serialize = serializer or (lambda message: message)
+        self._deserialize = deserializer or (lambda data: data)
+
+    @contextlib.contextmanager
+    def _span(self, metadata: Sequence[tuple[str, str]] | None) -> Iterator[str]:
+        """The call's traceparent, inside a CLIENT span when tracing is on."""
+        traceparent = next((v for k, v in metadata or () if k == "traceparent"), "")
+        if not self._traced:
+            yield traceparent
+            return
+        from opentelemetry import trace
+
+        tracer = trace.get_tracer("kvmesh.lane")
+        with tracer.start_as_current_span(
+            self._method.lstrip("/"),
+            kind=trace.SpanKind.CLIENT,
+            attributes={"rpc.system": "kvmesh-lane"},
+        ):
+            yield traceparent or current_traceparent()
+
+    def _decode(self, body: bytes) -> Any:
+        try:
+            return self._deserialize(body)
+        except DecodeError as exc:
+            raise LaneRpcError(
+                grpc.StatusCode.INTERNAL, f"response of {self._method} does not parse: {exc}"
+            ) from None
+
+
 class _Connection:
     """One socket to the lane server; one call at a time."""
 
@@ -628,7 +738,7 @@ def _recv_exact(sock: socket.socket, count: int) -> bytes:
     return bytes(buffer)
 
 
-class LaneChannel:
+class LaneChannel(_ChannelBase):
     """A blocking ``grpc.Channel`` stand-in for ``lane:<path>`` targets.
 
     Thread-safe: each call takes an idle connection (or opens one) and gives
@@ -637,15 +747,11 @@ class LaneChannel:
     """
 
     def __init__(self, path: str) -> None:
-        if not path:
-            raise ValueError("a lane target needs a socket path: lane:/path/to/socket")
-        self.path = path
+        super().__init__(path)
         self._idle: list[_Connection] = []
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._closed = False
-        # Decided once, as create_channel decides on the gRPC tracing interceptor.
-        self.traced = tracing_enabled()
 
     # grpc.Channel's surface used by generated stubs -------------------------------------
 
@@ -657,15 +763,6 @@ class LaneChannel:
         _registered_method: bool = False,
     ) -> _LaneUnaryUnary:
         return _LaneUnaryUnary(self, method, request_serializer, response_deserializer)
-
-    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
-        return _NotOnLane(method)
-
-    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
-        return _NotOnLane(method)
-
-    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
-        return _NotOnLane(method)
 
     def subscribe(self, callback: Callable[..., None], try_to_connect: bool = False) -> None:
         """Connectivity callbacks are not tracked on the lane."""
@@ -701,13 +798,8 @@ class LaneChannel:
             try:
                 return self._connect(deadline)
             except LaneRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or not wait_for_ready:
-                    raise
-                if deadline is not None and time.monotonic() + _CONNECT_RETRY_S >= deadline:
-                    raise LaneRpcError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED, f"Deadline Exceeded ({exc.details()})"
-                    ) from None
-                time.sleep(_CONNECT_RETRY_S)
+                _may_retry_connect(exc, deadline, wait_for_ready)
+            time.sleep(_CONNECT_RETRY_S)
 
     def _connect(self, deadline: float | None) -> _Connection:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -715,16 +807,14 @@ class LaneChannel:
             sock.settimeout(_remaining(deadline))
             sock.connect(self.path)
             hello = _recv_exact(sock, _HELLO.size)
-        except TimeoutError:
+            max_message_bytes = _max_message_bytes(self.path, hello)
+        except BaseException as exc:
             sock.close()
-            raise LaneRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        except OSError as exc:
-            sock.close()
-            raise _unavailable(self.path, exc.strerror or exc) from None
-        magic, max_message_bytes = _HELLO.unpack(hello)
-        if magic != MAGIC:
-            sock.close()
-            raise _unavailable(self.path, "the socket does not speak kvmesh lane version 1")
+            if isinstance(exc, TimeoutError):
+                raise _deadline_exceeded() from None
+            if isinstance(exc, OSError):
+                raise _unavailable(self.path, exc.strerror or exc) from None
+            raise
         return _Connection(sock, max_message_bytes)
 
     def _release(self, conn: _Connection) -> None:
@@ -745,22 +835,17 @@ class LaneChannel:
         """One round trip; the response bytes, or LaneRpcError."""
         deadline = None if timeout is None else time.monotonic() + timeout
         conn = self._acquire(deadline, wait_for_ready)
-        if len(payload) > conn.max_message_bytes:
+        try:
+            _check_size(payload, conn.max_message_bytes)
+        except LaneRpcError:
             self._release(conn)
-            raise LaneRpcError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"request of {len(payload)} bytes exceeds the server's max_message_bytes "
-                f"{conn.max_message_bytes}",
-            )
+            raise
         call_id = conn.next_call_id
         conn.next_call_id = (call_id + 1) & 0xFFFFFFFF
-        tp = traceparent.encode("ascii")
-        timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))
-        frame = _REQUEST.pack(len(payload), call_id, timeout_ms, len(method), len(tp))
         sock = conn.sock
         try:
             sock.settimeout(_remaining(deadline))
-            sock.sendall(b"".join((frame, method, tp, payload)))
+            sock.sendall(_request_frame(call_id, method, traceparent, payload, timeout))
             head = sock.recv(_RECV_BYTES)
             while 0 < len(head) < _RESPONSE.size:
                 head += sock.recv(_RECV_BYTES)
@@ -772,7 +857,7 @@ class LaneChannel:
                 body += _recv_exact(sock, body_len - len(body))
         except TimeoutError:
             conn.close()
-            raise LaneRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise _deadline_exceeded() from None
         except OSError as exc:
             conn.close()
             raise _unavailable(self.path, f"connection lost: {exc.strerror or exc}") from None
@@ -780,12 +865,7 @@ class LaneChannel:
             conn.close()
             raise LaneRpcError(grpc.StatusCode.INTERNAL, "local lane: out-of-step response")
         self._release(conn)
-        if code == _OK:
-            return body
-        status = status_pb2.Status.FromString(body)
-        status_code = _CODES.get(code, grpc.StatusCode.UNKNOWN)
-        trailing = ((STATUS_DETAILS_KEY, body),) if status.details else ()
-        raise LaneRpcError(status_code, status.message, trailing)
+        return _result(code, body)
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -793,11 +873,11 @@ def _remaining(deadline: float | None) -> float | None:
         return None
     left = deadline - time.monotonic()
     if left <= 0:
-        raise LaneRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        raise _deadline_exceeded()
     return left
 
 
-class _LaneUnaryUnary:
+class _LaneUnaryUnary(_MultiCallableBase):
     """``grpc.UnaryUnaryMultiCallable`` over a lane."""
 
     def __init__(
@@ -807,11 +887,8 @@ class _LaneUnaryUnary:
         serializer: Callable[[Any], bytes] | None,
         deserializer: Callable[[bytes], Any] | None,
     ) -> None:
+        super().__init__(channel.traced, method, serializer, deserializer)
         self._channel = channel
-        self._method = method
-        self._method_bytes = method.encode("ascii")
-        self._serialize = serializer or (lambda message: message)
-        self._deserialize = deserializer or (lambda data: data)
 
     def __call__(
         self,
@@ -822,32 +899,12 @@ class _LaneUnaryUnary:
         wait_for_ready: bool | None = None,
         compression: Any = None,
     ) -> Any:
-        traceparent = next((v for k, v in metadata or () if k == "traceparent"), "")
-        if not self._channel.traced:
-            return self._invoke(request, timeout, traceparent, bool(wait_for_ready))
-        from opentelemetry import trace
-
-        tracer = trace.get_tracer("kvmesh.lane")
-        with tracer.start_as_current_span(
-            self._method.lstrip("/"),
-            kind=trace.SpanKind.CLIENT,
-            attributes={"rpc.system": "kvmesh-lane"},
-        ):
-            return self._invoke(
-                request, timeout, traceparent or current_traceparent(), bool(wait_for_ready)
+        with self._span(metadata) as traceparent:
+            payload = self._serialize(request)
+            body = self._channel.call(
+                self._method_bytes, payload, timeout, traceparent, bool(wait_for_ready)
             )
-
-    def _invoke(
-        self, request: Any, timeout: float | None, traceparent: str, wait_for_ready: bool
-    ) -> Any:
-        payload = self._serialize(request)
-        body = self._channel.call(self._method_bytes, payload, timeout, traceparent, wait_for_ready)
-        try:
-            return self._deserialize(body)
-        except DecodeError as exc:
-            raise LaneRpcError(
-                grpc.StatusCode.INTERNAL, f"response of {self._method} does not parse: {exc}"
-            ) from None
+            return self._decode(body)
 
     def with_call(self, *args: Any, **kwargs: Any) -> tuple[Any, LaneRpcError | None]:
         return self(*args, **kwargs), None
@@ -899,14 +956,12 @@ class _AsyncConnection:
         self._next_id = 1
         self._reading = asyncio.get_running_loop().create_task(self._read_answers())
 
-    def start(self, frame_rest: Sequence[bytes], payload_len: int, timeout_ms: int) -> int:
+    def start(self, method: bytes, traceparent: str, payload: bytes, timeout: float | None) -> int:
         """Send one request; its call id (the answer arrives through ``answer(call_id)``)."""
         call_id = self._next_id
         self._next_id = (call_id % 0xFFFFFFFF) + 1
-        method, traceparent, payload = frame_rest
         self._pending[call_id] = asyncio.get_running_loop().create_future()
-        header = _REQUEST.pack(payload_len, call_id, timeout_ms, len(method), len(traceparent))
-        self._writer.write(b"".join((header, method, traceparent, payload)))
+        self._writer.write(_request_frame(call_id, method, traceparent, payload, timeout))
         return call_id
 
     async def drain(self) -> None:
@@ -951,7 +1006,7 @@ class _AsyncConnection:
             await self._reading
 
 
-class AsyncLaneChannel:
+class AsyncLaneChannel(_ChannelBase):
     """A ``grpc.aio.Channel`` stand-in for ``lane:<path>`` targets.
 
     Calls share one connection (pipelined, paired by call id); a call whose
@@ -962,10 +1017,7 @@ class AsyncLaneChannel:
     """
 
     def __init__(self, path: str) -> None:
-        if not path:
-            raise ValueError("a lane target needs a socket path: lane:/path/to/socket")
-        self.path = path
-        self.traced = tracing_enabled()
+        super().__init__(path)
         self._conn: _AsyncConnection | None = None
         self._connecting: asyncio.Lock | None = None
         self._closed = False
@@ -978,15 +1030,6 @@ class AsyncLaneChannel:
         _registered_method: bool = False,
     ) -> _AsyncLaneUnaryUnary:
         return _AsyncLaneUnaryUnary(self, method, request_serializer, response_deserializer)
-
-    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
-        return _NotOnLane(method)
-
-    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
-        return _NotOnLane(method)
-
-    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> _NotOnLane:
-        return _NotOnLane(method)
 
     async def channel_ready(self) -> None:
         """Wait until a connection is open."""
@@ -1021,14 +1064,8 @@ class AsyncLaneChannel:
                     self._conn = await self._connect(deadline)
                     return self._conn
                 except LaneRpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE or not wait_for_ready:
-                        raise
-                    if deadline is not None and time.monotonic() + _CONNECT_RETRY_S >= deadline:
-                        raise LaneRpcError(
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"Deadline Exceeded ({exc.details()})",
-                        ) from None
-                    await asyncio.sleep(_CONNECT_RETRY_S)
+                    _may_retry_connect(exc, deadline, wait_for_ready)
+                await asyncio.sleep(_CONNECT_RETRY_S)
 
     async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
         reader, writer = await asyncio.open_unix_connection(self.path)
@@ -1044,15 +1081,16 @@ class AsyncLaneChannel:
         try:
             reader, writer, hello = await asyncio.wait_for(self._open(), _remaining(deadline))
         except TimeoutError:
-            raise LaneRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise _deadline_exceeded() from None
         except asyncio.IncompleteReadError:
             raise _unavailable(self.path, "the server closed the connection") from None
         except OSError as exc:
             raise _unavailable(self.path, exc.strerror or exc) from None
-        magic, max_message_bytes = _HELLO.unpack(hello)
-        if magic != MAGIC:
+        try:
+            max_message_bytes = _max_message_bytes(self.path, hello)
+        except LaneRpcError:
             writer.close()
-            raise _unavailable(self.path, "the socket does not speak kvmesh lane version 1")
+            raise
         return _AsyncConnection(self.path, reader, writer, max_message_bytes)
 
     async def call(
@@ -1066,16 +1104,9 @@ class AsyncLaneChannel:
         """One call; the response bytes, or LaneRpcError."""
         deadline = None if timeout is None else time.monotonic() + timeout
         conn = await self._connection(deadline, wait_for_ready)
-        if len(payload) > conn.max_message_bytes:
-            raise LaneRpcError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"request of {len(payload)} bytes exceeds the server's max_message_bytes "
-                f"{conn.max_message_bytes}",
-            )
-        timeout_ms = 0 if timeout is None else max(1, int(timeout * 1000))
-        tp = traceparent.encode("ascii")
+        _check_size(payload, conn.max_message_bytes)
         left = _remaining(deadline)
-        call_id = conn.start((method, tp, payload), len(payload), timeout_ms)
+        call_id = conn.start(method, traceparent, payload, timeout)
         try:
             if len(payload) >= _RECV_BYTES:
                 await asyncio.wait_for(conn.drain(), left)
@@ -1084,21 +1115,17 @@ class AsyncLaneChannel:
             code, body = await asyncio.wait_for(conn.answer(call_id), left)
         except TimeoutError:
             conn.cancel(call_id)
-            raise LaneRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise _deadline_exceeded() from None
         except asyncio.CancelledError:
             conn.cancel(call_id)
             raise
         except OSError as exc:
             conn.cancel(call_id)
             raise _unavailable(self.path, f"connection lost: {exc.strerror or exc}") from None
-        if code == _OK:
-            return body
-        status = status_pb2.Status.FromString(body)
-        trailing = ((STATUS_DETAILS_KEY, body),) if status.details else ()
-        raise LaneRpcError(_CODES.get(code, grpc.StatusCode.UNKNOWN), status.message, trailing)
+        return _result(code, body)
 
 
-class _AsyncLaneUnaryUnary:
+class _AsyncLaneUnaryUnary(_MultiCallableBase):
     """``grpc.aio.UnaryUnaryMultiCallable`` over a lane."""
 
     def __init__(
@@ -1108,11 +1135,8 @@ class _AsyncLaneUnaryUnary:
         serializer: Callable[[Any], bytes] | None,
         deserializer: Callable[[bytes], Any] | None,
     ) -> None:
+        super().__init__(channel.traced, method, serializer, deserializer)
         self._channel = channel
-        self._method = method
-        self._method_bytes = method.encode("ascii")
-        self._serialize = serializer or (lambda message: message)
-        self._deserialize = deserializer or (lambda data: data)
 
     async def __call__(
         self,
@@ -1124,34 +1148,12 @@ class _AsyncLaneUnaryUnary:
         wait_for_ready: bool | None = None,
         compression: Any = None,
     ) -> Any:
-        traceparent = next((v for k, v in metadata or () if k == "traceparent"), "")
         try:
-            if not self._channel.traced:
-                return await self._invoke(request, timeout, traceparent, bool(wait_for_ready))
-            from opentelemetry import trace
-
-            tracer = trace.get_tracer("kvmesh.lane")
-            with tracer.start_as_current_span(
-                self._method.lstrip("/"),
-                kind=trace.SpanKind.CLIENT,
-                attributes={"rpc.system": "kvmesh-lane"},
-            ):
-                return await self._invoke(
-                    request, timeout, traceparent or current_traceparent(), bool(wait_for_ready)
+            with self._span(metadata) as traceparent:
+                payload = self._serialize(request)
+                body = await self._channel.call(
+                    self._method_bytes, payload, timeout, traceparent, bool(wait_for_ready)
                 )
+                return self._decode(body)
         except LaneRpcError as exc:
             raise _aio_error(exc) from None
-
-    async def _invoke(
-        self, request: Any, timeout: float | None, traceparent: str, wait_for_ready: bool
-    ) -> Any:
-        payload = self._serialize(request)
-        body = await self._channel.call(
-            self._method_bytes, payload, timeout, traceparent, wait_for_ready
-        )
-        try:
-            return self._deserialize(body)
-        except DecodeError as exc:
-            raise LaneRpcError(
-                grpc.StatusCode.INTERNAL, f"response of {self._method} does not parse: {exc}"
-            ) from None
