@@ -370,15 +370,17 @@ class _PendingBatch:
 
     __slots__ = ("backend", "entries", "event_type", "shared", "tier", "traceparent")
 
-    def __init__(self, event_type: EventType, tier: Tier, backend: str, shared: bool) -> None:
+    def __init__(
+        self, event_type: EventType, tier: Tier, backend: str, shared: bool, traceparent: str
+    ) -> None:
         self.event_type = event_type
         self.tier = tier
         self.backend = backend
         self.shared = shared
         self.entries: list[CacheEventEntry] = []
-        # The trace of the first traced change in the batch (usually the one that
-        # opened it), so the coordinator's ingest joins that request's trace.
-        self.traceparent = current_traceparent()
+        # The trace of every change in the batch (records of another trace start a
+        # new batch), so the coordinator's ingest joins that request's trace.
+        self.traceparent = traceparent
 
 
 class _Unacked(NamedTuple):
@@ -590,22 +592,23 @@ class CacheEventEmitter:
                 return
             start = 0
             last = self._pending[-1] if self._pending else None
+            traceparent = current_traceparent()
             if (
                 last is not None
                 and last.event_type == event_type
                 and last.tier == tier
                 and last.backend == backend
                 and last.shared == shared
+                and last.traceparent == traceparent  # a batch belongs to one trace
                 and len(last.entries) < cap
             ):
                 start = cap - len(last.entries)
                 last.entries.extend(entries[:start])
                 wake = len(last.entries) >= cap
-                if not last.traceparent:
-                    # Opened by an untraced change: the first traced one names the trace.
-                    last.traceparent = current_traceparent()
             for offset in range(start, len(entries), cap):
-                batch = _PendingBatch(EventType(event_type), Tier(tier), backend, shared)
+                batch = _PendingBatch(
+                    EventType(event_type), Tier(tier), backend, shared, traceparent
+                )
                 batch.entries.extend(entries[offset : offset + cap])
                 self._pending.append(batch)
                 wake = wake or len(batch.entries) >= cap

@@ -366,24 +366,28 @@ def test_records_after_close_are_discarded_and_counted() -> None:
     assert em.flush() == 0
 
 
-def test_a_batch_carries_the_trace_of_its_first_traced_change(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_batch_holds_the_changes_of_one_trace(monkeypatch: pytest.MonkeyPatch) -> None:
     import services.storage.emitter as emitter_module
 
     em = make_emitter()
     current = {"traceparent": ""}
     monkeypatch.setattr(emitter_module, "current_traceparent", lambda: current["traceparent"])
-    retrieve = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
-    later = "00-" + "ef" * 16 + "-" + "12" * 8 + "-01"
-    # An untraced change (a lookup's LRU touch) opens the batch; a traced retrieve joins it.
-    em.record(EventType.ACCESS, Tier.L1, "dram", False, [entry(1)])
-    current["traceparent"] = retrieve
-    em.record(EventType.ACCESS, Tier.L1, "dram", False, [entry(2)])
-    current["traceparent"] = later
-    em.record(EventType.ACCESS, Tier.L1, "dram", False, [entry(3)])
-    em.record(EventType.STORE, Tier.L1, "dram", False, [entry(4)])
+    lookup = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    retrieve = "00-" + "ef" * 16 + "-" + "12" * 8 + "-01"
+    em.record(EventType.ACCESS, Tier.L1, "", False, [entry(1)])  # untraced
+    current["traceparent"] = lookup  # a lookup's LRU touch, in the lookup's own trace
+    em.record(EventType.ACCESS, Tier.L1, "", False, [entry(2)])
+    em.record(EventType.ACCESS, Tier.L1, "", False, [entry(3)])
+    current["traceparent"] = retrieve  # the retrieve right after it
+    em.record(EventType.ACCESS, Tier.L1, "", False, [entry(4)])
+    current["traceparent"] = ""
+    em.record(EventType.ACCESS, Tier.L1, "", False, [entry(5)])
 
     batches = flushed(em)
 
-    assert [b.traceparent for b in batches] == [retrieve, later]
+    assert [(b.traceparent, [key_id(e) for e in b.entries]) for b in batches] == [
+        ("", [1]),
+        (lookup, [2, 3]),
+        (retrieve, [4]),
+        ("", [5]),
+    ]
