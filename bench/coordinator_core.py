@@ -151,7 +151,19 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         assert all(r.placements for r in res)
 
     # GC: a full collection's cost with the directory loaded (CPU time: the
-    # machine is shared, wall time would include preemption).
+    # machine is shared, wall time would include preemption). The lookup
+    # sample and the latency list are this harness's own (a full collection
+    # visits every element of a list, one cache miss each): drop them first,
+    # or their cost would be counted as the coordinator's.
+    stored.clear()
+    batch_latency_ms = {
+        "p50": _pct(latencies, 0.50) * 1e3,
+        "p99": _pct(latencies, 0.99) * 1e3,
+        "max": max(latencies) * 1e3,
+    }
+    stalls = sum(1 for x in latencies if x > 0.05)
+    mean_batch_ms = statistics.fmean(latencies) * 1e3
+    latencies.clear()
     t0 = cpu()
     gc.collect()
     full_gc = cpu() - t0
@@ -214,12 +226,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "ingest_entries_per_s_core": entries / core_time,
         "ingest_entries_per_s_core_cpu_time": entries / core_cpu,
         "ingest_entries_per_s_wall_incl_batch_building": entries / wall,
-        "batch_latency_ms": {
-            "p50": _pct(latencies, 0.50) * 1e3,
-            "p99": _pct(latencies, 0.99) * 1e3,
-            "max": max(latencies) * 1e3,
-        },
-        "stalls_over_50ms": sum(1 for x in latencies if x > 0.05),
+        "batch_latency_ms": batch_latency_ms,
+        "stalls_over_50ms": stalls,
         "batch_cpu_max_ms": cpu_max * 1e3,
         "bytes_per_key_rss": (rss1 - rss0) / max(1, dstats.num_keys),
         "bytes_per_key_structural": structural / max(1, dstats.num_keys),
@@ -238,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             "sweep_slice_1024_cpu_max_ms": max(slices, default=0.0) * 1e3,
         },
         "checkpoint": ckpt,
-        "mean_batch_ms": statistics.fmean(latencies) * 1e3,
+        "mean_batch_ms": mean_batch_ms,
     }
 
 
