@@ -33,6 +33,7 @@ def _tokens(query: directory_pb2.TokenQuery, include: bool = False) -> directory
 
 
 def test_lookup_by_keys_answers_in_request_order(coord: Coord) -> None:
+    """§10.8 #84 (placement fields), #91 (unknown key: no placements; chunks = keys)."""
     c = coord.clients
     c.ingest_batches(
         batch("node-b", 1, tier=L1, entries=stores([1], size=10)),
@@ -57,6 +58,7 @@ def test_lookup_by_keys_answers_in_request_order(coord: Coord) -> None:
 
 
 def test_lookup_returns_tokens_only_when_asked(coord: Coord) -> None:
+    """§10.8 #88: stored tokens come back, never an offset; #91: an unknown chunk has none."""
     c = coord.clients
     c.ingest_batches(
         batch(
@@ -169,6 +171,7 @@ def test_lookup_by_tokens_needs_every_rank(coord: Coord) -> None:
 def test_bad_lookups_are_invalid_argument(
     coord: Coord, request_: directory_pb2.LookupRequest, field: str
 ) -> None:
+    """§10.8 #91: a bad key, neither form, or tokens without a model are rejected."""
     with pytest.raises(grpc.RpcError) as info:
         coord.clients.directory.lookup(request_)
     assert code_of(info.value) == grpc.StatusCode.INVALID_ARGUMENT
@@ -176,6 +179,7 @@ def test_bad_lookups_are_invalid_argument(
 
 
 def test_list_keys_pages_until_the_token_is_empty(coord: Coord) -> None:
+    """§10.8 #90: the listing paginates (page tokens for offsets) with a stable total."""
     c = coord.clients
     ids = range(2500)
     c.ingest_batches(
@@ -204,6 +208,7 @@ def test_list_keys_pages_until_the_token_is_empty(coord: Coord) -> None:
 
 
 def test_list_keys_filters_keys_and_their_placements(coord: Coord) -> None:
+    """§10.8 #90: tier, instance and backend filters; placements are filtered too."""
     c = coord.clients
     c.ingest_batches(
         batch("node-a", 1, tier=L1, entries=stores([1, 2])),
@@ -244,6 +249,7 @@ def test_list_keys_filters_keys_and_their_placements(coord: Coord) -> None:
 def test_bad_listings_are_invalid_argument(
     coord: Coord, request_: directory_pb2.ListKeysRequest, field: str
 ) -> None:
+    """§10.8 #90: a bad page size or page token (LMCache: offset=-1) is rejected."""
     with pytest.raises(grpc.RpcError) as info:
         coord.clients.directory.list_keys(request_)
     assert code_of(info.value) == grpc.StatusCode.INVALID_ARGUMENT
@@ -251,6 +257,7 @@ def test_bad_listings_are_invalid_argument(
 
 
 def test_get_stats_totals(coord: Coord) -> None:
+    """§10.8 #87: keys, placements, L1 keys per instance, no instance list; #88: bindings."""
     c = coord.clients
     assert c.stats() == directory_pb2.GetStatsResponse()
     c.ingest_batches(
@@ -272,6 +279,7 @@ def test_get_stats_totals(coord: Coord) -> None:
 
 
 def test_ingest_cursors_show_incarnation_seq_gap_and_counters(coord: Coord) -> None:
+    """§10.3 #25: a skipped seq is admitted and sets the sticky gap flag."""
     c = coord.clients
     assert c.cursors() == {}
     node = coord.node("node-a", incarnation=3)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from kvmesh.common.v1 import common_pb2
 from kvmesh.coordinator.v1 import admin_pb2, ingest_pb2
 from kvmesh.events.v1 import events_pb2
 from services.common.events import CacheEventBatch, IngestResult
@@ -32,6 +33,7 @@ from tests.integration.coordinator.support import (
 
 
 def test_stream_acks_every_batch_in_order_with_the_gates_verdict(coord: Coord) -> None:
+    """§10.3 #25 over gRPC: seq 6 after 2 is admitted, flags the gap; its key is present."""
     node = coord.node("node-a", incarnation=5)
     node.batch(1, entries=stores([1]))
     node.batch(2, entries=stores([2]))
@@ -136,6 +138,7 @@ def test_command_results_travel_up_the_stream(coord: Coord) -> None:
 
 
 def test_ingest_batches_returns_one_verdict_per_batch(coord: Coord) -> None:
+    """§10.8 #85 (a mixed request) and #97 (a replay: all duplicates, usage counted once)."""
     c = coord.clients
     response = c.ingest_batches(
         _b(incarnation=2, seq=1, ids=[1]),
@@ -175,6 +178,33 @@ def test_ingest_batches_of_a_new_incarnation_fence_l1(coord: Coord) -> None:
     ]
     cursor = c.cursors()["node-a"]
     assert (cursor.incarnation, cursor.last_seq, cursor.gap_detected) == (2, 1, False)
+
+
+def test_one_batch_is_one_admitted_and_its_placement_carries_every_field(coord: Coord) -> None:
+    """§10.3 #24 / §10.8 #84: one batch → (1, 0, 0); Lookup shows every placement field."""
+    c = coord.clients
+    one = batch(
+        "node-a",
+        1,
+        incarnation=4,
+        tier=L2,
+        backend="s3",
+        shared=True,
+        entries=stores([1], size=1024),
+    )
+    response = c.ingest_batches(one)
+    assert list(response.results) == [ADMITTED]
+    assert (response.admitted, response.duplicates, response.stale) == (1, 0, 0)
+    assert list(c.lookup(pkey(1)).results[0].placements) == [
+        common_pb2.Placement(
+            instance_id="node-a",
+            incarnation=4,
+            tier=L2,
+            backend="s3",
+            size_bytes=1024,
+            shared=True,
+        )
+    ]
 
 
 def _b(*, incarnation: int, seq: int, ids: list[int], tier: int = L1) -> events_pb2.CacheEventBatch:

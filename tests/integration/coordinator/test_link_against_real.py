@@ -23,13 +23,17 @@ from typing import Any
 
 import pytest
 
-from services.common.events import CacheEventBatch
+from kvmesh.common.v1 import common_pb2
+from services.common.convert import key_to_proto
+from services.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
 from services.common.server import Server, create_server
 from services.coordinator.app import CoordinatorApp
 from tests.harness import ServerThread, free_port, no_thread_left_since
 from tests.integration.coordinator.conftest import coord_config
+from tests.integration.coordinator.support import Clients
 from tests.integration.coordinator_link import test_emitter_over_grpc as link
 from tests.integration.coordinator_link.fake_coordinator import DEADLINE_S, Cursor
+from tests.integration.coordinator_link.support import key
 
 # The link module's own fixture, so its tests get what they expect.
 rig_factory = link.rig_factory
@@ -167,3 +171,40 @@ def test_the_emitter_buffers_until_the_real_coordinator_appears(
     real_handle: Any, rig_factory: Any
 ) -> None:
     link.test_the_emitter_buffers_until_an_absent_coordinator_appears(real_handle, rig_factory)
+
+
+def test_the_emitters_stores_and_delete_land_in_the_real_directory(
+    real: RealCoordinatorHandle, rig_factory: Any
+) -> None:
+    """§10.10 #117 over gRPC: two stores and a delete leave one placement, tokens included."""
+    rig = rig_factory(real.target)  # instance node-a, incarnation 3
+    rig.emitter.start()
+    kept, gone = key(1), key(2)
+    rig.emitter.record(
+        EventType.STORE, Tier.L2, "fs", False, [CacheEventEntry(kept, 100, (1, 2, 3, 4), 0)]
+    )
+    rig.emitter.record(
+        EventType.STORE, Tier.L2, "fs", False, [CacheEventEntry(gone, 100, (5, 6, 7, 8), 256)]
+    )
+    rig.emitter.record(EventType.DELETE, Tier.L2, "fs", False, [CacheEventEntry(gone)])
+    rig.drain()
+    clients = Clients.connect(real.target)
+    try:
+        first, second = clients.lookup(
+            key_to_proto(kept), key_to_proto(gone), include_token_ids=True
+        ).results
+        assert list(first.placements) == [
+            common_pb2.Placement(
+                instance_id="node-a",
+                incarnation=3,
+                tier=common_pb2.TIER_L2,
+                backend="fs",
+                size_bytes=100,
+            )
+        ]
+        assert (list(first.token_ids), first.num_tokens) == ([1, 2, 3, 4], 4)
+        assert (list(second.placements), list(second.token_ids)) == ([], [])
+        stats = clients.stats()
+        assert (stats.num_keys, stats.num_placements, stats.token_bindings) == (1, 1, 1)
+    finally:
+        clients.close()

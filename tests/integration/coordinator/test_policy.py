@@ -15,6 +15,7 @@ from kvmesh.coordinator.v1 import directory_pb2, policy_pb2
 from tests.harness import wait_for
 from tests.integration.coordinator.conftest import CHUNK, CoordFactory
 from tests.integration.coordinator.support import (
+    ACCESS,
     ADMITTED,
     CONFIG,
     DELETE,
@@ -109,6 +110,7 @@ def test_bad_policy_requests_are_invalid_argument(
 
 
 def test_default_quota_is_unset_at_boot_and_settable(coord: Coord) -> None:
+    """§10.8 #94: unset at boot; 0 is a real limit; a value round-trips; clearable."""
     p = coord.clients.policy
     assert not p.get_default_quota(policy_pb2.GetDefaultQuotaRequest()).HasField("limit_bytes")
     p.set_default_quota(policy_pb2.SetDefaultQuotaRequest(tier=L2, limit_bytes=0))
@@ -205,6 +207,37 @@ def test_usage_per_instance_compartment_and_shared_pool(coord: Coord) -> None:
     assert "node-b" not in instances or not instances["node-b"].modules
     salts = {(s.tier, s.cache_salt): s.used_bytes for s in usage.salts}
     assert salts == {(L1, "t"): 250, (L2, ""): 340}
+
+
+def test_usage_follows_stores_and_deletes_and_ignores_access(coord: Coord) -> None:
+    """§10.8 #95: stores count, ACCESS and an empty store are admitted without changing usage.
+
+    A DELETE subtracts the size that was stored (its own entry says 0), and a
+    DELETE of a key never stored changes nothing.
+    """
+    c = coord.clients
+
+    def used() -> int:
+        return c.policy.get_quota(
+            policy_pb2.GetQuotaRequest(cache_salt="t", tier=L2)
+        ).quota.used_bytes
+
+    stored = c.ingest_batches(batch("node-a", 1, tier=L2, entries=stores([1, 2], 300, salt="t")))
+    assert (stored.admitted, used()) == (1, 600)
+    response = c.ingest_batches(
+        batch("node-a", 2, tier=L2, event_type=ACCESS, entries=stores([1], 999, salt="t")),
+        batch("node-a", 3, tier=L2, entries=[]),
+        batch("node-a", 4, tier=L2, event_type=DELETE, entries=stores([2], 0, salt="t")),
+        batch("node-a", 5, tier=L2, event_type=DELETE, entries=stores([9], 0, salt="t")),
+    )
+    assert list(response.results) == [ADMITTED] * 4
+    assert (response.admitted, response.duplicates, response.stale) == (4, 0, 0)
+    assert used() == 300
+    assert c.cursors()["node-a"].last_seq == 5
+    k1, k2, k9 = c.lookup(pkey(1, salt="t"), pkey(2, salt="t"), pkey(9, salt="t")).results
+    assert [(p.size_bytes, k1.access_count) for p in k1.placements] == [(300, 1)]
+    assert (list(k2.placements), list(k9.placements)) == ([], [])
+    assert c.stats().num_keys == 1
 
 
 # ---------------------------------------------------------------------------- eviction

@@ -11,11 +11,13 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import pytest
 
 from kvmesh.coordinator.v1 import ingest_pb2
+from services.common.events import CacheEventBatch, IngestResult
 from services.coordinator.nats_source import NatsEventSource
 from services.storage.nats_link import (
     DEFAULT_STREAM,
@@ -28,6 +30,8 @@ from services.storage.nats_link import (
 from tests.integration.coordinator.support import L2, Coord, batch, pkey, stores
 from tests.integration.nats.conftest import Fleet
 from tests.integration.nats.support import RawNats, wait_true
+from tests.integration.nats.test_transport import restart
+from tests.servers import ServerProcess
 
 
 @pytest.fixture
@@ -55,6 +59,7 @@ def wait_applied_through(source: NatsEventSource, stream_seq: int) -> None:
 def test_a_resent_batch_is_stored_once_and_a_replayed_one_admitted_once(
     fleet: Fleet, raw: RawNats
 ) -> None:
+    """§10.3 #28: a replayed message is absorbed by the gate's seq dedup."""
     coord = fleet.coordinator()
     source = source_of(coord)
     subject = events_subject("raw-a")
@@ -84,6 +89,7 @@ def test_a_resent_batch_is_stored_once_and_a_replayed_one_admitted_once(
 def test_undecodable_and_invalid_messages_are_skipped_and_the_stream_goes_on(
     fleet: Fleet, raw: RawNats
 ) -> None:
+    """§10.3 #28: undecodable or invalid messages are skipped; the position still moves."""
     coord = fleet.coordinator()
     source = source_of(coord)
     raw.publish("kvmesh.events.junk", b"\xff\xff\xff\xff not a protobuf")
@@ -138,3 +144,81 @@ def test_an_emitter_first_seen_past_its_start_is_asked_to_resync(
     cursor = coord.clients.cursors()["raw.d"]
     assert (cursor.last_seq, cursor.gap_detected) == (40, True)
     assert source.stats().resyncs_requested == 2
+
+
+def test_a_batch_whose_ingest_raises_is_logged_and_skipped_and_the_stream_goes_on(
+    fleet: Fleet,
+    raw: RawNats,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """§10.3 #28 (LMCache Kafka: a record whose consumer raises is skipped, offset recorded)."""
+    caplog.set_level(logging.ERROR, logger="services.coordinator.nats_source")
+    coord = fleet.coordinator()
+    source = source_of(coord)
+    real_ingest = source._ingest
+
+    def flaky(b: CacheEventBatch) -> IngestResult:
+        if b.seq == 2:
+            raise RuntimeError("injected")
+        return real_ingest(b)
+
+    monkeypatch.setattr(source, "_ingest", flaky)
+    subject = events_subject("raw-e")
+    for seq in (1, 2):
+        raw.publish(
+            subject, batch("raw-e", seq, tier=L2, entries=stores([seq])).SerializeToString()
+        )
+    last = raw.publish(subject, batch("raw-e", 3, tier=L2, entries=stores([3])).SerializeToString())
+    wait_applied_through(source, last["seq"])
+
+    stats = source.stats()
+    assert (stats.applied, stats.admitted, stats.skipped) == (2, 2, 1)
+    assert source.position.next_seq == last["seq"] + 1
+    c = coord.clients
+    assert [bool(c.placements(pkey(i))) for i in (1, 2, 3)] == [True, False, True]
+    cursor = c.cursors()["raw-e"]
+    assert (cursor.last_seq, cursor.gap_detected) == (3, True)  # seq 2 never reached the gate
+    assert any(
+        "ingesting batch" in r.getMessage() and r.exc_info is not None for r in caplog.records
+    )
+
+
+def test_the_source_logs_a_lost_connection_and_reads_on_after_nats_restarts(
+    fleet: Fleet, nats: ServerProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """§10.3 #28 (LMCache Kafka: a consumer error is logged and polling continues)."""
+    caplog.set_level(logging.WARNING, logger="services.coordinator.nats_source")
+    coord = fleet.coordinator()
+    source = source_of(coord)
+    subject = events_subject("raw-f")
+    before = RawNats(fleet.thread, fleet.nats_url)
+    try:
+        fleet.thread.run(ensure_stream(before.nc.jetstream(), StreamSettings()))
+        first = before.publish(
+            subject, batch("raw-f", 1, tier=L2, entries=stores([1])).SerializeToString()
+        )
+        wait_applied_through(source, first["seq"])
+    finally:
+        before.close()
+    sessions = source.stats().sessions
+
+    nats.stop()  # the source's connection breaks; the stream stays on disk
+    wait_true(lambda: not source.connected)
+    restart(nats)
+
+    after = RawNats(fleet.thread, fleet.nats_url)
+    try:
+        second = after.publish(
+            subject, batch("raw-f", 2, tier=L2, entries=stores([2])).SerializeToString()
+        )
+        wait_applied_through(source, second["seq"])
+    finally:
+        after.close()
+    stats = source.stats()
+    assert stats.sessions > sessions
+    assert (stats.applied, stats.admitted, stats.skipped) == (2, 2, 0)
+    cursor = coord.clients.cursors()["raw-f"]
+    assert (cursor.last_seq, cursor.gap_detected) == (2, False)
+    assert coord.clients.placements(pkey(2)) == [("raw-f", 1, L2, "disk", 100)]
+    assert any("NATS event source:" in r.getMessage() for r in caplog.records)
