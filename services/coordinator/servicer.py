@@ -17,7 +17,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -216,6 +216,10 @@ class _StreamFailed(KvmeshError):
     default_reason = "INTERNAL"
 
 
+class _CallEnded(Exception):
+    """A write found the call already ended: there is no one left to answer."""
+
+
 class _Failure:
     """Marker the reader puts in the outbox when the stream must end with an error."""
 
@@ -341,7 +345,7 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
         self,
         stream: _Stream,
         msgs: Sequence[events_pb2.CacheEventBatch],
-        put: Callable[[ingest_pb2.StreamEventsResponse], None],
+        write: Callable[[ingest_pb2.StreamEventsResponse], Awaitable[None]],
     ) -> None:
         """Ingest a BatchGroup batch by batch; one AckGroup for the batches it applied."""
         n = len(msgs)
@@ -362,11 +366,13 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
         finally:
             # Also when batch i was bad: the ones before it are applied and acked.
             if acks:
-                put(ingest_pb2.StreamEventsResponse(acks=ingest_pb2.AckGroup(acks=acks)))
+                await write(ingest_pb2.StreamEventsResponse(acks=ingest_pb2.AckGroup(acks=acks)))
 
-    async def StreamEvents(
+    # A coroutine that writes with context.write() (gRPC's reader/writer API);
+    # the generated stub types only the generator form.
+    async def StreamEvents(  # type: ignore[override]
         self, request_iterator: AsyncIterator[ingest_pb2.StreamEventsRequest], context: Any
-    ) -> AsyncIterator[ingest_pb2.StreamEventsResponse]:
+    ) -> None:
         first = await anext(aiter(request_iterator), None)
         if first is None:
             return
@@ -383,11 +389,24 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
         replaced = self.streams.open(stream)
         if replaced is not None:
             logger.info("a new event stream of %s replaces the old one", instance_id)
-            # Acks queued before this still go out; then the old call ends CANCELLED.
+            # Acks written before this went out; the old call ends CANCELLED.
             ended = _Failure(
                 _StreamReplaced(f"a newer event stream of {instance_id} replaced this one")
             )
             replaced.loop.call_soon_threadsafe(replaced.outbox.put_nowait, ended)
+        # The reading task writes each ack itself as soon as its batch is
+        # ingested (a queue between them cost a task switch per message and
+        # held acks back behind the next group); this task writes what other
+        # threads queue in the outbox. gRPC takes one write at a time.
+        lock = asyncio.Lock()
+
+        async def write(response: ingest_pb2.StreamEventsResponse) -> None:
+            async with lock:
+                try:
+                    await context.write(response)
+                except Exception as exc:  # the call ended under us (node gone, server stopping)
+                    raise _CallEnded from exc
+
         if instance_id not in self.core.cursors():
             # The coordinator does not know this emitter (a cold start, or a
             # node it dropped): ask for everything the node holds again.
@@ -395,7 +414,7 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
                 self.streams.send(
                     instance_id, ingest_pb2.NodeCommand(resync=ingest_pb2.ResyncCommand(tier=tier))
                 )
-        reader = asyncio.create_task(self._read(stream, request_iterator))
+        reader = asyncio.create_task(self._read(stream, request_iterator, write))
         try:
             while True:
                 item = await stream.outbox.get()
@@ -404,30 +423,39 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
                 if isinstance(item, _Failure):
                     # Batches before the bad one stay applied; this one touched nothing.
                     raise item.error
-                yield item
+                try:
+                    await write(item)
+                except _CallEnded:
+                    break
         finally:
             reader.cancel()
             self.streams.close(stream)
 
     async def _read(
-        self, stream: _Stream, request_iterator: AsyncIterator[ingest_pb2.StreamEventsRequest]
+        self,
+        stream: _Stream,
+        request_iterator: AsyncIterator[ingest_pb2.StreamEventsRequest],
+        write: Callable[[ingest_pb2.StreamEventsResponse], Awaitable[None]],
     ) -> None:
-        """Ingest the stream's batches in order; the generator yields the acks."""
+        """Ingest the stream's batches in order and write their acks."""
         put = stream.outbox.put_nowait
         response = ingest_pb2.StreamEventsResponse
         try:
             async for request in request_iterator:
                 kind = request.WhichOneof("kind")
                 if kind == "batch":
-                    put(response(ack=self._ingest(stream, request.batch, "batch")))
+                    await write(response(ack=self._ingest(stream, request.batch, "batch")))
                 elif kind == "batches":
-                    await self._ingest_group(stream, request.batches.batches, put)
+                    await self._ingest_group(stream, request.batches.batches, write)
                 elif kind == "command_result":
                     self.streams.record_result(stream.instance_id, request.command_result)
                 elif kind == "open":
                     raise InvalidArgument("a stream is opened only once", field="open")
         except KvmeshError as exc:
             put(_Failure(exc))
+        except _CallEnded:
+            # Nobody is left to answer; the node resends what it did not see acked.
+            logger.debug("event stream of %s ended while acking", stream.instance_id)
         except Exception:
             # Without this the task would die quietly and the call end with OK,
             # leaving the node to guess why its batch was never acked.

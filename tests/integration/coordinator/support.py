@@ -424,6 +424,11 @@ class RawNode:
         with self._cond:
             return [c for c in self.commands if c.WhichOneof("kind") == "delete_keys"]
 
+    def vanish(self) -> None:
+        """Cancel the call without half-closing first, as a node that died would end it."""
+        self._call.cancel()
+        self._reader.join(5.0)
+
     def close(self) -> None:
         """Half-close, wait briefly for the end, cancel whatever remains, close the channel."""
         self._outbox.put(None)

@@ -10,6 +10,8 @@ batch.
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
 
@@ -123,6 +125,31 @@ def test_an_unknown_emitter_is_asked_to_resync_and_a_known_one_is_not(coord: Coo
     again.wait_acks(1)
     assert again.commands == []
     again.close()
+
+
+def test_a_node_that_vanishes_mid_stream_is_forgotten_quietly_and_its_resend_deduplicated(
+    coord: Coord, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The call ends while acks are being written: no error logged, nothing half-applied."""
+    caplog.set_level(logging.WARNING)
+    n = 300
+    node = coord.node("node-a")
+    for seq in range(1, n + 1):
+        node.batch(seq, entries=stores([seq]))
+    node.wait_acks(1)
+    node.vanish()
+    wait_for(lambda: not coord.app.streams.connected("node-a"))
+    applied = coord.clients.cursors()["node-a"].last_seq
+    assert 1 <= applied <= n
+    again = coord.node("node-a")
+    for seq in range(1, n + 1):
+        again.batch(seq, entries=stores([seq]))
+    results = [r for _inc, _seq, r in again.verdicts(n)]
+    assert results == [DUPLICATE] * applied + [ADMITTED] * (n - applied)
+    assert coord.clients.stats().num_keys == n
+    again.close()
+    node.channel.close()
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("services.")] == []
 
 
 def test_command_results_travel_up_the_stream(coord: Coord) -> None:
