@@ -1,4 +1,8 @@
-"""DirectoryService over a real socket: Lookup (keys, tokens), ListKeys, GetStats, cursors."""
+"""DirectoryService over a real socket: Lookup (keys, tokens), ListKeys, GetStats, cursors.
+
+Reference §10.8 items that do not apply: #89 (blend matching: kvmesh keeps no
+blend index) and #100 (prefetch proxy: the coordinator never dials a node).
+"""
 
 from __future__ import annotations
 

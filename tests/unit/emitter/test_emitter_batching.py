@@ -2,6 +2,10 @@
 
 These run without the emitter's threads: ``flush()`` numbers the pending
 events and ``unacked_batches()`` shows what would be sent.
+
+§10.10 items 111, 112 and 119 do not apply: a storage node publishes no
+tokens event and stamps no token ids on its entries (chunk hashing lives in
+the gateway, tested in tests/unit/common/test_hashing.py).
 """
 
 from __future__ import annotations
