@@ -64,15 +64,6 @@ def error_info(rpc_error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
     return None
 
 
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: KvmeshError) -> None:
-    code = grpc.StatusCode[error.code]
-    await context.abort(
-        code,
-        error.message,
-        trailing_metadata=((STATUS_DETAILS_KEY, status_details(code, error)),),
-    )
-
-
 def _code_name(context: grpc.aio.ServicerContext[Any, Any]) -> str:
     code = context.code()
     if code is None:
@@ -144,9 +135,12 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                code = await _answer_error(context, exc, full)
+                answer = _error_status(exc, full)
+                code = answer[0].name
+                await self._answer(context, method, answer, start)
             finally:
-                self._record(method, context, code, start)
+                if code is None:
+                    self._record(method, context, None, start)
 
         return behaviour
 
@@ -168,47 +162,56 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                code = await _answer_error(context, exc, full)
+                answer = _error_status(exc, full)
+                code = answer[0].name
+                await self._answer(context, method, answer, start)
             finally:
-                self._record(method, context, code, start)
+                if code is None:
+                    self._record(method, context, None, start)
 
         return behaviour
 
+    async def _answer(
+        self,
+        context: Any,
+        method: str,
+        answer: tuple[grpc.StatusCode, str, tuple[tuple[str, bytes], ...]],
+        start: float,
+    ) -> None:
+        """Count the failed call, then send its status (abort raises AbortError).
 
-async def _answer_error(context: Any, exc: Exception, method: str) -> str | None:
-    """Turn a handler's exception into a status; returns the code name when known here.
+        Counting first means a client that saw the error finds it in
+        ``/metrics`` already.
+        """
+        code, details, trailing = answer
+        self._record(method, context, code.name, start)
+        await context.abort(code, details, trailing_metadata=trailing)
 
-    Ours map to their code; a failed downstream call is relayed as it was;
-    anything else is INTERNAL, logged with the trace id. Every branch aborts
-    the call (raises AbortError), so the caller is always answered.
+
+def _error_status(
+    exc: Exception, method: str
+) -> tuple[grpc.StatusCode, str, tuple[tuple[str, bytes], ...]]:
+    """The status that answers a handler's exception: code, details, trailing metadata.
+
+    Ours map to their code with an ErrorInfo; a failed downstream call is
+    relayed as it was; anything else is INTERNAL, logged with the trace id.
     """
     if isinstance(exc, KvmeshError):
-        await _abort(context, exc)
-        return exc.code  # not reached: abort raises
+        code = grpc.StatusCode[exc.code]
+        return code, exc.message, ((STATUS_DETAILS_KEY, status_details(code, exc)),)
     if isinstance(exc, grpc.RpcError):
-        await _pass_through(context, exc)
-        return None
+        # A failed call this handler made (e.g. gateway → storage): its code and details.
+        failed: Any = exc
+        code = failed.code() if callable(getattr(failed, "code", None)) else grpc.StatusCode.UNKNOWN
+        details = failed.details() if callable(getattr(failed, "details", None)) else str(exc)
+        trailing = getattr(failed, "trailing_metadata", None)
+        metadata: Any = trailing() if callable(trailing) else ()
+        kept = tuple((key, value) for key, value in (metadata or ()) if key == STATUS_DETAILS_KEY)
+        return code, details or code.name, kept
     trace_id = current_trace_id()
     logger.error("unhandled error in %s (trace_id=%s)", method, trace_id, exc_info=exc)
-    await _internal(context, method, trace_id)
-    return "INTERNAL"
-
-
-async def _pass_through(context: grpc.aio.ServicerContext[Any, Any], exc: grpc.RpcError) -> None:
-    """Relay a failed downstream call (e.g. gateway → storage) with its code and details."""
-    failed: Any = exc
-    code = failed.code() if callable(getattr(failed, "code", None)) else grpc.StatusCode.UNKNOWN
-    details = failed.details() if callable(getattr(failed, "details", None)) else str(exc)
-    trailing = getattr(failed, "trailing_metadata", None)
-    metadata: Any = trailing() if callable(trailing) else ()
-    kept = tuple((key, value) for key, value in (metadata or ()) if key == STATUS_DETAILS_KEY)
-    await context.abort(code, details or code.name, trailing_metadata=kept)
-
-
-async def _internal(
-    context: grpc.aio.ServicerContext[Any, Any], method: str, trace_id: str
-) -> None:
-    await context.abort(
+    return (
         grpc.StatusCode.INTERNAL,
         f"internal error in {method}; see the server log (trace_id={trace_id})",
+        (),
     )
