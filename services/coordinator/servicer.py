@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import numpy as np
 from google.protobuf import timestamp_pb2
 from opentelemetry import trace
@@ -404,7 +405,7 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
             async with lock:
                 try:
                     await context.write(response)
-                except Exception as exc:  # the call ended under us (node gone, server stopping)
+                except grpc.aio.BaseError as exc:  # the call ended: node gone, server stopping
                     raise _CallEnded from exc
 
         if instance_id not in self.core.cursors():
