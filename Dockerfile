@@ -10,9 +10,7 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
 COPY pyproject.toml README.md ./
 COPY protos ./protos
-COPY services ./services
-COPY kernels ./kernels
-COPY bench ./bench
+COPY src ./src
 RUN pip install ".[redis,nats,s3]"
 
 # gRPC and /metrics ports of the three services (each can be changed with flags).

@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""Regenerate (or check) the committed Python package ``kvmesh`` from protos/.
+"""Regenerate (or check) the committed generated package ``kvmesh.api`` from protos/.
 
-The generated messages (``*_pb2.py``), gRPC stubs (``*_pb2_grpc.py``) and their
-type stubs (``*.pyi``, from mypy-protobuf) are written beside the ``.proto``
-files under protos/kvmesh, which is the importable package ``kvmesh``.
+The contract lives in ``protos/kvmesh/<area>/v1/*.proto`` (folder = proto
+package, wire names ``kvmesh.<area>.v1``). The generated messages
+(``*_pb2.py``), gRPC stubs (``*_pb2_grpc.py``) and their type stubs (``*.pyi``,
+from mypy-protobuf) are committed under ``src/kvmesh/api/<area>/v1``: protoc
+names Python modules after the .proto paths, so its output is rewritten from
+``kvmesh.<area>.v1`` to ``kvmesh.api.<area>.v1`` (the Python import path only;
+the descriptors, and so every wire name, are untouched).
 
     python scripts/gen_protos.py            # rewrite the generated files
     python scripts/gen_protos.py --check    # exit 1 if they differ from the .proto files
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -25,6 +30,13 @@ from pathlib import Path
 
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 PACKAGE = "kvmesh"
+# Where the generated modules live in the source tree, relative to the repository root.
+API_DIR = Path("src") / "kvmesh" / "api"
+# Only Python import paths are rewritten: ``from kvmesh.<area>.v1 import`` lines and the
+# module name handed to the descriptor builder. The serialized descriptors (wire names,
+# ``.kvmesh.<area>.v1.Message``) must stay byte for byte what protoc wrote.
+_IMPORT_LINE = re.compile(r"^from kvmesh\.(\w+)\.v1 import ", re.MULTILINE)
+_MODULE_NAME = re.compile(r"'kvmesh\.(\w+)\.v1\.(\w+_pb2)'")
 
 
 def _plugin(name: str) -> str:
@@ -38,8 +50,8 @@ def _plugin(name: str) -> str:
     return found
 
 
-def generate(proto_root: Path, out_root: Path) -> None:
-    """Run protoc over every .proto under proto_root/kvmesh into out_root."""
+def generate(proto_root: Path, api_root: Path) -> None:
+    """Run protoc over every .proto under proto_root/kvmesh; write ``kvmesh.api`` into api_root."""
     try:
         import grpc_tools
         from grpc_tools import protoc
@@ -55,47 +67,57 @@ def generate(proto_root: Path, out_root: Path) -> None:
         f"-I{well_known}",
         f"--plugin=protoc-gen-mypy={_plugin('protoc-gen-mypy')}",
         f"--plugin=protoc-gen-mypy_grpc={_plugin('protoc-gen-mypy_grpc')}",
-        f"--python_out={out_root}",
-        f"--grpc_python_out={out_root}",
-        f"--mypy_out=quiet:{out_root}",
-        f"--mypy_grpc_out=quiet:{out_root}",
+        "--python_out={OUT}",
+        "--grpc_python_out={OUT}",
+        "--mypy_out=quiet:{OUT}",
+        "--mypy_grpc_out=quiet:{OUT}",
         *protos,
     ]
-    # protoc resolves paths relative to the working directory for some plugins.
-    cwd = os.getcwd()
-    try:
-        os.chdir(proto_root)
-        status = protoc.main(args)
-    finally:
-        os.chdir(cwd)
-    if status != 0:
-        sys.exit(f"error: protoc failed with status {status}")
-    # Make every generated folder an importable, typed package.
-    for folder in [out_root / PACKAGE, *(p for p in (out_root / PACKAGE).rglob("*") if p.is_dir())]:
+    with tempfile.TemporaryDirectory() as raw:
+        out_root = Path(raw)
+        args = [a.replace("{OUT}", raw) for a in args]
+        # protoc resolves paths relative to the working directory for some plugins.
+        cwd = os.getcwd()
+        try:
+            os.chdir(proto_root)
+            status = protoc.main(args)
+        finally:
+            os.chdir(cwd)
+        if status != 0:
+            sys.exit(f"error: protoc failed with status {status}")
+        for path in sorted((out_root / PACKAGE).rglob("*")):
+            if not path.is_file() or not path.name.endswith(GENERATED_SUFFIXES):
+                continue
+            target = api_root / path.relative_to(out_root / PACKAGE)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            text = _IMPORT_LINE.sub(r"from kvmesh.api.\1.v1 import ", path.read_text())
+            text = _MODULE_NAME.sub(r"'kvmesh.api.\1.v1.\2'", text)
+            target.write_text(text)
+    # Make every generated folder an importable package.
+    for folder in [api_root, *(p for p in api_root.rglob("*") if p.is_dir())]:
         if folder.name == "__pycache__":
             continue
         (folder / "__init__.py").touch()
-    (out_root / PACKAGE / "py.typed").touch()
 
 
 def generated_files(root: Path) -> dict[str, Path]:
-    """Generated files (and package markers) under root/kvmesh, by relative path."""
+    """Generated files (and package markers) under the api folder ``root``, by relative path."""
     found: dict[str, Path] = {}
-    for path in (root / PACKAGE).rglob("*"):
+    for path in root.rglob("*"):
         if path.is_file() and (
-            path.name.endswith(GENERATED_SUFFIXES) or path.name in ("__init__.py", "py.typed")
+            path.name.endswith(GENERATED_SUFFIXES) or path.name == "__init__.py"
         ):
             found[str(path.relative_to(root))] = path
     return found
 
 
-def check(proto_root: Path) -> list[str]:
+def check(proto_root: Path, api_root: Path) -> list[str]:
     """Differences between committed and freshly generated files (empty = in sync)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         generate(proto_root, out)
         fresh = generated_files(out)
-        committed = generated_files(proto_root)
+        committed = generated_files(api_root)
         problems = []
         for rel in sorted(fresh.keys() - committed.keys()):
             problems.append(f"missing: {rel}")
@@ -118,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     proto_root = args.root.resolve() / "protos"
+    api_root = args.root.resolve() / API_DIR
     if args.check:
-        problems = check(proto_root)
+        problems = check(proto_root, api_root)
         if problems:
             print("generated stubs are out of date; run: python scripts/gen_protos.py")
             for line in problems:
@@ -127,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("generated stubs are up to date")
         return 0
-    for stale in generated_files(proto_root).values():
+    for stale in generated_files(api_root).values():
         if stale.name.endswith(GENERATED_SUFFIXES):
             stale.unlink()
-    generate(proto_root, proto_root)
-    print(f"regenerated {len(generated_files(proto_root))} files under {proto_root / PACKAGE}")
+    generate(proto_root, api_root)
+    print(f"regenerated {len(generated_files(api_root))} files under {api_root}")
     return 0
 
 

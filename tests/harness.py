@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
-from services.common.server import Server, ServerSettings, ServiceApp, create_server
+from kvmesh.rpc.server import Server, ServerSettings, ServiceApp, create_server
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +112,7 @@ def kvmesh_cli(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``kvmesh ARGS`` in a subprocess with this interpreter; returns the completed process."""
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "kvmesh.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -125,7 +125,7 @@ def kvmesh_cli(
 def spawn_cli(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
     """Start ``kvmesh ARGS`` in the background."""
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "kvmesh.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -1,6 +1,6 @@
 """Fixtures of the end-to-end tests: a real local fleet (child processes) and engines on it.
 
-The fleet is :class:`services.fleet.Fleet` — coordinator, storage and gateway
+The fleet is :class:`kvmesh.cli.fleet.Fleet` — coordinator, storage and gateway
 processes exactly as ``kvmesh up`` runs them. Engines run in the test process
 with their KV cache in /dev/shm, registered with a gateway.
 """
@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import Engine, EngineConfig
-from services.fleet import Fleet
+from kvmesh.cli.fleet import Fleet
+from kvmesh.engine import Engine, EngineConfig
 from tests.e2e.support import MODEL, start_fleet
 
 

@@ -33,16 +33,16 @@ _provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
 trace.set_tracer_provider(_provider)
 
 # Imported after the provider exists, so the servers and clients add tracing.
-from kvmesh.coordinator.v1 import directory_pb2  # noqa: E402
-from kvmesh.gateway.v1 import gateway_pb2  # noqa: E402
-from services.coordinator.app import CoordinatorApp  # noqa: E402
-from services.coordinator.client import DirectoryClient  # noqa: E402
-from services.coordinator.config import CoordinatorConfig  # noqa: E402
-from services.gateway.app import GatewayApp  # noqa: E402
-from services.gateway.client import GatewayClient  # noqa: E402
-from services.gateway.config import GatewayConfig  # noqa: E402
-from services.storage.app import StorageApp  # noqa: E402
-from services.storage.config import StorageConfig  # noqa: E402
+from kvmesh.api.coordinator.v1 import directory_pb2  # noqa: E402
+from kvmesh.api.gateway.v1 import gateway_pb2  # noqa: E402
+from kvmesh.coordinator.app import CoordinatorApp  # noqa: E402
+from kvmesh.coordinator.client import DirectoryClient  # noqa: E402
+from kvmesh.coordinator.config import CoordinatorConfig  # noqa: E402
+from kvmesh.gateway.app import GatewayApp  # noqa: E402
+from kvmesh.gateway.client import GatewayClient  # noqa: E402
+from kvmesh.gateway.config import GatewayConfig  # noqa: E402
+from kvmesh.storage.app import StorageApp  # noqa: E402
+from kvmesh.storage.config import StorageConfig  # noqa: E402
 from tests.harness import server_thread, wait_for  # noqa: E402
 from tests.integration.gateway.support import CHUNK, prange  # noqa: E402
 from tests.integration.storage.support import MODEL, Engine  # noqa: E402
@@ -105,7 +105,7 @@ def main() -> None:
             tokens = [int(t) for t in range(1000, 1000 + 2 * CHUNK)]
             blocks = list(range(2 * CHUNK // 16))
             EXPORTER.clear()
-            with tracer.start_as_current_span("engine.store") as store_span:
+            with tracer.start_as_current_span("kvmesh.engine.store") as store_span:
                 client.store(
                     gateway_pb2.StoreRequest(
                         engine_id=engine.engine_id,
@@ -136,7 +136,7 @@ def main() -> None:
                     wait_timeout_ms=5000,
                 )
             )
-            with tracer.start_as_current_span("engine.retrieve") as retrieve_span:
+            with tracer.start_as_current_span("kvmesh.engine.retrieve") as retrieve_span:
                 client.retrieve(
                     gateway_pb2.RetrieveRequest(
                         engine_id=engine.engine_id,

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import Engine, ModelConfig, RequestOutput
-from kvmesh.common.v1 import common_pb2
-from kvmesh.storage.v1 import storage_pb2
-from services.fleet import Fleet, FleetOptions
-from services.storage.client import StorageClient
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.storage.v1 import storage_pb2
+from kvmesh.cli.fleet import Fleet, FleetOptions
+from kvmesh.engine import Engine, ModelConfig, RequestOutput
+from kvmesh.storage.client import StorageClient
 
 #: The demo's model; e2e prompts stay at 1-2 k tokens so the suite is quick.
 MODEL = ModelConfig()
@@ -30,7 +30,7 @@ def require_fleet_services() -> None:
     """Skip (fail under KVMESH_REQUIRE_SERVICES=1) while a fleet service is not built."""
     missing = [
         m
-        for m in ("services.storage.app", "services.coordinator.app")
+        for m in ("kvmesh.storage.app", "kvmesh.coordinator.app")
         if importlib.util.find_spec(m) is None
     ]
     if missing:

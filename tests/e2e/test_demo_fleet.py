@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from services.cli import main
+from kvmesh.cli.main import main
 from tests.e2e.support import require_fleet_services
 
 

@@ -14,12 +14,12 @@ import os
 import grpc
 import pytest
 
-from connector import KVConnectorRole, KVMeshConnector, KVMeshConnectorConfig, Request
-from engine import Engine, EngineConfig
-from kvmesh.gateway.v1 import gateway_pb2
-from services.cli import main
-from services.fleet import Fleet
-from services.gateway.client import GatewayClient
+from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.cli.main import main
+from kvmesh.cli.fleet import Fleet
+from kvmesh.connector import KVConnectorRole, KVMeshConnector, KVMeshConnectorConfig, Request
+from kvmesh.engine import Engine, EngineConfig
+from kvmesh.gateway.client import GatewayClient
 from tests.e2e.support import (
     L1,
     L2,
@@ -161,8 +161,8 @@ def test_kvmesh_demo_reports_a_warm_hit_with_matching_logits(
 def test_the_coordinator_directory_and_kvmesh_status_show_every_stored_chunk(
     fleet: Fleet, engine: Engine, salt: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvmesh.coordinator.v1 import directory_pb2
-    from services.coordinator.client import DirectoryClient
+    from kvmesh.api.coordinator.v1 import directory_pb2
+    from kvmesh.coordinator.client import DirectoryClient
     from tests.e2e.support import MODEL_NAME
 
     prompt = tokens(1300, seed=7)

@@ -140,8 +140,8 @@ def test_every_service_of_kvmesh_up_answers_grpcurl_and_health(fleet: RunningFle
 
 
 def test_nodes_register_and_report_to_the_coordinator(fleet: RunningFleet) -> None:
-    from kvmesh.coordinator.v1 import membership_pb2
-    from services.coordinator.client import MembershipClient
+    from kvmesh.api.coordinator.v1 import membership_pb2
+    from kvmesh.coordinator.client import MembershipClient
 
     coordinator = next(s for s in fleet.services if s.name == "coordinator")
     client = MembershipClient(coordinator.grpc)

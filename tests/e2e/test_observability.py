@@ -42,7 +42,7 @@ def _trace(probe: dict[str, Any], trace_id: str) -> list[str]:
 
 def test_one_store_is_one_trace_from_gateway_to_coordinator(probe: dict[str, Any]) -> None:
     names = _trace(probe, probe["store_trace"])
-    assert "engine.store" in names
+    assert "kvmesh.engine.store" in names
     assert "/kvmesh.gateway.v1.GatewayService/Store" in names
     assert "/kvmesh.storage.v1.StorageService/StoreChunks" in names
     assert INGEST in names
@@ -65,7 +65,7 @@ def test_the_coordinator_span_is_a_child_within_the_store_trace(probe: dict[str,
         node = spans[node["parent_id"]]
         chain.append(node["name"])
     assert "/kvmesh.storage.v1.StorageService/StoreChunks" in chain
-    assert chain[-1] == "engine.store"
+    assert chain[-1] == "kvmesh.engine.store"
 
 
 def _value(text: str, name: str, labels: str = "") -> float:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import Engine, EngineConfig
-from services.fleet import Fleet
+from kvmesh.cli.fleet import Fleet
+from kvmesh.engine import Engine, EngineConfig
 from tests.e2e.support import (
     L1,
     L2,

@@ -21,13 +21,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.gateway.v1 import gateway_pb2
-from services.common.interceptors import error_info
-from services.common.server import Server
-from services.gateway.app import GatewayApp
-from services.gateway.client import GatewayClient
-from services.gateway.config import GatewayConfig
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.gateway.app import GatewayApp
+from kvmesh.gateway.client import GatewayClient
+from kvmesh.gateway.config import GatewayConfig
+from kvmesh.rpc.interceptors import error_info
+from kvmesh.rpc.server import Server
 from tests.harness import ServerThread, free_port, kvmesh_cli, server_thread, spawn_cli, wait_for
 
 
@@ -285,7 +285,7 @@ def test_unreadable_yaml_and_unknown_keys_are_one_line_errors(tmp_path: Path) ->
 
 
 def test_flags_beat_environment_beat_yaml(tmp_path: Path) -> None:
-    from services.common.config import resolve
+    from kvmesh.common.config import resolve
 
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text(

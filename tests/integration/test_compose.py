@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from services.cli import SERVICES, build_parser
-from services.common.config import resolve
+from kvmesh.cli.main import SERVICES, build_parser
+from kvmesh.common.config import resolve
 from tests.harness import REPO_ROOT
 
 

@@ -29,20 +29,20 @@ import pytest
 from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.common.client import create_aio_channel
-from services.common.config import ConfigError
-from services.common.interceptors import error_info
-from services.common.lane import (
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.common.config import ConfigError
+from kvmesh.gateway.app import GatewayApp
+from kvmesh.gateway.client import GatewayClient
+from kvmesh.gateway.config import GatewayConfig
+from kvmesh.rpc.client import create_aio_channel
+from kvmesh.rpc.interceptors import error_info
+from kvmesh.rpc.lane import (
     AsyncLaneChannel,
     HandlerCollector,
     LaneChannel,
     LaneServer,
 )
-from services.common.server import Server
-from services.gateway.app import GatewayApp
-from services.gateway.client import GatewayClient
-from services.gateway.config import GatewayConfig
+from kvmesh.rpc.server import Server
 from tests.harness import REPO_ROOT, ServerThread, free_port, server_thread, spawn_cli, wait_for
 
 GATEWAY = "/kvmesh.gateway.v1.GatewayService/"
@@ -596,10 +596,10 @@ exporter = InMemorySpanExporter()
 provider = TracerProvider()
 provider.add_span_processor(SimpleSpanProcessor(exporter))
 trace.set_tracer_provider(provider)
-from kvmesh.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from services.gateway.app import GatewayApp
-from services.gateway.client import GatewayClient
-from services.gateway.config import GatewayConfig
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.gateway.app import GatewayApp
+from kvmesh.gateway.client import GatewayClient
+from kvmesh.gateway.config import GatewayConfig
 from tests.harness import server_thread
 with server_thread() as thread:
     config = GatewayConfig(

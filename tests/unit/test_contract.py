@@ -26,45 +26,45 @@ GEN = REPO_ROOT / "scripts" / "gen_protos.py"
 SERVICES = {
     "kvmesh.gateway.v1.GatewayService": (
         "kvmesh/gateway/v1/gateway.proto",
-        "kvmesh.gateway.v1.gateway_pb2",
-        "services.gateway.servicer:GatewayServicer",
-        "services.gateway.client:GatewayClient",
+        "kvmesh.api.gateway.v1.gateway_pb2",
+        "kvmesh.gateway.servicer:GatewayServicer",
+        "kvmesh.gateway.client:GatewayClient",
     ),
     "kvmesh.storage.v1.StorageService": (
         "kvmesh/storage/v1/storage.proto",
-        "kvmesh.storage.v1.storage_pb2",
-        "services.storage.servicer:StorageServicer",
-        "services.storage.client:StorageClient",
+        "kvmesh.api.storage.v1.storage_pb2",
+        "kvmesh.storage.servicer:StorageServicer",
+        "kvmesh.storage.client:StorageClient",
     ),
     "kvmesh.coordinator.v1.EventIngestService": (
         "kvmesh/coordinator/v1/ingest.proto",
-        "kvmesh.coordinator.v1.ingest_pb2",
-        "services.coordinator.servicer:EventIngestServicer",
-        "services.coordinator.client:EventIngestClient",
+        "kvmesh.api.coordinator.v1.ingest_pb2",
+        "kvmesh.coordinator.servicer:EventIngestServicer",
+        "kvmesh.coordinator.client:EventIngestClient",
     ),
     "kvmesh.coordinator.v1.DirectoryService": (
         "kvmesh/coordinator/v1/directory.proto",
-        "kvmesh.coordinator.v1.directory_pb2",
-        "services.coordinator.servicer:DirectoryServicer",
-        "services.coordinator.client:DirectoryClient",
+        "kvmesh.api.coordinator.v1.directory_pb2",
+        "kvmesh.coordinator.servicer:DirectoryServicer",
+        "kvmesh.coordinator.client:DirectoryClient",
     ),
     "kvmesh.coordinator.v1.MembershipService": (
         "kvmesh/coordinator/v1/membership.proto",
-        "kvmesh.coordinator.v1.membership_pb2",
-        "services.coordinator.servicer:MembershipServicer",
-        "services.coordinator.client:MembershipClient",
+        "kvmesh.api.coordinator.v1.membership_pb2",
+        "kvmesh.coordinator.servicer:MembershipServicer",
+        "kvmesh.coordinator.client:MembershipClient",
     ),
     "kvmesh.coordinator.v1.PolicyService": (
         "kvmesh/coordinator/v1/policy.proto",
-        "kvmesh.coordinator.v1.policy_pb2",
-        "services.coordinator.servicer:PolicyServicer",
-        "services.coordinator.client:PolicyClient",
+        "kvmesh.api.coordinator.v1.policy_pb2",
+        "kvmesh.coordinator.servicer:PolicyServicer",
+        "kvmesh.coordinator.client:PolicyClient",
     ),
     "kvmesh.coordinator.v1.AdminService": (
         "kvmesh/coordinator/v1/admin.proto",
-        "kvmesh.coordinator.v1.admin_pb2",
-        "services.coordinator.servicer:AdminServicer",
-        "services.coordinator.client:AdminClient",
+        "kvmesh.api.coordinator.v1.admin_pb2",
+        "kvmesh.coordinator.servicer:AdminServicer",
+        "kvmesh.coordinator.client:AdminClient",
     ),
 }
 
@@ -106,6 +106,7 @@ def test_committed_stubs_match_the_protos() -> None:
 def test_editing_a_proto_without_regenerating_is_caught(tmp_path: Path) -> None:
     copy = tmp_path / "repo"
     shutil.copytree(REPO_ROOT / "protos", copy / "protos")
+    shutil.copytree(REPO_ROOT / "src" / "kvmesh" / "api", copy / "src" / "kvmesh" / "api")
     proto = copy / "protos" / "kvmesh" / "gateway" / "v1" / "gateway.proto"
     proto.write_text(
         proto.read_text().replace("message PingRequest {", "message PingRequest {\n  bool x = 9;")
@@ -117,7 +118,7 @@ def test_editing_a_proto_without_regenerating_is_caught(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 1
-    assert "differs: kvmesh/gateway/v1/gateway_pb2.py" in result.stdout
+    assert "differs: gateway/v1/gateway_pb2.py" in result.stdout
     # And regenerating the copy makes it pass again.
     subprocess.run([sys.executable, str(GEN), "--root", str(copy)], check=True, capture_output=True)
     again = subprocess.run(

@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 import pytest
 
-from services.coordinator.app import CoordinatorApp
-from services.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.app import CoordinatorApp
+from kvmesh.coordinator.config import CoordinatorConfig
 from tests.harness import ServerThread, server_thread
 from tests.integration.coordinator.support import Clients, Coord
 

@@ -2,7 +2,7 @@
 
 * :class:`Coord` is a real coordinator (``CoordinatorApp`` through the chassis
   ``create_server``) on a loopback port of this process, with the typed sync
-  clients of ``services/coordinator/client.py`` over one channel.
+  clients of ``src/kvmesh/coordinator/client.py`` over one channel.
 * :class:`RawNode` plays a storage node on one ``StreamEvents`` call with the
   raw generated stub: the test decides every message (so it can send what a
   real node never would), and reads every ack and command.
@@ -29,28 +29,28 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.coordinator.v1 import (
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.coordinator.v1 import (
     directory_pb2,
     ingest_pb2,
     ingest_pb2_grpc,
     membership_pb2,
     policy_pb2,
 )
-from kvmesh.events.v1 import events_pb2
-from services.common.client import create_channel
-from services.common.hashing import TokenHasher
-from services.common.interceptors import error_info
-from services.common.keys import worker_kv_rank
-from services.common.server import Server
-from services.coordinator.app import CoordinatorApp
-from services.coordinator.client import (
+from kvmesh.api.events.v1 import events_pb2
+from kvmesh.common.hashing import TokenHasher
+from kvmesh.common.keys import worker_kv_rank
+from kvmesh.coordinator.app import CoordinatorApp
+from kvmesh.coordinator.client import (
     AdminClient,
     DirectoryClient,
     EventIngestClient,
     MembershipClient,
     PolicyClient,
 )
+from kvmesh.rpc.client import create_channel
+from kvmesh.rpc.interceptors import error_info
+from kvmesh.rpc.server import Server
 from tests.harness import ServerThread, spawn_cli, wait_for
 
 MODEL = "org/model-7b"

@@ -7,7 +7,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvmesh.coordinator.v1 import admin_pb2, policy_pb2
+from kvmesh.api.coordinator.v1 import admin_pb2, policy_pb2
 from tests.harness import wait_for
 from tests.integration.coordinator.conftest import CHUNK, CoordFactory
 from tests.integration.coordinator.support import L1, L2, Coord, batch, code_of, pkey, stores

@@ -30,9 +30,9 @@ import grpc
 import numpy as np
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.coordinator.v1 import admin_pb2, directory_pb2, membership_pb2, policy_pb2
-from kvmesh.storage.v1 import storage_pb2, storage_pb2_grpc
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.coordinator.v1 import admin_pb2, directory_pb2, membership_pb2, policy_pb2
+from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
 from tests.harness import free_port
 from tests.integration.coordinator.conftest import CoordFactory
 from tests.integration.coordinator.support import (

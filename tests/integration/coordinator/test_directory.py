@@ -9,8 +9,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvmesh.coordinator.v1 import directory_pb2
-from services.common.keys import worker_kv_rank
+from kvmesh.api.coordinator.v1 import directory_pb2
+from kvmesh.common.keys import worker_kv_rank
 from tests.integration.coordinator.conftest import CHUNK
 from tests.integration.coordinator.support import (
     ACCESS,

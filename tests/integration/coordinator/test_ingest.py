@@ -15,10 +15,10 @@ import logging
 import grpc
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.coordinator.v1 import admin_pb2, ingest_pb2
-from kvmesh.events.v1 import events_pb2
-from services.common.events import CacheEventBatch, IngestResult
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.coordinator.v1 import admin_pb2, ingest_pb2
+from kvmesh.api.events.v1 import events_pb2
+from kvmesh.common.events import CacheEventBatch, IngestResult
 from tests.harness import wait_for
 from tests.integration.coordinator.support import (
     ADMITTED,
@@ -149,7 +149,7 @@ def test_a_node_that_vanishes_mid_stream_is_forgotten_quietly_and_its_resend_ded
     assert coord.clients.stats().num_keys == n
     again.close()
     node.channel.close()
-    assert [r.getMessage() for r in caplog.records if r.name.startswith("services.")] == []
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("kvmesh.")] == []
 
 
 def test_command_results_travel_up_the_stream(coord: Coord) -> None:

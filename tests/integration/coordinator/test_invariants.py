@@ -18,9 +18,9 @@ from typing import Any
 import grpc
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.coordinator.v1 import ingest_pb2
-from kvmesh.events.v1 import events_pb2
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.coordinator.v1 import ingest_pb2
+from kvmesh.api.events.v1 import events_pb2
 from tests.integration.coordinator.conftest import CoordFactory
 from tests.integration.coordinator.support import (
     ACCESS,
@@ -133,7 +133,7 @@ def _bad_batch(case: Case, instance_id: str) -> events_pb2.CacheEventBatch:
 @pytest.fixture(scope="module")
 def shared(coord_loop: Any) -> Iterator[Coord]:
     """One coordinator for every case of this module (each case checks its own before/after)."""
-    from services.coordinator.app import CoordinatorApp
+    from kvmesh.coordinator.app import CoordinatorApp
     from tests.integration.coordinator.conftest import coord_config
     from tests.integration.coordinator.support import Clients
 

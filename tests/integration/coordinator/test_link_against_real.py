@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from services.common.convert import key_to_proto
-from services.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
-from services.common.server import Server, create_server
-from services.coordinator.app import CoordinatorApp
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.common.convert import key_to_proto
+from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
+from kvmesh.coordinator.app import CoordinatorApp
+from kvmesh.rpc.server import Server, create_server
 from tests.harness import ServerThread, free_port, no_thread_left_since
 from tests.integration.coordinator.conftest import coord_config
 from tests.integration.coordinator.support import Clients

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from kvmesh.coordinator.v1 import ingest_pb2
-from services.common.events import IngestResult
-from services.storage.coordinator_link import GrpcEventTransport
+from kvmesh.api.coordinator.v1 import ingest_pb2
+from kvmesh.common.events import IngestResult
+from kvmesh.storage.coordinator_link import GrpcEventTransport
 from tests.integration.coordinator.support import Coord
 from tests.integration.coordinator_link.support import RecordingListener, store_batch
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvmesh.coordinator.v1 import membership_pb2
+from kvmesh.api.coordinator.v1 import membership_pb2
 from tests.harness import wait_for
 from tests.integration.coordinator.conftest import CoordFactory
 from tests.integration.coordinator.support import (

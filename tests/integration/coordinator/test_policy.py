@@ -10,8 +10,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.coordinator.v1 import directory_pb2, policy_pb2
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.coordinator.v1 import directory_pb2, policy_pb2
 from tests.harness import wait_for
 from tests.integration.coordinator.conftest import CHUNK, CoordFactory
 from tests.integration.coordinator.support import (
@@ -310,7 +310,7 @@ def test_eviction_before_ready_is_failed_precondition(make_coord: CoordFactory) 
     # A dry run works before readiness.
     dry = c.policy.run_eviction(policy_pb2.RunEvictionRequest(dry_run=True))
     assert _l2_victims(c, dry) == [("t", 1, 100)]
-    from kvmesh.coordinator.v1 import admin_pb2
+    from kvmesh.api.coordinator.v1 import admin_pb2
 
     assert not c.admin.get_status(admin_pb2.GetStatusRequest()).ready
 

@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.events.v1 import events_pb2
-from services.common.convert import UniformEntries, batch_from_proto, validated_batch_from_proto
-from services.common.errors import InvalidArgument
-from services.common.events import CacheEventBatch, validate_batch
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.events.v1 import events_pb2
+from kvmesh.common.convert import UniformEntries, batch_from_proto, validated_batch_from_proto
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.events import CacheEventBatch, validate_batch
 
 Mutation = Callable[[events_pb2.CacheEventEntry, random.Random], object]
 

@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.events.v1 import events_pb2
-from services.common.convert import batch_from_proto, validated_batch_from_proto
-from services.common.errors import InvalidArgument
-from services.common.events import CacheEventBatch, validate_batch
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.events.v1 import events_pb2
+from kvmesh.common.convert import batch_from_proto, validated_batch_from_proto
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.events import CacheEventBatch, validate_batch
 
 Breaker = Callable[[events_pb2.CacheEventBatch, random.Random], None]
 

@@ -32,18 +32,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from prometheus_client.registry import Collector
 
-from kvmesh.coordinator.v1 import (
+from kvmesh.api.coordinator.v1 import (
     ingest_pb2,
     ingest_pb2_grpc,
     membership_pb2,
     membership_pb2_grpc,
 )
-from kvmesh.events.v1 import events_pb2
-from services.common.convert import batch_from_proto
-from services.common.errors import InvalidArgument, NotFound
-from services.common.events import CacheEventBatch, IngestResult, validate_batch
-from services.common.interceptors import ServiceInterceptor
-from services.common.server import ServiceBinding
+from kvmesh.api.events.v1 import events_pb2
+from kvmesh.common.convert import batch_from_proto
+from kvmesh.common.errors import InvalidArgument, NotFound
+from kvmesh.common.events import CacheEventBatch, IngestResult, validate_batch
+from kvmesh.rpc.interceptors import ServiceInterceptor
+from kvmesh.rpc.server import ServiceBinding
 from tests.harness import ServerThread
 
 DEADLINE_S = 10.0
@@ -445,7 +445,7 @@ class _MembershipServicer(membership_pb2_grpc.MembershipServiceServicer):
 
 
 class FakeCoordinatorApp:
-    """A :class:`~services.common.server.ServiceApp` serving the fake's two services."""
+    """A :class:`~kvmesh.rpc.server.ServiceApp` serving the fake's two services."""
 
     name = "fake-coordinator"
 

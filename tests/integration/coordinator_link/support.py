@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 
-from services.common.errors import KvmeshError
-from services.common.events import CacheEventBatch, CacheEventEntry, EventType, IngestResult, Tier
-from services.common.keys import ObjectKey
-from services.storage.emitter import (
+from kvmesh.common.errors import KvmeshError
+from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, IngestResult, Tier
+from kvmesh.common.keys import ObjectKey
+from kvmesh.storage.emitter import (
     CacheEventEmitter,
     CommandResult,
     DeleteKeysCommand,

@@ -13,17 +13,17 @@ import string
 
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.coordinator.v1 import ingest_pb2
-from kvmesh.events.v1 import events_pb2
-from services.common.convert import (
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.coordinator.v1 import ingest_pb2
+from kvmesh.api.events.v1 import events_pb2
+from kvmesh.common.convert import (
     batch_from_proto,
     batch_to_proto,
     key_from_proto,
     key_to_proto,
 )
-from services.common.errors import InvalidArgument
-from services.common.events import (
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.events import (
     UNKNOWN_TOKEN_OFFSET,
     CacheEventBatch,
     CacheEventEntry,
@@ -31,13 +31,13 @@ from services.common.events import (
     Tier,
     validate_batch,
 )
-from services.common.keys import MAX_CACHE_SALT_CHARS, ObjectKey
-from services.storage.coordinator_link import (
+from kvmesh.common.keys import MAX_CACHE_SALT_CHARS, ObjectKey
+from kvmesh.storage.coordinator_link import (
     UnsupportedCommand,
     command_from_proto,
     result_to_proto,
 )
-from services.storage.emitter import (
+from kvmesh.storage.emitter import (
     CommandResult,
     DeleteKeysCommand,
     QuotaChangedCommand,

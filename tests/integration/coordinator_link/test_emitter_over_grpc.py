@@ -14,13 +14,13 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.coordinator.v1 import ingest_pb2
-from services.common.convert import key_to_proto
-from services.common.errors import NotFound
-from services.common.events import CacheEventEntry, EventType, Tier
-from services.storage.coordinator_link import GrpcEventTransport
-from services.storage.emitter import (
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.coordinator.v1 import ingest_pb2
+from kvmesh.common.convert import key_to_proto
+from kvmesh.common.errors import NotFound
+from kvmesh.common.events import CacheEventEntry, EventType, Tier
+from kvmesh.storage.coordinator_link import GrpcEventTransport
+from kvmesh.storage.emitter import (
     CacheEventEmitter,
     DeleteKeysCommand,
     EmitterConfig,

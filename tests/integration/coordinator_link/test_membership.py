@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from services.common.errors import InvalidArgument, NotFound, Unavailable
-from services.storage.coordinator_link import GrpcMembershipClient
-from services.storage.registrar import Registrar, Registration
+from kvmesh.common.errors import InvalidArgument, NotFound, Unavailable
+from kvmesh.storage.coordinator_link import GrpcMembershipClient
+from kvmesh.storage.registrar import Registrar, Registration
 from tests.harness import free_port, wait_for
 from tests.integration.coordinator_link.fake_coordinator import CoordinatorHandle
 

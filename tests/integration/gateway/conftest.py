@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from services.common.server import Server
-from services.gateway.app import GatewayApp
-from services.gateway.client import GatewayClient
-from services.gateway.config import GatewayConfig
-from services.node_app import NodeApp, NodeConfig
-from services.storage.app import StorageApp
-from services.storage.config import StorageConfig
+from kvmesh.gateway.app import GatewayApp
+from kvmesh.gateway.client import GatewayClient
+from kvmesh.gateway.config import GatewayConfig
+from kvmesh.node.app import NodeApp, NodeConfig
+from kvmesh.rpc.server import Server
+from kvmesh.storage.app import StorageApp
+from kvmesh.storage.config import StorageConfig
 from tests.harness import ServerThread, server_thread
 from tests.integration.gateway.support import CHUNK, Engine, Node, Stack
 

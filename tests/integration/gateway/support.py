@@ -27,15 +27,15 @@ import grpc
 import numpy as np
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.gateway.v1 import gateway_pb2
-from kvmesh.storage.v1 import storage_pb2
-from services.common.hashing import TokenHasher
-from services.common.keys import worker_kv_rank
-from services.common.server import Server
-from services.gateway.app import GatewayApp
-from services.gateway.client import GatewayClient
-from services.node_app import NodeApp
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.api.storage.v1 import storage_pb2
+from kvmesh.common.hashing import TokenHasher
+from kvmesh.common.keys import worker_kv_rank
+from kvmesh.gateway.app import GatewayApp
+from kvmesh.gateway.client import GatewayClient
+from kvmesh.node.app import NodeApp
+from kvmesh.rpc.server import Server
 from tests.integration.storage.support import (
     BLOCK_SIZE,
     HEAD_DIM,

@@ -19,9 +19,9 @@ import grpc
 import numpy as np
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.gateway.v1 import gateway_pb2
-from services.common.interceptors import error_info
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.rpc.interceptors import error_info
 from tests.harness import ServerThread, free_port
 from tests.integration.gateway.conftest import StackFactory
 from tests.integration.gateway.support import (

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from tests.integration.gateway.support import (
     BLOCK_SIZE,
     CHUNK,

@@ -19,10 +19,10 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.gateway.v1 import gateway_pb2
-from kvmesh.storage.v1 import storage_pb2
-from services.gateway.client import GatewayClient
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.api.storage.v1 import storage_pb2
+from kvmesh.gateway.client import GatewayClient
 from tests.harness import wait_for
 from tests.integration.gateway.conftest import StackFactory
 from tests.integration.gateway.support import (

@@ -9,7 +9,7 @@ shared-memory KV file, byte for byte.
 
 from __future__ import annotations
 
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from tests.integration.gateway.conftest import StackFactory
 from tests.integration.gateway.support import (
     BLOCK_SIZE,

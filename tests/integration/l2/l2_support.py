@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
-from services.common.keys import ObjectKey, object_name
+from kvmesh.common.keys import ObjectKey, object_name
 
 MODEL = "org/model-a"
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from services.common.server import Server
-from services.coordinator.app import CoordinatorApp
-from services.storage.app import StorageApp
-from services.storage.config import StorageConfig
+from kvmesh.coordinator.app import CoordinatorApp
+from kvmesh.rpc.server import Server
+from kvmesh.storage.app import StorageApp
+from kvmesh.storage.config import StorageConfig
 from tests.harness import ServerThread, server_thread
 from tests.integration.coordinator.conftest import coord_config, coord_loop
 from tests.integration.coordinator.support import Clients, Coord

@@ -6,24 +6,24 @@ from collections.abc import Sequence
 
 import pytest
 
-from services.common.errors import InvalidArgument
-from services.common.events import Tier
-from services.common.keys import ObjectKey
-from services.coordinator.core.coordinator import Coordinator
-from services.coordinator.core.persistence import (
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.events import Tier
+from kvmesh.common.keys import ObjectKey
+from kvmesh.coordinator.core.coordinator import Coordinator
+from kvmesh.coordinator.core.persistence import (
     PersistenceType,
     assert_plain_data,
     load_checkpoint,
     save_checkpoint,
 )
-from services.coordinator.nats_source import (
+from kvmesh.coordinator.nats_source import (
     POSITION_SECTION,
     NatsEventSource,
     NatsSourceSettings,
     NatsStreamPosition,
     PreferStreamDispatcher,
 )
-from services.storage.nats_link import (
+from kvmesh.storage.nats_link import (
     StreamSettings,
     commands_subject,
     events_subject,

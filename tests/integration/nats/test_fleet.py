@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.coordinator.v1 import admin_pb2, directory_pb2, policy_pb2
-from services.status import collect, render
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.coordinator.v1 import admin_pb2, directory_pb2, policy_pb2
+from kvmesh.cli.status import collect, render
 from tests.harness import free_port
 from tests.integration.coordinator.support import Clients, CliProcess, eventually
 from tests.integration.nats.conftest import Fleet

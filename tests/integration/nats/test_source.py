@@ -16,10 +16,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvmesh.coordinator.v1 import ingest_pb2
-from services.common.events import CacheEventBatch, IngestResult
-from services.coordinator.nats_source import NatsEventSource
-from services.storage.nats_link import (
+from kvmesh.api.coordinator.v1 import ingest_pb2
+from kvmesh.common.events import CacheEventBatch, IngestResult
+from kvmesh.coordinator.nats_source import NatsEventSource
+from kvmesh.storage.nats_link import (
     DEFAULT_STREAM,
     StreamSettings,
     commands_subject,
@@ -153,7 +153,7 @@ def test_a_batch_whose_ingest_raises_is_logged_and_skipped_and_the_stream_goes_o
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """§10.3 #28 (LMCache Kafka: a record whose consumer raises is skipped, offset recorded)."""
-    caplog.set_level(logging.ERROR, logger="services.coordinator.nats_source")
+    caplog.set_level(logging.ERROR, logger="kvmesh.coordinator.nats_source")
     coord = fleet.coordinator()
     source = source_of(coord)
     real_ingest = source._ingest
@@ -188,7 +188,7 @@ def test_the_source_logs_a_lost_connection_and_reads_on_after_nats_restarts(
     fleet: Fleet, nats: ServerProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
     """§10.3 #28 (LMCache Kafka: a consumer error is logged and polling continues)."""
-    caplog.set_level(logging.WARNING, logger="services.coordinator.nats_source")
+    caplog.set_level(logging.WARNING, logger="kvmesh.coordinator.nats_source")
     coord = fleet.coordinator()
     source = source_of(coord)
     subject = events_subject("raw-f")

@@ -18,17 +18,17 @@ from typing import Any
 
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.coordinator.v1 import ingest_pb2
-from services.common.events import (
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.coordinator.v1 import ingest_pb2
+from kvmesh.common.events import (
     CacheEventBatch,
     CacheEventEntry,
     EventType,
     IngestResult,
     Tier,
 )
-from services.common.keys import ObjectKey
-from services.storage.emitter import (
+from kvmesh.common.keys import ObjectKey
+from kvmesh.storage.emitter import (
     CacheEventEmitter,
     CommandResult,
     DeleteKeysCommand,
@@ -36,7 +36,7 @@ from services.storage.emitter import (
     NodeCommand,
     TransportError,
 )
-from services.storage.nats_link import (
+from kvmesh.storage.nats_link import (
     NatsEventTransport,
     command_results_subject,
     commands_subject,

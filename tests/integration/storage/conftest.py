@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from services.storage.app import StorageApp
-from services.storage.config import StorageConfig
+from kvmesh.storage.app import StorageApp
+from kvmesh.storage.config import StorageConfig
 from tests.harness import server_thread
 from tests.integration.storage.support import Engine, Node
 

@@ -27,12 +27,12 @@ import grpc
 import numpy as np
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.storage.v1 import storage_pb2
-from services.common.server import Server
-from services.node_app import NodeApp
-from services.storage.app import StorageApp
-from services.storage.client import StorageClient
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.storage.v1 import storage_pb2
+from kvmesh.node.app import NodeApp
+from kvmesh.rpc.server import Server
+from kvmesh.storage.app import StorageApp
+from kvmesh.storage.client import StorageClient
 from tests.harness import ServerThread
 
 T = TypeVar("T")

@@ -17,8 +17,8 @@ import grpc
 import numpy as np
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.storage.v1 import storage_pb2
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.storage.v1 import storage_pb2
 from tests.integration.storage.conftest import NodeFactory, ShmDirs
 from tests.integration.storage.support import (
     BLOCKS_PER_CHUNK,

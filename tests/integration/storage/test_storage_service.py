@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.storage.v1 import storage_pb2
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.storage.v1 import storage_pb2
 from tests.integration.storage.conftest import NodeFactory
 from tests.integration.storage.support import (
     CHUNK_BYTES,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.common.errors import InvalidArgument
-from services.common.hashing import NONE_HASH, TokenHasher
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.hashing import NONE_HASH, TokenHasher
 
 NONE_HASH_HEX = "7e3eff9ef7613a50340eb12677ee03b83ac759fcba9bb32705f07248d56d473b"
 CHUNK0_HEX = "084547b6c40ed5b05ba8cd0305db5bf74d5617673948d9ed193ab7d6cbc484d4"

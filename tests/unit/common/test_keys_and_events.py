@@ -6,15 +6,15 @@ import dataclasses
 
 import pytest
 
-from services.common.errors import InvalidArgument
-from services.common.events import (
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.events import (
     CacheEventBatch,
     CacheEventEntry,
     EventType,
     Tier,
     validate_batch,
 )
-from services.common.keys import (
+from kvmesh.common.keys import (
     ObjectKey,
     object_name,
     pack_kv_rank,
@@ -129,7 +129,7 @@ def test_each_batch_invariant_is_enforced(changes: dict[str, object], field: str
 
 
 def test_validating_many_keys_checks_every_key_even_with_shared_names() -> None:
-    from services.common.keys import validate_object_keys
+    from kvmesh.common.keys import validate_object_keys
 
     good = [ObjectKey(HASH, "m", 1, 0, "s") for _ in range(3)]
     validate_object_keys(good)

@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
-from services.common.keys import ObjectKey, worker_kv_rank
+from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
+from kvmesh.common.keys import ObjectKey, worker_kv_rank
 
 RANK0 = worker_kv_rank(1, 0)
 MODEL = "m"

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from services.coordinator.core import CacheEventBroadcaster
+from kvmesh.coordinator.core import CacheEventBroadcaster
 from tests.unit.coordinator.coord_testkit import RecordingConsumer, Stream, key
 
 

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from services.common.convert import UniformEntries
-from services.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
-from services.common.keys import ObjectKey
-from services.coordinator.core import Coordinator, CoordinatorSettings
-from services.coordinator.core.directory import KeyDirectory
-from services.coordinator.core.eviction import IsolatedLRU
-from services.coordinator.core.keyspace import EncodedBatch
+from kvmesh.common.convert import UniformEntries
+from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
+from kvmesh.common.keys import ObjectKey
+from kvmesh.coordinator.core import Coordinator, CoordinatorSettings
+from kvmesh.coordinator.core.directory import KeyDirectory
+from kvmesh.coordinator.core.eviction import IsolatedLRU
+from kvmesh.coordinator.core.keyspace import EncodedBatch
 
 SPACES = [("m/a", 0, 0, ""), ("m/a", 0, 1, "t1"), ("m/b", 0x01000100, 0, "t2")]
 

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from services.common.errors import InvalidArgument, NotFound
-from services.common.events import IngestResult, Tier, validate_batch
-from services.coordinator.core import Coordinator, CoordinatorSettings, ServerConfigRegistry
-from services.coordinator.core.persistence import find_non_plain
+from kvmesh.common.errors import InvalidArgument, NotFound
+from kvmesh.common.events import IngestResult, Tier, validate_batch
+from kvmesh.coordinator.core import Coordinator, CoordinatorSettings, ServerConfigRegistry
+from kvmesh.coordinator.core.persistence import find_non_plain
 from tests.unit.coordinator.coord_testkit import Stream, key
 
 GIB = 1 << 30

@@ -6,17 +6,17 @@ import gc
 
 import pytest
 
-from services.common.errors import InvalidArgument
-from services.common.events import (
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.events import (
     CacheEventBatch,
     CacheEventEntry,
     EventType,
     Tier,
     validate_batch,
 )
-from services.common.keys import ObjectKey, worker_kv_rank
-from services.coordinator.core import CacheUsageManager, KeyDirectory, KeySpaces
-from services.coordinator.core.types import Placement
+from kvmesh.common.keys import ObjectKey, worker_kv_rank
+from kvmesh.coordinator.core import CacheUsageManager, KeyDirectory, KeySpaces
+from kvmesh.coordinator.core.types import Placement
 from tests.unit.coordinator.coord_testkit import Stream, h, key
 
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.errors import InvalidArgument
-from services.common.events import CacheEventBatch, Tier
-from services.common.keys import ObjectKey
-from services.coordinator.core import (
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.events import CacheEventBatch, Tier
+from kvmesh.common.keys import ObjectKey
+from kvmesh.coordinator.core import (
     Coordinator,
     CoordinatorSettings,
     PinTable,
     QuotaManager,
 )
-from services.coordinator.core.scheduler import PeriodicTask
+from kvmesh.coordinator.core.scheduler import PeriodicTask
 from tests.unit.coordinator.coord_testkit import (
     FakeClock,
     RecordingDispatcher,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.errors import InvalidArgument, NotFound, Unavailable
-from services.common.events import CacheEventBatch, CacheEventEntry, EventType, IngestResult, Tier
-from services.common.hashing import TokenHasher
-from services.common.keys import ObjectKey, worker_kv_rank
-from services.coordinator.core import Coordinator, CoordinatorSettings
+from kvmesh.common.errors import InvalidArgument, NotFound, Unavailable
+from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, IngestResult, Tier
+from kvmesh.common.hashing import TokenHasher
+from kvmesh.common.keys import ObjectKey, worker_kv_rank
+from kvmesh.coordinator.core import Coordinator, CoordinatorSettings
 from tests.unit.coordinator.coord_testkit import RecordingDispatcher, Stream, key, wait_until
 
 

@@ -11,16 +11,16 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from services.common.events import CacheEventBatch, EventType, Tier
-from services.common.keys import ObjectKey
-from services.coordinator.core import (
+from kvmesh.common.events import CacheEventBatch, EventType, Tier
+from kvmesh.common.keys import ObjectKey
+from kvmesh.coordinator.core import (
     CacheEventBroadcaster,
     CacheUsageManager,
     EventGate,
     KeyDirectory,
     KeySpaces,
 )
-from services.coordinator.core.types import Placement
+from kvmesh.coordinator.core.types import Placement
 from tests.unit.coordinator.coord_testkit import Stream, key
 
 

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from services.common.events import IngestResult, Tier
-from services.coordinator.core import (
+from kvmesh.common.events import IngestResult, Tier
+from kvmesh.coordinator.core import (
     CacheEventBroadcaster,
     EventGate,
     KeyDirectory,

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.errors import NotFound
-from services.common.events import Tier
-from services.coordinator.core import (
+from kvmesh.common.errors import NotFound
+from kvmesh.common.events import Tier
+from kvmesh.coordinator.core import (
     Coordinator,
     CoordinatorSettings,
     InstanceRegistry,
     evict_stale,
 )
-from services.coordinator.core.types import Endpoints
+from kvmesh.coordinator.core.types import Endpoints
 from tests.unit.coordinator.coord_testkit import FakeClock, Stream, key, wait_until
 
 

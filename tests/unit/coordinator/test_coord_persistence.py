@@ -11,17 +11,17 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from services.common.errors import FailedPrecondition
-from services.common.events import CacheEventBatch, Tier
-from services.common.keys import ObjectKey
-from services.coordinator.core import (
+from kvmesh.common.errors import FailedPrecondition
+from kvmesh.common.events import CacheEventBatch, Tier
+from kvmesh.common.keys import ObjectKey
+from kvmesh.coordinator.core import (
     Coordinator,
     CoordinatorSettings,
     MetadataStore,
     PinTable,
     QuotaManager,
 )
-from services.coordinator.core.persistence import (
+from kvmesh.coordinator.core.persistence import (
     CHECKPOINT_MAGIC,
     ArtifactNotFoundError,
     assert_plain_data,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.errors import InvalidArgument
-from services.coordinator.core import CoordinatorSettings
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.coordinator.core import CoordinatorSettings
 
 
 def test_defaults_are_valid_and_match_lmcache() -> None:

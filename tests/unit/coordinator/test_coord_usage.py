@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.common.events import CacheEventBatch, Tier
-from services.coordinator.core import CacheUsageManager, KeyDirectory, KeySpaces
+from kvmesh.common.events import CacheEventBatch, Tier
+from kvmesh.coordinator.core import CacheUsageManager, KeyDirectory, KeySpaces
 from tests.unit.coordinator.coord_testkit import Stream, key
 
 

@@ -7,13 +7,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.events import (
+from kvmesh.common.events import (
     CacheEventBatch,
     CacheEventEntry,
     IngestResult,
     validate_batch,
 )
-from services.common.keys import ObjectKey
+from kvmesh.common.keys import ObjectKey
 
 DEADLINE_S = 10.0
 

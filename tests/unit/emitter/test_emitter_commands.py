@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.common.errors import NotFound, Unavailable
-from services.common.events import CacheEventEntry, EventType, Tier
-from services.common.keys import ObjectKey
-from services.storage.emitter import (
+from kvmesh.common.errors import NotFound, Unavailable
+from kvmesh.common.events import CacheEventEntry, EventType, Tier
+from kvmesh.common.keys import ObjectKey
+from kvmesh.storage.emitter import (
     CacheEventEmitter,
     CommandHandler,
     DeleteKeysCommand,

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import torch
 
-from kvmesh.gateway.v1 import gateway_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 
 
 class FakeRpcError(grpc.RpcError):

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from connector import (
+from kvmesh.connector import (
     ConnectorError,
     KVConnectorRole,
     KVMeshConnector,
@@ -19,7 +19,7 @@ from connector import (
     Request,
     SchedulerOutput,
 )
-from engine import SharedKVCache
+from kvmesh.engine import SharedKVCache
 from tests.unit.engine.fakes import FakeGateway
 
 CHUNK, BLOCK = 256, 16

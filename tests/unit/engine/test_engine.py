@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, ModelConfig, NoFreeBlocksError, RequestOutput
+from kvmesh.engine import Engine, EngineConfig, ModelConfig, NoFreeBlocksError, RequestOutput
 from tests.unit.engine.fakes import FakeGateway
 
 # Smaller than the demo's model, to keep the suite fast; tests/unit/engine/test_model.py

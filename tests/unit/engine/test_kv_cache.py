@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import (
+from kvmesh.engine import (
     NULL_BLOCK_ID,
     BlockAllocator,
     ModelConfig,
@@ -18,7 +18,7 @@ from engine import (
     TinyTransformer,
     blocks_needed,
 )
-from kernels import KVLayoutKind, PagedKVCache, gather_chunks, paged_layer_shape
+from kvmesh.kernels import KVLayoutKind, PagedKVCache, gather_chunks, paged_layer_shape
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 10, 16, 2, 8
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine import BlockAllocator, ModelConfig, SharedKVCache, TinyTransformer, blocks_needed
+from kvmesh.engine import BlockAllocator, ModelConfig, SharedKVCache, TinyTransformer, blocks_needed
 
 BLOCK = 16
 TILE = 256

@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from kernels import (
+from kvmesh.kernels import (
     KVLayoutKind,
     PagedKVCache,
     copy_threads,
@@ -53,10 +53,10 @@ HEAD_DIM = 8
 @pytest.fixture(params=TARGETS)
 def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The torch device of the test's cache; selects the CPU implementation too."""
-    import kernels.ops
+    import kvmesh.kernels.ops
 
     if request.param == "cpu-torch_ops":
-        monkeypatch.setattr(kernels.ops, "_CPU_BACKEND", "torch")
+        monkeypatch.setattr(kvmesh.kernels.ops, "_CPU_BACKEND", "torch")
         return "cpu"
     return str(request.param)
 
@@ -384,7 +384,7 @@ def _flat(block: torch.Tensor) -> torch.Tensor:
 def test_parallel_pieces_each_run_once_and_a_failure_reaches_the_caller() -> None:
     import threading
 
-    from kernels.ops import _run_parallel
+    from kvmesh.kernels.ops import _run_parallel
 
     set_copy_threads(3)
     try:

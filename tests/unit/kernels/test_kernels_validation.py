@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import (
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.kernels import (
     KVLayoutKind,
     PagedKVCache,
     gather_chunks,
@@ -17,7 +18,6 @@ from kernels import (
     ref_scatter_chunks,
     scatter_chunks,
 )
-from services.common.errors import InvalidArgument
 
 GATHERS = [gather_chunks, ref_gather_chunks]
 SCATTERS = [scatter_chunks, ref_scatter_chunks]

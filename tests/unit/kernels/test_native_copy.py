@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 import torch
 
-import kernels.ops
-from kernels import (
+import kvmesh.kernels.ops
+from kvmesh.kernels import (
     KVLayoutKind,
     gather_chunks,
     native,
@@ -107,10 +107,10 @@ def use_backend(
     """Route the ops to one backend; the native one through a counting wrapper."""
     backend = request.param
     if backend == "numpy":
-        monkeypatch.setattr(kernels.ops, "_CPU_BACKEND", "numpy")
+        monkeypatch.setattr(kvmesh.kernels.ops, "_CPU_BACKEND", "numpy")
         return None
     counting = CountingKernel(request.getfixturevalue("kernel"))
-    monkeypatch.setattr(kernels.ops, "_CPU_BACKEND", "native")
+    monkeypatch.setattr(kvmesh.kernels.ops, "_CPU_BACKEND", "native")
     monkeypatch.setattr(native, "library", lambda: counting)
     return counting
 
@@ -197,7 +197,7 @@ def test_block_sized_runs_on_every_instruction_set_and_thread_count(
     # not a multiple of the 4 runs the kernel interleaves, and gcd-sized rows.
     ids, tokens = batch(kv, 7, 5)
     srcs = random_chunks(kv, tokens, "cpu")
-    monkeypatch.setattr(kernels.ops, "_CPU_BACKEND", "native")
+    monkeypatch.setattr(kvmesh.kernels.ops, "_CPU_BACKEND", "native")
     set_copy_threads(threads)
     try:
         before = snapshot(kv)
@@ -229,7 +229,7 @@ def test_chunks_at_unaligned_addresses_copy_correctly(
     numel = int(torch.tensor(shape).prod())
     for isa in isas(kernel):
         counting = CountingKernel(kernel, isa)
-        monkeypatch.setattr(kernels.ops, "_CPU_BACKEND", "native")
+        monkeypatch.setattr(kvmesh.kernels.ops, "_CPU_BACKEND", "native")
         monkeypatch.setattr(native, "library", lambda c=counting: c)
         pool = torch.zeros(numel + 2 * offset_elems, dtype=kv.dtype)
         out = pool[offset_elems : offset_elems + numel].view(shape)
@@ -362,7 +362,7 @@ def test_two_processes_compiling_at_once_both_load_one_library(fresh_loader: Pat
 def test_importing_kernels_builds_nothing(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     code = (
-        "import kernels, kernels.native as n, services.storage.transfer; "
+        "import kernels, kernels.native as n, kvmesh.storage.transfer; "
         "assert n.status() == 'not loaded yet', n.status()"
     )
     env = {**os.environ, native.ENV_CACHE: str(cache)}
@@ -376,7 +376,7 @@ def test_switched_off_the_ops_copy_with_numpy(
     value: str, fresh_loader: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(native.ENV_SWITCH, value)
-    monkeypatch.setattr(kernels.ops, "_CPU_BACKEND", "native")
+    monkeypatch.setattr(kvmesh.kernels.ops, "_CPU_BACKEND", "native")
     assert native.library() is None
     assert native.load() is None
     assert native.status().startswith("disabled")
@@ -401,8 +401,8 @@ def test_a_failed_build_logs_once_and_the_ops_copy_with_numpy(
     fresh_loader: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("CC", str(fresh_loader.parent / "no-such-compiler"))
-    monkeypatch.setattr(kernels.ops, "_CPU_BACKEND", "native")
-    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+    monkeypatch.setattr(kvmesh.kernels.ops, "_CPU_BACKEND", "native")
+    with caplog.at_level(logging.WARNING, logger="kvmesh.kernels.native"):
         assert native.load() is None
         kv = make_cache(KVLayoutKind.MLA, torch.float16, 16, "cpu", "fused")
         out = torch.zeros(kv.chunk_shape(20), dtype=kv.dtype)

@@ -7,9 +7,9 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from services.common.events import EventType, Tier
-from services.common.keys import ObjectKey
-from services.storage.l2.base import L2Entry, L2Unavailable, L2Usage
+from kvmesh.common.events import EventType, Tier
+from kvmesh.common.keys import ObjectKey
+from kvmesh.storage.l2.base import L2Entry, L2Unavailable, L2Usage
 
 MIB = 1 << 20
 

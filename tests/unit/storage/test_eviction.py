@@ -7,11 +7,11 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from services.common.errors import InvalidArgument
-from services.common.events import EventType, Tier
-from services.common.keys import ObjectKey
-from services.storage.controllers.l2tier import L2Tier
-from services.storage.eviction import (
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.events import EventType, Tier
+from kvmesh.common.keys import ObjectKey
+from kvmesh.storage.controllers.l2tier import L2Tier
+from kvmesh.storage.eviction import (
     ByteLRU,
     EvictionController,
     L2EvictionConfig,
@@ -19,8 +19,8 @@ from services.storage.eviction import (
     Quota,
     QuotaManager,
 )
-from services.storage.l1.manager import L1Manager, L1Result, RemovalReason
-from services.storage.l1.pool import L1Pool
+from kvmesh.storage.l1.manager import L1Manager, L1Result, RemovalReason
+from kvmesh.storage.l1.pool import L1Pool
 from tests.unit.storage.helpers import MIB, FakeClock, FakeL2, RecordingSink, make_key
 
 S = L1Result.SUCCESS

@@ -7,10 +7,10 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from services.common.errors import InvalidArgument
-from services.common.keys import ObjectKey
-from services.storage.l1.manager import L1Manager, L1Result, RemovalReason, TTLLock
-from services.storage.l1.pool import L1Pool
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.keys import ObjectKey
+from kvmesh.storage.l1.manager import L1Manager, L1Result, RemovalReason, TTLLock
+from kvmesh.storage.l1.pool import L1Pool
 from tests.unit.storage.helpers import MIB, FakeClock, Recorder, make_key
 
 S = L1Result.SUCCESS

@@ -7,12 +7,12 @@ import threading
 
 import pytest
 
-from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.events import EventType, Tier
-from services.common.keys import ObjectKey
-from services.storage.eviction import Quota
-from services.storage.l1.manager import L1Result
-from services.storage.manager import L1_BACKEND, StorageManager, StorageOptions
+from kvmesh.common.errors import FailedPrecondition, InvalidArgument
+from kvmesh.common.events import EventType, Tier
+from kvmesh.common.keys import ObjectKey
+from kvmesh.storage.eviction import Quota
+from kvmesh.storage.l1.manager import L1Result
+from kvmesh.storage.manager import L1_BACKEND, StorageManager, StorageOptions
 from tests.unit.storage.helpers import MIB, FakeClock, FakeL2, RecordingSink, make_key
 
 CHUNK = 64 * 1024

@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.common.errors import NotFound
-from services.storage.manager import StorageManager, StorageOptions
-from services.storage.node import StorageNode
-from services.storage.transfer import TransferEngine
+from kvmesh.common.errors import NotFound
+from kvmesh.storage.manager import StorageManager, StorageOptions
+from kvmesh.storage.node import StorageNode
+from kvmesh.storage.transfer import TransferEngine
 from tests.unit.storage.helpers import MIB, FakeClock, make_key
 
 

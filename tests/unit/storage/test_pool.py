@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from services.common.errors import FailedPrecondition, InvalidArgument
-from services.storage.l1.pool import L1Pool, segment_prefix
+from kvmesh.common.errors import FailedPrecondition, InvalidArgument
+from kvmesh.storage.l1.pool import L1Pool, segment_prefix
 from tests.unit.storage.helpers import MIB
 
 

@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import (
+from kvmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvmesh.kernels import (
     KVLayoutKind,
     PagedKVCache,
     gather_chunks,
     ref_gather_chunks,
     ref_scatter_chunks,
 )
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.storage.transfer import (
+from kvmesh.storage.transfer import (
     CudaIpcHandle,
     KVLayout,
     SharedMemoryHandle,

@@ -1,0 +1,319 @@
+"""``kvmesh up``: a whole local fleet — a coordinator and, per node, a storage and a gateway.
+
+Each service runs in its own process (``python -m kvmesh.cli <service>``),
+exactly as it would be deployed, on ports the OS picks. A child reports its
+bound endpoints through a ready file; ``up`` waits for them in dependency
+order (coordinator, then storages, then gateways), prints every endpoint and
+then waits. On Ctrl-C or SIGTERM it stops the children in reverse order
+(SIGTERM, then SIGKILL after a grace period) and removes what they left: ready
+files, unix sockets, the storage nodes' shared-memory segments and, unless
+``--data-dir`` was given, the data directory. Exit status 0.
+
+Embedded defaults need no external server: L2 is a directory on local disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvmesh.common.config import ConfigError, parse_size
+
+
+@dataclass
+class Child:
+    """One service process of the fleet."""
+
+    name: str
+    service: str
+    args: list[str]
+    ready_file: Path
+    log_file: Path | None
+    process: subprocess.Popen[bytes] | None = None
+    endpoints: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FleetOptions:
+    """What ``kvmesh up`` (or a test, or ``kvmesh demo``) asks for."""
+
+    nodes: int = 1
+    host: str = "127.0.0.1"
+    data_dir: Path | None = None
+    l1_size_bytes: int = 1 << 30
+    chunk_size: int = 256
+    startup_timeout_s: float = 60.0
+    stop_grace_s: float = 10.0
+    verbose: bool = False
+    # Run each node's storage and gateway in one process (kvmesh node).
+    colocated: bool = False
+    extra_storage_args: list[str] = field(default_factory=list)
+    extra_gateway_args: list[str] = field(default_factory=list)
+    extra_coordinator_args: list[str] = field(default_factory=list)
+
+
+class Fleet:
+    """A running local fleet of child processes."""
+
+    def __init__(self, options: FleetOptions) -> None:
+        self.options = options
+        self._owns_data_dir = options.data_dir is None
+        self.data_dir = options.data_dir or Path(tempfile.mkdtemp(prefix="kvmesh-fleet-"))
+        self.run_dir = self.data_dir / "run"
+        self.log_dir = self.data_dir / "logs"
+        self.children: list[Child] = []
+        # A shared-memory directory of its own, so fleets on one host never collide
+        # and everything the nodes map is removed with one rmtree.
+        self.shm_dir = Path("/dev/shm") / f"kvmesh-fleet-{uuid.uuid4().hex[:12]}"
+
+    def _child(self, name: str, service: str, args: list[str]) -> Child:
+        ready = self.run_dir / f"{name}.ready.json"
+        log = None if self.options.verbose else self.log_dir / f"{name}.log"
+        common = ["--host", self.options.host, "--port", "0", "--metrics-port", "0"]
+        return Child(name, service, [*common, "--ready-file", str(ready), *args], ready, log)
+
+    def _spawn(self, child: Child) -> None:
+        cmd = [sys.executable, "-m", "kvmesh.cli", child.service, *child.args]
+        out: Any = None
+        if child.log_file is not None:
+            out = child.log_file.open("ab")
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        child.process = subprocess.Popen(
+            cmd, stdout=out, stderr=out if out is not None else None, env=env
+        )
+        if out is not None:
+            out.close()
+        self.children.append(child)
+
+    def _wait_ready(self, children: list[Child]) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        pending = list(children)
+        while pending:
+            for child in list(pending):
+                assert child.process is not None
+                if child.ready_file.exists():
+                    child.endpoints = json.loads(child.ready_file.read_text())
+                    pending.remove(child)
+                elif child.process.poll() is not None:
+                    raise RuntimeError(
+                        f"{child.name} exited with status {child.process.returncode} during "
+                        f"start-up{self._log_tail(child)}"
+                    )
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise RuntimeError(f"{names} not ready after {self.options.startup_timeout_s} s")
+            if pending:
+                time.sleep(0.05)
+
+    @staticmethod
+    def _log_tail(child: Child) -> str:
+        if child.log_file is None or not child.log_file.exists():
+            return ""
+        lines = child.log_file.read_text(errors="replace").strip().splitlines()[-5:]
+        return "; last log lines:\n  " + "\n  ".join(lines) if lines else ""
+
+    def start(self) -> None:
+        """Start every service in dependency order; raises RuntimeError if one fails."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.shm_dir.mkdir(mode=0o700)
+        opts = self.options
+        try:
+            coordinator = self._child(
+                "coordinator",
+                "coordinator",
+                [
+                    "--chunk-size", str(opts.chunk_size),
+                    "--checkpoint-path", str(self.data_dir / "coordinator" / "checkpoint.bin"),
+                    "--metadata-path", str(self.data_dir / "coordinator" / "metadata.json"),
+                    *opts.extra_coordinator_args,
+                ],
+            )  # fmt: skip
+            self._spawn(coordinator)
+            self._wait_ready([coordinator])
+            storages = []
+            for i in range(opts.nodes):
+                node = f"node-{i}"
+                storage_args = [
+                    "--instance-id", node,
+                    "--coordinator-target", coordinator.endpoints["grpc"],
+                    "--data-dir", str(self.data_dir / node),
+                    "--l1-size-bytes", str(opts.l1_size_bytes),
+                    "--shm-dir", str(self.shm_dir),
+                    *opts.extra_storage_args,
+                ]  # fmt: skip
+                if opts.colocated:
+                    # One process per node: storage and gateway, linked in-process.
+                    args = [*storage_args, "--chunk-size", str(opts.chunk_size), *self._lane(i)]
+                    child = self._child(node, "node", [*args, *opts.extra_gateway_args])
+                else:
+                    storage_lane = ["--lane-socket", str(self.shm_dir / f"{node}-storage.lane")]
+                    child = self._child(
+                        f"{node}-storage", "storage", [*storage_args, *storage_lane]
+                    )
+                self._spawn(child)
+                storages.append(child)
+            self._wait_ready(storages)
+            if opts.colocated:
+                return
+            gateways = []
+            for i, storage in enumerate(storages):
+                gateway = self._child(
+                    f"node-{i}-gateway",
+                    "gateway",
+                    [
+                        # Same host: the gateway reaches its storage node on the local lane.
+                        "--storage-target", storage.endpoints["lane"],
+                        "--chunk-size", str(opts.chunk_size),
+                        *self._lane(i),
+                        *opts.extra_gateway_args,
+                    ],
+                )  # fmt: skip
+                self._spawn(gateway)
+                gateways.append(gateway)
+            self._wait_ready(gateways)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _lane(self, node: int) -> list[str]:
+        """Flags giving node ``node``'s gateway its local lane, in the fleet's private dir."""
+        return ["--lane-socket", str(self.shm_dir / f"node-{node}.lane")]
+
+    def endpoint(self, name: str, kind: str = "grpc") -> str:
+        """Bound endpoint of a child ('coordinator', 'node-0-storage', 'node-0-gateway').
+
+        In a colocated fleet 'node-0-storage' and 'node-0-gateway' both name
+        the 'node-0' process, which serves both services.
+        """
+        names = {name}
+        if self.options.colocated and name.endswith(("-storage", "-gateway")):
+            names.add(name.rsplit("-", 1)[0])
+        for child in self.children:
+            if child.name in names:
+                return str(child.endpoints[kind])
+        raise KeyError(name)
+
+    def describe(self) -> list[str]:
+        """One line per service: name, gRPC address, metrics address, pid (and its lane)."""
+        lines = []
+        for child in self.children:
+            e = child.endpoints
+            lines.append(
+                f"  {child.name:<16} grpc {e.get('grpc', '?'):<22} "
+                f"metrics http://{e.get('metrics', '?')}/metrics  pid {e.get('pid', '?')}"
+            )
+            if e.get("lane"):
+                lines.append(f"  {'':<16} lane {e['lane']}  (same-host clients)")
+        return lines
+
+    def stop(self) -> None:
+        """SIGTERM every child in reverse order, SIGKILL stragglers, remove leftovers."""
+        for child in reversed(self.children):
+            if child.process is not None and child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+                try:
+                    child.process.wait(timeout=self.options.stop_grace_s)
+                except subprocess.TimeoutExpired:
+                    child.process.kill()
+                    child.process.wait(timeout=5)
+        for child in self.children:
+            with contextlib.suppress(FileNotFoundError):
+                child.ready_file.unlink()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        if self._owns_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        self.children = []
+
+    def alive(self) -> list[str]:
+        """Names of children still running."""
+        return [c.name for c in self.children if c.process is not None and c.process.poll() is None]
+
+
+def add_up_command(sub: Any) -> None:
+    """Register ``kvmesh up`` on the CLI's subparsers."""
+    p = sub.add_parser(
+        "up",
+        help="run a whole local fleet (coordinator + storage and gateway per node) until Ctrl-C",
+        description="Run a local fleet with embedded defaults (L2 on local disk, no external "
+        "server) until Ctrl-C or SIGTERM, then stop it leaving nothing behind.",
+    )
+    p.add_argument("--nodes", type=int, default=1, help="storage+gateway nodes (default: 1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="keep checkpoints, L2 files and logs here (default: a temporary directory, "
+        "removed on exit)",
+    )
+    p.add_argument("--l1-size", default="1GiB", help="L1 memory per node (default: 1GiB)")
+    p.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default: 256)")
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="run each node's storage and gateway in one process (kvmesh node): one gRPC hop "
+        "less per engine request",
+    )
+    p.add_argument(
+        "--verbose", action="store_true", help="show the services' logs here instead of in files"
+    )
+    p.set_defaults(handler=run_up)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """``kvmesh up``: start the fleet, print endpoints, wait for a signal, stop."""
+    if args.nodes < 1:
+        raise ConfigError("--nodes must be >= 1")
+    options = FleetOptions(
+        nodes=args.nodes,
+        host=args.host,
+        data_dir=args.data_dir,
+        l1_size_bytes=parse_size(args.l1_size),
+        chunk_size=args.chunk_size,
+        verbose=args.verbose,
+        colocated=args.colocated,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    fleet = Fleet(options)
+    try:
+        fleet.start()
+    except RuntimeError as exc:
+        print(f"kvmesh up: error: {exc}", file=sys.stderr)
+        return 1
+    print("kvmesh fleet is up:", flush=True)
+    for line in fleet.describe():
+        print(line, flush=True)
+    print(f"  shared memory in {fleet.shm_dir}", flush=True)
+    print(f"  data and logs in {fleet.data_dir}  (Ctrl-C to stop)", flush=True)
+    try:
+        while not stop.wait(0.5):
+            gone = [c.name for c in fleet.children if c.process and c.process.poll() is not None]
+            if gone:
+                print(f"kvmesh up: {', '.join(gone)} exited; stopping the fleet", file=sys.stderr)
+                fleet.stop()
+                return 1
+    finally:
+        fleet.stop()
+    print("kvmesh fleet stopped", flush=True)
+    return 0

@@ -1,0 +1,218 @@
+"""The ``kvmesh`` command line: run a service, a local fleet, and the tools around them.
+
+Every problem with the command line or configuration ends the program with a
+one-line reason and exit status 2 — never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from kvmesh.common.config import ConfigError, add_config_arguments, describe, resolve
+from kvmesh.common.telemetry import configure_logging
+from kvmesh.rpc.server import ServerSettings, ServiceApp, create_server, run_until_signalled
+
+logger = logging.getLogger(__name__)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+@dataclass(frozen=True)
+class ServiceCommand:
+    """A ``kvmesh <service>`` subcommand: its config class and app factory (by import path)."""
+
+    name: str
+    help: str
+    config: str  # "module:Class"
+    app: str  # "module:Class"
+
+    def load(self, ref: str) -> Any:
+        module, _, attr = ref.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+SERVICES: list[ServiceCommand] = [
+    ServiceCommand(
+        "coordinator",
+        "run the fleet coordinator (event ingest, directory, membership, policy)",
+        "kvmesh.coordinator.config:CoordinatorConfig",
+        "kvmesh.coordinator.app:CoordinatorApp",
+    ),
+    ServiceCommand(
+        "storage",
+        "run the storage service of one node (L1 memory, L2 adapters, event emitter)",
+        "kvmesh.storage.config:StorageConfig",
+        "kvmesh.storage.app:StorageApp",
+    ),
+    ServiceCommand(
+        "node",
+        "run one node's storage and gateway in a single process (in-process link between them)",
+        "kvmesh.node.config:NodeConfig",
+        "kvmesh.node.app:NodeApp",
+    ),
+    ServiceCommand(
+        "gateway",
+        "run the engine-facing gateway of one node",
+        "kvmesh.gateway.config:GatewayConfig",
+        "kvmesh.gateway.app:GatewayApp",
+    ),
+]
+
+
+async def _serve(settings: ServerSettings, factory: Callable[[Any], ServiceApp]) -> None:
+    app = factory(settings)
+    try:
+        server = create_server(settings, app)
+    except BaseException:
+        # Nothing will serve: give back what building the app took (a storage
+        # node's shared-memory segments would otherwise outlive the process).
+        discard = getattr(app, "discard", None)
+        if callable(discard):
+            await discard()
+        raise
+    await run_until_signalled(server)
+
+
+def run_service(command: ServiceCommand, settings: ServerSettings) -> int:
+    """Run one service in this process until SIGTERM/SIGINT."""
+    configure_logging(command.name, settings.log_level)
+    for line in describe(settings):
+        logger.debug("config: %s", line)
+    factory = command.load(command.app)
+    asyncio.run(_serve(settings, factory))
+    return 0
+
+
+# ``kvmesh bench <name>``: module with add_arguments(parser), run(args) -> dict, format_table(dict).
+BENCHES = {
+    "datapath": (
+        "kvmesh.bench.datapath",
+        "store/retrieve GB/s of 32 MiB chunks vs memcpy (same run)",
+    ),
+    "ingest": (
+        "kvmesh.bench.ingest",
+        "coordinator ingest entries/s, ack p99, stalls, lookups, bytes/key",
+    ),
+    "lookup": (
+        "kvmesh.bench.lookup",
+        "gateway lookup p50/p99 of a 32-chunk prefix in L1, empty RTT",
+    ),
+}
+
+
+def add_bench_command(sub: Any) -> None:
+    """List ``kvmesh bench`` in the help; main() runs it (see run_bench)."""
+    sub.add_parser(
+        "bench",
+        help="run a benchmark and print its figures (--json for one JSON object)",
+        description="Run a benchmark: "
+        + "; ".join(f"{name}: {text}" for name, (_, text) in BENCHES.items()),
+        add_help=False,
+    )
+
+
+def run_bench(argv: Sequence[str]) -> int:
+    """``kvmesh bench NAME [options]``; a benchmark (and torch) is imported only when it runs."""
+    names = OneLineParser(
+        prog="kvmesh bench",
+        description="Run a benchmark: "
+        + "; ".join(f"{name}: {text}" for name, (_, text) in BENCHES.items()),
+    )
+    names.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    if not argv or argv[0] in ("-h", "--help"):
+        names.parse_args(argv or ["--help"])
+    chosen = names.parse_args(argv[:1])
+    module_name, help_text = BENCHES[chosen.name]
+    module = importlib.import_module(module_name)
+    parser = OneLineParser(prog=f"kvmesh bench {chosen.name}", description=help_text)
+    module.add_arguments(parser)
+    if not any(a.dest == "json" for a in parser._actions):
+        parser.add_argument("--json", action="store_true", help="print one JSON object")
+    options = parser.parse_args(argv[1:])
+    result = module.run(options)
+    print(json.dumps(result, indent=2) if options.json else module.format_table(result))
+    return 0
+
+
+def run_demo(argv: Sequence[str]) -> int:
+    """``kvmesh demo [options]``: torch and the engine are imported only here."""
+    from kvmesh.cli import demo
+
+    parser = OneLineParser(prog="kvmesh demo", description=demo.DESCRIPTION)
+    demo.add_arguments(parser)
+    return demo.run_demo(parser.parse_args(argv))
+
+
+# Commands that parse their own options (and import heavy modules only when they run).
+DEFERRED: dict[str, Callable[[Sequence[str]], int]] = {"bench": run_bench, "demo": run_demo}
+
+
+def build_parser() -> OneLineParser:
+    """The whole command line."""
+    parser = OneLineParser(
+        prog="kvmesh",
+        description="kvmesh: a KV-cache layer for LLM inference (gateway, storage, coordinator).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    for command in SERVICES:
+        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        add_config_arguments(p, command.load(command.config), command.name)
+    from kvmesh.cli import fleet
+    from kvmesh.cli.status import add_status_command
+
+    fleet.add_up_command(sub)
+    add_status_command(sub)
+    sub.add_parser(
+        "demo",
+        help="drive a small real transformer through a local fleet: TTFT cold vs warm",
+        add_help=False,
+    )
+    add_bench_command(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvmesh`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DEFERRED:
+        try:
+            return DEFERRED[argv[0]](argv[1:])
+        except ConfigError as exc:
+            print(f"kvmesh {argv[0]}: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        for command in SERVICES:
+            if args.command == command.name:
+                flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+                settings = resolve(
+                    command.load(command.config), command.name, flags=flags, yaml_path=args.config
+                )
+                return run_service(command, settings)
+        handler: Callable[[argparse.Namespace], int] = args.handler
+        return handler(args)
+    except ConfigError as exc:
+        print(f"kvmesh {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""``kvmesh status``: the fleet as the coordinator sees it, as tables (or JSON).
+
+Instances and their incarnations, each emitter's ingest cursor and gap flag,
+keys and bytes per tier and per salt, declared capacities and quotas — all
+read over the coordinator's gRPC APIs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.coordinator.v1 import admin_pb2, directory_pb2, membership_pb2, policy_pb2
+from kvmesh.coordinator.client import AdminClient, DirectoryClient, MembershipClient, PolicyClient
+from kvmesh.rpc.client import create_channel
+
+TIER_NAMES = {common_pb2.TIER_L1: "L1", common_pb2.TIER_L2: "L2"}
+
+
+def _bytes(n: float) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain fixed-width text table."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def collect(target: str, timeout: float = 5.0) -> dict[str, Any]:
+    """Everything ``kvmesh status`` shows, as protobuf responses."""
+    channel = create_channel(target)
+    try:
+        admin = AdminClient(target, channel=channel)
+        directory = DirectoryClient(target, channel=channel)
+        membership = MembershipClient(target, channel=channel)
+        policy = PolicyClient(target, channel=channel)
+        return {
+            "status": admin.get_status(admin_pb2.GetStatusRequest(), timeout=timeout),
+            "instances": membership.list_instances(
+                membership_pb2.ListInstancesRequest(), timeout=timeout
+            ),
+            "cursors": directory.list_ingest_cursors(
+                directory_pb2.ListIngestCursorsRequest(), timeout=timeout
+            ),
+            "stats": directory.get_stats(directory_pb2.GetStatsRequest(), timeout=timeout),
+            "usage": policy.get_usage(policy_pb2.GetUsageRequest(), timeout=timeout),
+            "quotas": policy.list_quotas(
+                policy_pb2.ListQuotasRequest(tier=common_pb2.TIER_L2), timeout=timeout
+            ),
+            "default_quota": policy.get_default_quota(
+                policy_pb2.GetDefaultQuotaRequest(tier=common_pb2.TIER_L2), timeout=timeout
+            ),
+        }
+    finally:
+        channel.close()
+
+
+def render(data: dict[str, Any], target: str) -> str:
+    """The tables."""
+    status: admin_pb2.GetStatusResponse = data["status"]
+    out = [
+        f"coordinator {target}  version {status.version}  ready {status.ready}  "
+        f"chunk size {status.chunk_size}  keys {status.num_keys}  "
+        f"batches admitted {status.batches_admitted} / duplicate {status.batches_duplicate} "
+        f"/ stale {status.batches_stale}",
+    ]
+    if status.HasField("nats"):
+        n = status.nats
+        out.append(
+            f"NATS stream {n.stream}: {'connected' if n.connected else 'NOT connected'}, "
+            f"next seq {n.next_seq}, {n.pending} pending (lag), {n.applied} applied, "
+            f"{n.skipped} skipped"
+        )
+    out += ["", "Instances"]
+    cursors = {c.instance_id: c for c in data["cursors"].cursors}
+    rows = []
+    for inst in data["instances"].instances:
+        c = cursors.get(inst.instance_id)
+        rows.append(
+            [
+                inst.instance_id,
+                inst.incarnation,
+                f"{inst.heartbeat_age_seconds:.1f} s",
+                "yes" if inst.stream_connected else "no",
+                c.last_seq if c else "-",
+                ("GAP" if c.gap_detected else "ok") if c else "-",
+                inst.endpoints.storage_address or "-",
+            ]
+        )
+    out.append(
+        table(
+            ["instance", "incarnation", "heartbeat", "stream", "last seq", "gap", "storage"], rows
+        )
+        if rows
+        else "  (none registered)"
+    )
+    out += ["", "Ingest cursors"]
+    rows = [
+        [
+            c.instance_id,
+            c.incarnation,
+            c.last_seq,
+            "GAP" if c.gap_detected else "ok",
+            c.batches_admitted,
+            c.batches_duplicate,
+            c.batches_stale,
+        ]
+        for c in data["cursors"].cursors
+    ]
+    out.append(
+        table(["emitter", "incarnation", "last seq", "gap", "admitted", "duplicate", "stale"], rows)
+        if rows
+        else "  (no events yet)"
+    )
+    stats: directory_pb2.GetStatsResponse = data["stats"]
+    out += [
+        "",
+        "Directory",
+        table(
+            ["tier", "placements", "bytes"],
+            [
+                ["L1", stats.l1_placements, _bytes(stats.l1_size_bytes)],
+                ["L2", stats.l2_placements, _bytes(stats.l2_size_bytes)],
+            ],
+        ),
+        "",
+        "Usage per instance",
+    ]
+    rows = []
+    for inst in data["usage"].instances:
+        for m in inst.modules:
+            ratio = f"{m.usage_ratio:.1%}" if m.HasField("usage_ratio") else "-"
+            rows.append(
+                [
+                    inst.instance_id,
+                    TIER_NAMES.get(m.tier, "?"),
+                    m.backend,
+                    _bytes(m.used_bytes),
+                    _bytes(m.capacity_bytes) if m.capacity_bytes else "-",
+                    ratio,
+                ]
+            )
+    for m in data["usage"].shared_modules:
+        ratio = f"{m.usage_ratio:.1%}" if m.HasField("usage_ratio") else "-"
+        rows.append(
+            [
+                "(shared)",
+                TIER_NAMES.get(m.tier, "?"),
+                m.backend,
+                _bytes(m.used_bytes),
+                _bytes(m.capacity_bytes) if m.capacity_bytes else "-",
+                ratio,
+            ]
+        )
+    out.append(
+        table(["instance", "tier", "backend", "used", "capacity", "ratio"], rows)
+        if rows
+        else "  (nothing stored)"
+    )
+    out += ["", "Usage per salt and quotas"]
+    quotas = {q.cache_salt: q for q in data["quotas"].quotas}
+    rows = []
+    for s in data["usage"].salts:
+        q = quotas.get(s.cache_salt)
+        limit = "-"
+        if s.tier == common_pb2.TIER_L2 and q is not None and q.HasField("limit_bytes"):
+            limit = _bytes(q.limit_bytes)
+        rows.append(
+            [s.cache_salt or '""', TIER_NAMES.get(s.tier, "?"), _bytes(s.used_bytes), limit]
+        )
+    for salt, q in quotas.items():
+        if not any(s.cache_salt == salt for s in data["usage"].salts) and q.HasField("limit_bytes"):
+            rows.append([salt or '""', "L2", _bytes(0), _bytes(q.limit_bytes)])
+    default = data["default_quota"]
+    out.append(
+        table(["salt", "tier", "used", "quota"], rows) if rows else "  (no salts with bytes)"
+    )
+    out.append(
+        "default L2 quota: "
+        + (_bytes(default.limit_bytes) if default.HasField("limit_bytes") else "none (exempt)")
+    )
+    return "\n".join(out)
+
+
+def add_status_command(sub: Any) -> None:
+    """Register ``kvmesh status``."""
+    p = sub.add_parser(
+        "status",
+        help="show the fleet: instances, cursors and gap flags, usage per tier and salt, quotas",
+        description="Show the fleet as the coordinator sees it.",
+    )
+    p.add_argument(
+        "--coordinator",
+        default=os.environ.get("KVMESH_COORDINATOR", "127.0.0.1:8300"),
+        help="coordinator address (default: $KVMESH_COORDINATOR or 127.0.0.1:8300)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default: 5)")
+    p.set_defaults(handler=run_status)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Handler of ``kvmesh status``."""
+    try:
+        data = collect(args.coordinator, args.timeout)
+    except grpc.RpcError as exc:
+        print(
+            f"kvmesh status: error: cannot reach the coordinator at {args.coordinator}: "
+            f"{exc.code().name}",
+            file=sys.stderr,
+        )
+        return 1
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    name: json_format.MessageToDict(msg, always_print_fields_with_no_presence=True)
+                    for name, msg in data.items()
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(render(data, args.coordinator))
+    return 0

@@ -1,0 +1,496 @@
+"""Conversions between the core's cache-event types and ``kvmesh.events.v1`` / ``common.v1``.
+
+Shared by the storage node's event link (core → proto) and the coordinator's
+ingest servicer (proto → core), so both ends agree on every field:
+
+* enum values are the proto numbers (:mod:`kvmesh.common.events`), so an
+  enum converts with ``int()``; a proto value the core has no member for
+  (``UNSPECIFIED``, ``TIER_ALL``, a number from a newer contract) is
+  :class:`~kvmesh.common.errors.InvalidArgument` naming the field;
+* ``token_offset`` is ``optional`` on the wire: absent means unknown, which
+  the core spells ``-1`` (:data:`~kvmesh.common.events.UNKNOWN_TOKEN_OFFSET`);
+  ``0`` is a real position. Unknown is written as absent (the canonical form,
+  and 11 bytes shorter than a varint ``-1``);
+* ``token_ids`` come back as tuples, keys as :class:`ObjectKey`.
+
+These functions convert; they do not validate, except
+:func:`validated_batch_from_proto`, which is :func:`batch_from_proto` followed
+by :func:`kvmesh.common.events.validate_batch` in one pass (the
+coordinator's ingest). A batch converted otherwise still goes through
+``validate_batch`` or was checked when it was recorded (the emitter).
+
+The proto → core direction is on the coordinator's ingest hot path (the
+target is well over 200k entries/s). Reading a field of a upb message from
+Python costs far more than parsing it did, so a batch whose entries differ
+only in their chunk hashes — what a storage node sends: one model, rank,
+group and salt, one chunk size, no token ids — is read from its own wire
+bytes: the hashes are sliced out at a fixed stride and the batch is proven
+to be exactly "entry 0 with each hash swapped in" by rebuilding its bytes
+(:func:`_uniform_hashes`). Its entries come back as :class:`UniformEntries`,
+columns that behave as the tuple of entries they stand for, so the
+coordinator core (which re-encodes keys to its compact form anyway) needs
+no ObjectKey or CacheEventEntry per entry. Any other batch is converted
+entry by entry, building the NamedTuples with ``tuple.__new__``, reading
+each proto field exactly once, and validating each distinct model name and
+salt of a batch once rather than per entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
+
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.events.v1 import events_pb2
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.events import (
+    UNKNOWN_TOKEN_OFFSET,
+    CacheEventBatch,
+    CacheEventEntry,
+    EventType,
+    Tier,
+    validate_batch,
+)
+from kvmesh.common.keys import (
+    CHUNK_HASH_BYTES,
+    ObjectKey,
+    validate_cache_salt,
+    validate_model_name,
+)
+
+__all__ = [
+    "UniformEntries",
+    "batch_from_proto",
+    "batch_to_proto",
+    "event_type_from_proto",
+    "key_from_proto",
+    "key_to_proto",
+    "tier_from_proto",
+    "validated_batch_from_proto",
+]
+
+# Lookup tables instead of ``EventType(value)``: a dict hit is cheaper than the
+# enum constructor and an unknown value is a plain miss, not an exception.
+_EVENT_TYPES: dict[int, EventType] = {int(t): t for t in EventType}
+_TIERS: dict[int, Tier] = {int(t): t for t in Tier}
+_INF = float("inf")
+
+# Wire bytes of the fields the uniform fast path locates (tag = field << 3 | 2).
+_ENTRY_TAG = b"\x5a"  # CacheEventBatch.entries (field 11)
+_KEY_TAG = b"\x0a"  # CacheEventEntry.key (field 1)
+_HASH_HEAD = b"\x0a\x20"  # ObjectKey.chunk_hash (field 1), 32 bytes long
+_TRACEPARENT_TAG = b"\x62"  # CacheEventBatch.traceparent (field 12)
+#: Below this many entries the per-entry conversion is as cheap as the proof.
+_UNIFORM_MIN_ENTRIES = 6
+#: Batches up to this many entries read their hashes with one cached Struct each.
+_HASH_COLUMNS_MAX = 1024
+
+
+class UniformEntries(Sequence[CacheEventEntry]):
+    """Entries of one batch that differ only in their chunk hash, kept as columns.
+
+    Entry ``i`` is ``template`` with ``chunk_hashes[i]`` as its key's chunk
+    hash. Everywhere a batch's entries are read it behaves as the tuple of
+    CacheEventEntry it stands for (built on first use: indexing, iteration,
+    equality with a tuple, hashing); the coordinator core reads the columns
+    instead (``kvmesh.coordinator.core.keyspace.ColumnarEntries``).
+    """
+
+    __slots__ = ("_tuple", "chunk_hashes", "template")
+
+    def __init__(self, chunk_hashes: Sequence[bytes], template: CacheEventEntry) -> None:
+        self.chunk_hashes = chunk_hashes
+        self.template = template
+        self._tuple: tuple[CacheEventEntry, ...] | None = None
+
+    def as_tuple(self) -> tuple[CacheEventEntry, ...]:
+        """The entries as a tuple (made once)."""
+        entries = self._tuple
+        if entries is None:
+            new = tuple.__new__
+            key = self.template.key
+            _h, model, rank, group, salt = key
+            _k, size, tokens, offset = self.template
+            entries = self._tuple = tuple(
+                new(
+                    CacheEventEntry,
+                    (new(ObjectKey, (h, model, rank, group, salt)), size, tokens, offset),
+                )
+                for h in self.chunk_hashes
+            )
+        return entries
+
+    def __len__(self) -> int:
+        return len(self.chunk_hashes)
+
+    @overload
+    def __getitem__(self, index: int) -> CacheEventEntry: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[CacheEventEntry, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> CacheEventEntry | tuple[CacheEventEntry, ...]:
+        return self.as_tuple()[index]
+
+    def __iter__(self) -> Iterator[CacheEventEntry]:
+        return iter(self.as_tuple())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, UniformEntries):
+            other = other.as_tuple()
+        if isinstance(other, tuple):
+            return self.as_tuple() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.as_tuple())
+
+    def __repr__(self) -> str:
+        return repr(self.as_tuple())
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def key_to_proto(key: ObjectKey) -> common_pb2.ObjectKey:
+    """The wire form of ``key``."""
+    return common_pb2.ObjectKey(
+        chunk_hash=key.chunk_hash,
+        model_name=key.model_name,
+        kv_rank=key.kv_rank,
+        object_group_id=key.object_group_id,
+        cache_salt=key.cache_salt,
+    )
+
+
+def key_from_proto(msg: common_pb2.ObjectKey) -> ObjectKey:
+    """The core form of a wire key (not validated: see ``validate_object_key``)."""
+    return ObjectKey(
+        msg.chunk_hash, msg.model_name, msg.kv_rank, msg.object_group_id, msg.cache_salt
+    )
+
+
+def event_type_from_proto(value: int, field: str = "event_type") -> EventType:
+    """The core event type of a proto ``CacheEventType``; InvalidArgument naming ``field``."""
+    event_type = _EVENT_TYPES.get(value)
+    if event_type is None:
+        raise InvalidArgument(f"{field} {value} is not a known event type", field=field)
+    return event_type
+
+
+def tier_from_proto(value: int, field: str = "tier") -> Tier:
+    """The core tier of a proto ``Tier`` (L1 or L2 only); InvalidArgument naming ``field``."""
+    tier = _TIERS.get(value)
+    if tier is None:
+        raise InvalidArgument(
+            f"{field} must be a concrete tier (TIER_L1 or TIER_L2), got {value}", field=field
+        )
+    return tier
+
+
+def _fill_entry(entry: CacheEventEntry, out: events_pb2.CacheEventEntry) -> None:
+    """Fill ``out`` (a fresh ``entries.add()``) from ``entry``."""
+    key = entry.key
+    wire_key = out.key
+    wire_key.chunk_hash = key.chunk_hash
+    wire_key.model_name = key.model_name
+    wire_key.kv_rank = key.kv_rank
+    wire_key.object_group_id = key.object_group_id
+    wire_key.cache_salt = key.cache_salt
+    out.size_bytes = entry.size_bytes
+    if entry.token_ids:
+        out.token_ids.extend(entry.token_ids)
+    # Unknown travels as absent; anything else (even an invalid < -1) is sent
+    # as is so the coordinator's validation names it instead of us hiding it.
+    if entry.token_offset != UNKNOWN_TOKEN_OFFSET:
+        out.token_offset = entry.token_offset
+
+
+def batch_to_proto(batch: CacheEventBatch) -> events_pb2.CacheEventBatch:
+    """The wire form of ``batch``.
+
+    Raises ValueError or TypeError when a value does not fit its wire type
+    (a token id outside uint32, a size outside int64).
+    """
+    msg = events_pb2.CacheEventBatch(
+        instance_id=batch.instance_id,
+        incarnation=batch.incarnation,
+        seq=batch.seq,
+        # Same numbers by design (kvmesh.common.events).
+        event_type=events_pb2.CacheEventType.ValueType(batch.event_type),
+        tier=common_pb2.Tier.ValueType(batch.tier),
+        backend=batch.backend,
+        shared=batch.shared,
+        ts=batch.ts,
+        capacity_bytes=batch.capacity_bytes,
+        capacity_revision=batch.capacity_revision,
+        traceparent=batch.traceparent,
+    )
+    add = msg.entries.add
+    for entry in batch.entries:
+        _fill_entry(entry, add())
+    return msg
+
+
+def _entries_from_proto(
+    wire_entries: Iterable[events_pb2.CacheEventEntry],
+) -> tuple[tuple[CacheEventEntry, ...], bool]:
+    """The core form of a batch's entries, and whether they passed the quick entry checks.
+
+    The quick checks are exactly the per-entry conditions of
+    :func:`validate_batch` that a wire entry can break (a uint32 ``kv_rank``
+    or ``object_group_id`` is always in range): a 32-byte hash, a valid
+    model name and salt, ``size_bytes >= 0`` and ``token_offset >= -1``.
+    They cost a few comparisons per entry because the model name and salt,
+    which repeat across a batch, are validated once per distinct value.
+    """
+    # Hot loop: tuple.__new__ skips the NamedTuples' Python-level __new__
+    # (a frame per key and per entry); locals avoid global lookups; each proto
+    # field is read exactly once.
+    new = tuple.__new__
+    key_cls = ObjectKey
+    entry_cls = CacheEventEntry
+    unknown = UNKNOWN_TOKEN_OFFSET
+    hash_len = CHUNK_HASH_BYTES
+    good_model: str | None = None
+    good_salt: str | None = None
+    clean = True
+    entries: list[CacheEventEntry] = []
+    append = entries.append
+    for wire in wire_entries:
+        k = wire.key
+        chunk_hash = k.chunk_hash
+        model = k.model_name
+        salt = k.cache_salt
+        size = wire.size_bytes
+        tokens = wire.token_ids
+        offset = wire.token_offset
+        # Absent reads as 0, so presence only needs checking for a 0.
+        if not offset and not wire.HasField("token_offset"):
+            offset = unknown
+        if clean:
+            if model != good_model:
+                try:
+                    validate_model_name(model)
+                    good_model = model
+                except InvalidArgument:
+                    clean = False
+            if salt != good_salt:
+                try:
+                    validate_cache_salt(salt)
+                    good_salt = salt
+                except InvalidArgument:
+                    clean = False
+            if len(chunk_hash) != hash_len or size < 0 or offset < unknown:
+                clean = False
+        append(
+            new(
+                entry_cls,
+                (
+                    new(key_cls, (chunk_hash, model, k.kv_rank, k.object_group_id, salt)),
+                    size,
+                    # Slicing copies the repeated field in one call; tuple() over
+                    # the container itself iterates it element by element.
+                    tuple(tokens[:]) if tokens else (),
+                    offset,
+                ),
+            )
+        )
+    return tuple(entries), clean
+
+
+def _uniform_hashes(
+    msg: events_pb2.CacheEventBatch,
+    first: events_pb2.CacheEventEntry,
+    n: int,
+    fields: bytes,
+    trailer: bytes,
+) -> Sequence[bytes] | None:
+    """The chunk hashes of ``msg`` when its ``n`` entries differ only in them, else None.
+
+    ``fields`` is the wire form of ``msg``'s fields 1-10 and ``trailer``
+    that of field 12 (``traceparent``). Every entry's record is then
+    the first entry's record (``0x5a len body``, body = ``0x0a keylen 0x0a
+    0x20 <hash> <rest of key> <rest of entry>``) with its own 32 hash bytes
+    at one fixed offset, so the hashes are sliced out at a fixed stride and
+    the message's own bytes are rebuilt from the pieces and compared: equal
+    bytes parse to equal messages, so a match proves every entry equals the
+    first with its hash swapped in. Any difference (a size, a token, another
+    model, a hash of another length, an unknown field) is a mismatch and the
+    caller converts entry by entry. The proof relies only on ``fields`` and
+    the first entry being upb's own serializations (each field once, in
+    field-number order; were they not, the bytes would just not match).
+    """
+    key_bytes = first.key.SerializeToString()
+    body = first.SerializeToString()
+    key_head = _KEY_TAG + _varint(len(key_bytes)) + _HASH_HEAD
+    if not body.startswith(key_head):
+        return None  # the first hash is not 32 bytes (or the key is empty)
+    head = _ENTRY_TAG + _varint(len(body)) + key_head
+    tail = body[len(key_head) + CHUNK_HASH_BYTES :]
+    step = len(head) + CHUNK_HASH_BYTES + len(tail)
+    whole = msg.SerializeToString()
+    start = len(fields)
+    stop = start + n * step
+    if len(whole) != stop + len(trailer):
+        return None
+    first_at = start + len(head)
+    hashes: Sequence[bytes]
+    if n <= _HASH_COLUMNS_MAX:
+        hashes = _hash_columns(step, n).unpack_from(whole, first_at)
+    else:
+        hashes = [whole[p : p + CHUNK_HASH_BYTES] for p in range(first_at, stop, step)]
+    if whole != b"".join((fields, head, (tail + head).join(hashes), tail, trailer)):
+        return None
+    return hashes
+
+
+@functools.lru_cache(maxsize=64)
+def _hash_columns(step: int, n: int) -> struct.Struct:
+    """Reads ``n`` chunk hashes ``step`` bytes apart in one C call (a slice per hash costs more)."""
+    skip = step - CHUNK_HASH_BYTES
+    return struct.Struct("<" + f"{CHUNK_HASH_BYTES}s{skip}x" * (n - 1) + f"{CHUNK_HASH_BYTES}s")
+
+
+def _entry_template(
+    wire: events_pb2.CacheEventEntry, chunk_hash: bytes
+) -> tuple[CacheEventEntry, bool]:
+    """The core form of one wire entry (with ``chunk_hash``) and whether it passed the checks."""
+    k = wire.key
+    model = k.model_name
+    salt = k.cache_salt
+    size = wire.size_bytes
+    tokens = wire.token_ids
+    offset = wire.token_offset
+    if not offset and not wire.HasField("token_offset"):
+        offset = UNKNOWN_TOKEN_OFFSET
+    entry = CacheEventEntry(
+        ObjectKey(chunk_hash, model, k.kv_rank, k.object_group_id, salt),
+        size,
+        tuple(tokens[:]) if tokens else (),
+        offset,
+    )
+    try:
+        validate_model_name(model)
+        validate_cache_salt(salt)
+    except InvalidArgument:
+        return entry, False
+    return entry, size >= 0 and offset >= UNKNOWN_TOKEN_OFFSET
+
+
+def _convert(
+    msg: events_pb2.CacheEventBatch, field: str, *, columns: bool = False
+) -> tuple[CacheEventBatch, bool]:
+    """The core form of a wire batch and whether its entries passed the quick checks.
+
+    With ``columns`` a batch of entries that differ only in their hashes
+    gets :class:`UniformEntries` (the ingest fast path), else a tuple.
+    """
+    # Members are IntEnums >= 1, so a miss (None) is the only falsy lookup.
+    raw_type = msg.event_type
+    raw_tier = msg.tier
+    event_type = _EVENT_TYPES.get(raw_type) or event_type_from_proto(
+        raw_type, f"{field}.event_type"
+    )
+    tier = _TIERS.get(raw_tier) or tier_from_proto(raw_tier, f"{field}.tier")
+    instance_id = msg.instance_id
+    incarnation = msg.incarnation
+    seq = msg.seq
+    backend = msg.backend
+    shared = msg.shared
+    ts = msg.ts
+    capacity_bytes = msg.capacity_bytes
+    capacity_revision = msg.capacity_revision
+    traceparent = msg.traceparent
+    wire_entries = msg.entries
+    n = len(wire_entries)
+    entries: Sequence[CacheEventEntry] | None = None
+    clean = True
+    if columns and n >= _UNIFORM_MIN_ENTRIES:
+        fields = events_pb2.CacheEventBatch(
+            instance_id=instance_id,
+            incarnation=incarnation,
+            seq=seq,
+            event_type=raw_type,
+            tier=raw_tier,
+            backend=backend,
+            shared=shared,
+            ts=ts,
+            capacity_bytes=capacity_bytes,
+            capacity_revision=capacity_revision,
+        ).SerializeToString()
+        trailer = b""
+        if traceparent:
+            raw = traceparent.encode()
+            trailer = _TRACEPARENT_TAG + _varint(len(raw)) + raw
+        first = wire_entries[0]
+        hashes = _uniform_hashes(msg, first, n, fields, trailer)
+        if hashes is not None:
+            template, clean = _entry_template(first, hashes[0])
+            entries = UniformEntries(hashes, template)
+    if entries is None:
+        entries, clean = _entries_from_proto(wire_entries)
+    batch = CacheEventBatch(
+        instance_id=instance_id,
+        incarnation=incarnation,
+        seq=seq,
+        event_type=event_type,
+        tier=tier,
+        backend=backend,
+        entries=entries,
+        shared=shared,
+        ts=ts,
+        capacity_bytes=capacity_bytes,
+        capacity_revision=capacity_revision,
+        traceparent=traceparent,
+    )
+    return batch, clean
+
+
+def batch_from_proto(msg: events_pb2.CacheEventBatch, field: str = "batch") -> CacheEventBatch:
+    """The core form of a wire batch; ``field`` prefixes the names in errors.
+
+    Raises InvalidArgument only for an ``event_type`` or ``tier`` the core has
+    no member for; every other invariant is :func:`validate_batch`'s job (or
+    use :func:`validated_batch_from_proto`, which does both in one pass).
+    """
+    return _convert(msg, field)[0]
+
+
+def validated_batch_from_proto(
+    msg: events_pb2.CacheEventBatch, field: str = "batch"
+) -> CacheEventBatch:
+    """:func:`batch_from_proto` then :func:`validate_batch`, fused for the ingest hot path.
+
+    Raises exactly what that pair raises, for the same batch: the checks run
+    in one pass over the entries (each distinct model name and salt is
+    validated once), and only when one of them fails does
+    :func:`validate_batch` run to name the first violated invariant.
+    """
+    batch, clean = _convert(msg, field, columns=True)
+    ts = batch.ts
+    if (
+        clean
+        and batch.instance_id
+        and batch.incarnation >= 0
+        and batch.seq >= 1
+        and (batch.backend or batch.event_type is EventType.ACCESS)
+        and not (batch.event_type is EventType.CONFIG and batch.entries)
+        and batch.capacity_bytes >= 0
+        and batch.capacity_revision >= 0
+        and ts >= 0.0
+        and ts != _INF
+    ):
+        return batch
+    validate_batch(batch, field)
+    # The quick checks mirror validate_batch's, so this is unreachable; should
+    # they ever disagree, the canonical validator's verdict (valid) stands.
+    return batch

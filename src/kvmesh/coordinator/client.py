@@ -1,0 +1,512 @@
+"""Typed clients of the coordinator's services (used by storage nodes, the CLI and tools).
+
+Generated once from the .proto files and maintained by hand; a test checks that
+every RPC of the service has a method here and that each default deadline
+matches the "Deadline:" line of the RPC's comment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import grpc
+
+from kvmesh.api.coordinator.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    directory_pb2,
+    directory_pb2_grpc,
+    ingest_pb2,
+    ingest_pb2_grpc,
+    membership_pb2,
+    membership_pb2_grpc,
+    policy_pb2,
+    policy_pb2_grpc,
+)
+from kvmesh.rpc.client import CallPolicy, SyncClient
+
+
+class EventIngestClient(SyncClient):
+    """Typed client of ``kvmesh.coordinator.v1.EventIngestService``."""
+
+    POLICIES: Mapping[str, CallPolicy] = {
+        "StreamEvents": CallPolicy(timeout=2.0, idempotent=False),
+        "IngestBatches": CallPolicy(timeout=10.0, idempotent=True),
+    }
+
+    def _bind(self) -> None:
+        self._stub = ingest_pb2_grpc.EventIngestServiceStub(self.channel)
+
+    def stream_events(
+        self,
+        requests: Iterator[ingest_pb2.StreamEventsRequest],
+        *,
+        metadata: tuple[tuple[str, str | bytes], ...] | None = None,
+        wait_for_ready: bool = False,
+    ) -> grpc._CallIterator[ingest_pb2.StreamEventsResponse]:
+        """``StreamEvents``: open a storage node's bidirectional event stream.
+
+        The call has no deadline: it lives as long as the node (the .proto's
+        "Deadline: none (long-lived)"). ``StreamEvents``'s policy timeout is
+        instead how long a caller waits for the coordinator to be reachable
+        before opening the stream (the storage node's ``GrpcEventTransport``
+        does so with a health check), and the call is never retried here: the
+        caller reconnects and resends unacked batches. ``requests`` is
+        consumed on a gRPC thread until it ends; the returned object iterates
+        the responses and is a ``grpc.Call`` whose ``cancel()`` ends the
+        stream.
+        """
+        return self._stub.StreamEvents(requests, metadata=metadata, wait_for_ready=wait_for_ready)
+
+    def ingest_batches(
+        self,
+        request: ingest_pb2.IngestBatchesRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> ingest_pb2.IngestBatchesResponse:
+        """``IngestBatches``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "IngestBatches",
+            self._stub.IngestBatches,
+            request,
+            ingest_pb2.IngestBatchesResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+
+class DirectoryClient(SyncClient):
+    """Typed client of ``kvmesh.coordinator.v1.DirectoryService``."""
+
+    POLICIES: Mapping[str, CallPolicy] = {
+        "Lookup": CallPolicy(timeout=2.0, idempotent=True),
+        "ListKeys": CallPolicy(timeout=10.0, idempotent=True),
+        "GetStats": CallPolicy(timeout=2.0, idempotent=True),
+        "ListIngestCursors": CallPolicy(timeout=2.0, idempotent=True),
+    }
+
+    def _bind(self) -> None:
+        self._stub = directory_pb2_grpc.DirectoryServiceStub(self.channel)
+
+    def lookup(
+        self,
+        request: directory_pb2.LookupRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> directory_pb2.LookupResponse:
+        """``Lookup``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "Lookup",
+            self._stub.Lookup,
+            request,
+            directory_pb2.LookupResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def list_keys(
+        self,
+        request: directory_pb2.ListKeysRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> directory_pb2.ListKeysResponse:
+        """``ListKeys``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "ListKeys",
+            self._stub.ListKeys,
+            request,
+            directory_pb2.ListKeysResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def get_stats(
+        self,
+        request: directory_pb2.GetStatsRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> directory_pb2.GetStatsResponse:
+        """``GetStats``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "GetStats",
+            self._stub.GetStats,
+            request,
+            directory_pb2.GetStatsResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def list_ingest_cursors(
+        self,
+        request: directory_pb2.ListIngestCursorsRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> directory_pb2.ListIngestCursorsResponse:
+        """``ListIngestCursors``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "ListIngestCursors",
+            self._stub.ListIngestCursors,
+            request,
+            directory_pb2.ListIngestCursorsResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+
+class MembershipClient(SyncClient):
+    """Typed client of ``kvmesh.coordinator.v1.MembershipService``."""
+
+    POLICIES: Mapping[str, CallPolicy] = {
+        "RegisterInstance": CallPolicy(timeout=5.0, idempotent=True),
+        "Heartbeat": CallPolicy(timeout=5.0, idempotent=True),
+        "DeregisterInstance": CallPolicy(timeout=5.0, idempotent=True),
+        "ListInstances": CallPolicy(timeout=5.0, idempotent=True),
+    }
+
+    def _bind(self) -> None:
+        self._stub = membership_pb2_grpc.MembershipServiceStub(self.channel)
+
+    def register_instance(
+        self,
+        request: membership_pb2.RegisterInstanceRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> membership_pb2.RegisterInstanceResponse:
+        """``RegisterInstance``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "RegisterInstance",
+            self._stub.RegisterInstance,
+            request,
+            membership_pb2.RegisterInstanceResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def heartbeat(
+        self,
+        request: membership_pb2.HeartbeatRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> membership_pb2.HeartbeatResponse:
+        """``Heartbeat``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "Heartbeat",
+            self._stub.Heartbeat,
+            request,
+            membership_pb2.HeartbeatResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def deregister_instance(
+        self,
+        request: membership_pb2.DeregisterInstanceRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> membership_pb2.DeregisterInstanceResponse:
+        """``DeregisterInstance``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "DeregisterInstance",
+            self._stub.DeregisterInstance,
+            request,
+            membership_pb2.DeregisterInstanceResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def list_instances(
+        self,
+        request: membership_pb2.ListInstancesRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> membership_pb2.ListInstancesResponse:
+        """``ListInstances``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "ListInstances",
+            self._stub.ListInstances,
+            request,
+            membership_pb2.ListInstancesResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+
+class PolicyClient(SyncClient):
+    """Typed client of ``kvmesh.coordinator.v1.PolicyService``."""
+
+    POLICIES: Mapping[str, CallPolicy] = {
+        "SetQuota": CallPolicy(timeout=5.0, idempotent=True),
+        "GetQuota": CallPolicy(timeout=5.0, idempotent=True),
+        "DeleteQuota": CallPolicy(timeout=5.0, idempotent=True),
+        "ListQuotas": CallPolicy(timeout=5.0, idempotent=True),
+        "SetDefaultQuota": CallPolicy(timeout=5.0, idempotent=True),
+        "GetDefaultQuota": CallPolicy(timeout=5.0, idempotent=True),
+        "PinKeys": CallPolicy(timeout=5.0, idempotent=False),
+        "UnpinKeys": CallPolicy(timeout=5.0, idempotent=False),
+        "ListPins": CallPolicy(timeout=5.0, idempotent=True),
+        "GetUsage": CallPolicy(timeout=5.0, idempotent=True),
+        "RunEviction": CallPolicy(timeout=10.0, idempotent=False),
+        "DeleteKeys": CallPolicy(timeout=10.0, idempotent=False),
+    }
+
+    def _bind(self) -> None:
+        self._stub = policy_pb2_grpc.PolicyServiceStub(self.channel)
+
+    def set_quota(
+        self,
+        request: policy_pb2.SetQuotaRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> policy_pb2.SetQuotaResponse:
+        """``SetQuota``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "SetQuota",
+            self._stub.SetQuota,
+            request,
+            policy_pb2.SetQuotaResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def get_quota(
+        self,
+        request: policy_pb2.GetQuotaRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> policy_pb2.GetQuotaResponse:
+        """``GetQuota``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "GetQuota",
+            self._stub.GetQuota,
+            request,
+            policy_pb2.GetQuotaResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def delete_quota(
+        self,
+        request: policy_pb2.DeleteQuotaRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> policy_pb2.DeleteQuotaResponse:
+        """``DeleteQuota``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "DeleteQuota",
+            self._stub.DeleteQuota,
+            request,
+            policy_pb2.DeleteQuotaResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def list_quotas(
+        self,
+        request: policy_pb2.ListQuotasRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> policy_pb2.ListQuotasResponse:
+        """``ListQuotas``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "ListQuotas",
+            self._stub.ListQuotas,
+            request,
+            policy_pb2.ListQuotasResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def set_default_quota(
+        self,
+        request: policy_pb2.SetDefaultQuotaRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> policy_pb2.SetDefaultQuotaResponse:
+        """``SetDefaultQuota``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "SetDefaultQuota",
+            self._stub.SetDefaultQuota,
+            request,
+            policy_pb2.SetDefaultQuotaResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def get_default_quota(
+        self,
+        request: policy_pb2.GetDefaultQuotaRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> policy_pb2.GetDefaultQuotaResponse:
+        """``GetDefaultQuota``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "GetDefaultQuota",
+            self._stub.GetDefaultQuota,
+            request,
+            policy_pb2.GetDefaultQuotaResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def pin_keys(
+        self,
+        request: policy_pb2.PinKeysRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> policy_pb2.PinKeysResponse:
+        """``PinKeys``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "PinKeys",
+            self._stub.PinKeys,
+            request,
+            policy_pb2.PinKeysResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def unpin_keys(
+        self,
+        request: policy_pb2.UnpinKeysRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> policy_pb2.UnpinKeysResponse:
+        """``UnpinKeys``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "UnpinKeys",
+            self._stub.UnpinKeys,
+            request,
+            policy_pb2.UnpinKeysResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def list_pins(
+        self,
+        request: policy_pb2.ListPinsRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> policy_pb2.ListPinsResponse:
+        """``ListPins``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "ListPins",
+            self._stub.ListPins,
+            request,
+            policy_pb2.ListPinsResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def get_usage(
+        self,
+        request: policy_pb2.GetUsageRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> policy_pb2.GetUsageResponse:
+        """``GetUsage``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "GetUsage",
+            self._stub.GetUsage,
+            request,
+            policy_pb2.GetUsageResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def run_eviction(
+        self,
+        request: policy_pb2.RunEvictionRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> policy_pb2.RunEvictionResponse:
+        """``RunEviction``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "RunEviction",
+            self._stub.RunEviction,
+            request,
+            policy_pb2.RunEvictionResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def delete_keys(
+        self,
+        request: policy_pb2.DeleteKeysRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> policy_pb2.DeleteKeysResponse:
+        """``DeleteKeys``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "DeleteKeys",
+            self._stub.DeleteKeys,
+            request,
+            policy_pb2.DeleteKeysResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+
+class AdminClient(SyncClient):
+    """Typed client of ``kvmesh.coordinator.v1.AdminService``."""
+
+    POLICIES: Mapping[str, CallPolicy] = {
+        "Checkpoint": CallPolicy(timeout=60.0, idempotent=False),
+        "GetStatus": CallPolicy(timeout=5.0, idempotent=True),
+    }
+
+    def _bind(self) -> None:
+        self._stub = admin_pb2_grpc.AdminServiceStub(self.channel)
+
+    def checkpoint(
+        self,
+        request: admin_pb2.CheckpointRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> admin_pb2.CheckpointResponse:
+        """``Checkpoint``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "Checkpoint",
+            self._stub.Checkpoint,
+            request,
+            admin_pb2.CheckpointResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def get_status(
+        self,
+        request: admin_pb2.GetStatusRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> admin_pb2.GetStatusResponse:
+        """``GetStatus``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "GetStatus",
+            self._stub.GetStatus,
+            request,
+            admin_pb2.GetStatusResponse,
+            timeout,
+            wait_for_ready,
+        )

@@ -1,0 +1,75 @@
+"""Settings of the coordinator service (defaults as LMCache 0.5.6's coordinator, §9.1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmesh.common.config import ConfigError, setting
+from kvmesh.rpc.server import ServerSettings
+
+DEFAULT_PORT = 8300
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig(ServerSettings):
+    """What the coordinator needs: fleet chunk size, timeouts, policy and persistence."""
+
+    port: int = setting(DEFAULT_PORT, "gRPC port (0 picks a free one)")
+    chunk_size: int = setting(256, "tokens per chunk; must equal the gateways' value")
+    instance_timeout_seconds: float = setting(
+        30.0, "a node silent this long is dropped (L1 fenced, cursor forgotten)"
+    )
+    health_check_interval_seconds: float = setting(
+        10.0, "how often silent nodes are looked for (0 disables the sweep)"
+    )
+    eviction_check_interval_seconds: float = setting(
+        5.0, "how often fleet L2 quotas are enforced (0 disables the loop)"
+    )
+    eviction_ratio: float = setting(0.2, "fraction of a salt's keys evicted per cycle when over")
+    trigger_watermark: float = setting(
+        1.0, "evict when a salt's bytes reach this fraction of its quota"
+    )
+    heartbeat_interval_seconds: float = setting(
+        5.0,
+        "how often nodes are told to heartbeat; eviction also waits this long after a start "
+        "so nodes can report first",
+    )
+    checkpoint_path: str = setting("", "checkpoint file of the fleet view ('' disables)")
+    checkpoint_interval_seconds: float = setting(
+        60.0, "how often to checkpoint (0 = only on a clean stop)"
+    )
+    metadata_path: str = setting("", "JSON file of pins and quotas ('' keeps them in memory)")
+    token_binding_capacity: int = setting(
+        1_000_000, "chunks whose tokens are kept for lookups that return tokens (0 = none)"
+    )
+    nats_url: str = setting(
+        "", "NATS server whose JetStream stream nodes publish cache events to ('' = off)"
+    )
+    nats_stream: str = setting("KVMESH_EVENTS", "JetStream stream of cache events")
+
+    def validate(self) -> None:
+        """Raise ConfigError on unusable settings."""
+        self.validate_server()
+        if self.chunk_size < 1:
+            raise ConfigError("chunk_size must be >= 1")
+        if self.instance_timeout_seconds <= 0:
+            raise ConfigError("instance_timeout_seconds must be > 0")
+        if not 0 < self.heartbeat_interval_seconds < self.instance_timeout_seconds:
+            raise ConfigError(
+                "heartbeat_interval_seconds must be > 0 and below instance_timeout_seconds"
+            )
+        for name in (
+            "health_check_interval_seconds",
+            "eviction_check_interval_seconds",
+            "checkpoint_interval_seconds",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
+        if not 0.0 <= self.eviction_ratio <= 1.0:
+            raise ConfigError("eviction_ratio must be in [0, 1]")
+        if not 0.0 < self.trigger_watermark <= 1.0:
+            raise ConfigError("trigger_watermark must be in (0, 1]")
+        if self.token_binding_capacity < 0:
+            raise ConfigError("token_binding_capacity must be >= 0")
+        if not self.nats_stream or any(c in self.nats_stream for c in ".*> /\\"):
+            raise ConfigError("nats_stream must be a JetStream stream name (no '.', '*', '>', ' ')")

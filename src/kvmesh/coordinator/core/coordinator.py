@@ -1,0 +1,740 @@
+"""The coordinator core as one object: the typed API the gRPC servicers call.
+
+Wiring (fixed, no plug-in discovery):
+
+* ``EventGate`` → ``CacheEventBroadcaster`` → consumers, registered in this
+  order, which is load-bearing:
+
+  1. ``KeyDirectory`` — owns placements and, inside its own ``consume`` /
+     ``fence_instance``, applies the resulting byte changes to the
+     ``CacheUsageManager`` (the usage view is therefore always updated
+     before anything registered after the directory runs);
+  2. ``ServerConfigRegistry`` — capacity declarations (CONFIG batches);
+  3. ``FleetEvictionController`` — L2 LRU; on DELETE it asks whether any L2
+     copy remains, which needs the directory and usage already updated.
+
+* ``InstanceRegistry`` is not a consumer. Deregistration and heartbeat
+  expiry both call ``EventGate.drop_instance`` (fence L1 everywhere, forget
+  the cursor) **and** ``ServerConfigRegistry.forget``.
+* Persistence: checkpoint sections ``stream_cursors``, ``key_directory``,
+  ``server_config``, ``lru_order`` (captured under the quiesce lock);
+  metadata sections ``pins`` and ``quotas`` (saved on every change, before
+  the call returns). At start metadata loads first (so restored keys are
+  already pinned), then the checkpoint, then the eviction readiness gate is
+  armed for one heartbeat period.
+* Timers (daemon threads, sleep first): health sweep, periodic checkpoint,
+  eviction cycle, sweep of large fences. ``stop()`` stops them, then writes
+  a final checkpoint.
+
+Deletes (fleet eviction and the operator's ``delete_keys``) leave through the
+``DeleteDispatcher`` the servicer wires in with :meth:`Coordinator.set_delete_dispatcher`
+(the nodes' command streams); their effects arrive later as DELETE events.
+
+Per-entry validation belongs at the servicer edge; :meth:`Coordinator.ingest`
+validates (the safe default) and :meth:`Coordinator.ingest_validated` is the
+fast path for batches the servicer already checked.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvmesh.common.errors import FailedPrecondition, NotFound, Unavailable
+from kvmesh.common.events import CacheEventBatch, IngestResult, Tier, validate_batch
+from kvmesh.common.hashing import TokenHasher
+from kvmesh.common.keys import ObjectKey
+
+from .broadcaster import CacheEventBroadcaster
+from .capacity import ServerConfigRegistry
+from .directory import DEFAULT_LIST_LIMIT, KeyDirectory
+from .eviction import (
+    DeleteDispatcher,
+    FleetEvictionController,
+    IsolatedLRU,
+    PinTable,
+    QuotaManager,
+)
+from .gate import EventGate, QuiesceLock
+from .keyspace import KeySpaces
+from .membership import InstanceRegistry, evict_stale
+from .persistence import (
+    DurableComponent,
+    LoadReport,
+    MetadataStore,
+    load_checkpoint,
+    save_checkpoint,
+)
+from .scheduler import PeriodicTask
+from .settings import CoordinatorSettings
+from .tokens import resolve_token_keys
+from .types import (
+    CheckpointResult,
+    ConsumerStats,
+    CursorInfo,
+    DeleteKeysResult,
+    DeleteRequest,
+    DirectoryStats,
+    Endpoints,
+    EvictionReport,
+    FleetMemoryStatus,
+    IngestSummary,
+    InstanceInfo,
+    InstanceMemoryStatus,
+    KeyInfo,
+    KeyPage,
+    ModuleMemoryStatus,
+    PinPage,
+    PinResult,
+    QuotaListing,
+    QuotaStatus,
+    Registration,
+    TokenLookup,
+)
+from .usage import CacheUsageManager
+
+logger = logging.getLogger(__name__)
+
+_SWEEP_SLICE = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorStatus:
+    """One-call overview for ``kvmesh status`` and the admin service.
+
+    ``started_at`` and ``last_checkpoint_time`` are wall-clock seconds
+    (None: not started / no checkpoint written or restored yet); ``restored``
+    is True when at least one checkpoint section was loaded at start.
+    """
+
+    started: bool
+    started_at: float | None
+    eviction_ready: bool
+    instances: int
+    directory: DirectoryStats
+    cursors: Mapping[str, CursorInfo]
+    consumers: Mapping[str, ConsumerStats]
+    batches_admitted: int
+    batches_duplicate: int
+    batches_stale: int
+    evictions_in_flight: int
+    metadata_save_failures: int
+    checkpoint_path: str
+    last_checkpoint: CheckpointResult | None
+    last_checkpoint_time: float | None
+    restored: bool
+    last_load: LoadReport | None
+    chunk_size: int
+
+
+class Coordinator:
+    """Every coordinator component, wired, with the servicers' typed entry points."""
+
+    def __init__(
+        self,
+        settings: CoordinatorSettings | None = None,
+        *,
+        dispatcher: DeleteDispatcher | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = s = settings if settings is not None else CoordinatorSettings()
+        self._clock = clock
+        self._wall = wall_clock
+        self.hasher = TokenHasher(s.chunk_size)
+        self.spaces = KeySpaces()
+        self.usage = CacheUsageManager()
+        self.directory = KeyDirectory(
+            self.spaces, self.usage, token_binding_cap=s.token_binding_cap
+        )
+        self.capacity = ServerConfigRegistry()
+        self.registry = InstanceRegistry(clock=clock, wall_clock=wall_clock)
+        self.quotas = QuotaManager()
+        self.pins = PinTable()
+        self.lru = IsolatedLRU(self.spaces)
+        self.eviction = FleetEvictionController(
+            self.spaces,
+            self.directory,
+            self.usage,
+            quotas=self.quotas,
+            pins=self.pins,
+            lru=self.lru,
+            is_live=self.registry.contains,
+            dispatcher=dispatcher,
+            eviction_ratio=s.eviction_ratio,
+            trigger_watermark=s.trigger_watermark,
+            max_delete_batch=s.max_delete_batch,
+            max_victims_per_cycle=s.max_victims_per_cycle,
+            ready_delay=s.heartbeat_interval,
+            redispatch_after=s.redispatch_after,
+            clock=clock,
+        )
+        self.broadcaster = CacheEventBroadcaster()
+        # Order is load-bearing; see the module docstring.
+        self.broadcaster.register(self.directory)
+        self.broadcaster.register(self.capacity)
+        self.broadcaster.register(self.eviction)
+        self.quiesce = QuiesceLock()
+        self.gate = EventGate(self.broadcaster, self.quiesce, wall_clock=wall_clock)
+        self.metadata = MetadataStore(s.metadata_path or None, wall_clock=wall_clock)
+        self.metadata.register(self.pins)
+        self.metadata.register(self.quotas)
+        self.checkpoint_components: list[DurableComponent] = [
+            self.gate,
+            self.directory,
+            self.capacity,
+            self.lru,
+        ]
+        self._lifecycle = threading.Lock()
+        self._tasks: list[PeriodicTask] = []
+        self._started = False
+        self._loaded = False
+        self._stopped = False
+        self._last_checkpoint: CheckpointResult | None = None
+        self._last_checkpoint_time: float | None = None
+        self._last_load: LoadReport | None = None
+        self._started_at: float | None = None
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def set_delete_dispatcher(self, dispatcher: DeleteDispatcher | None) -> None:
+        """Wire (or unwire) how eviction deletes reach the nodes."""
+        self.eviction.dispatcher = dispatcher
+
+    def load_state(self) -> LoadReport | None:
+        """Load metadata, then the checkpoint, once; None without a checkpoint path."""
+        with self._lifecycle:
+            if self._loaded:
+                return self._last_load
+            self._loaded = True
+            self.metadata.load()
+            if self.settings.checkpoint_path:
+                self._last_load = load_checkpoint(
+                    self.settings.checkpoint_path, self.checkpoint_components
+                )
+                if self._last_load.restored:
+                    self._last_checkpoint_time = self._file_mtime(self.settings.checkpoint_path)
+            self.eviction.arm_readiness()
+            return self._last_load
+
+    def start(self) -> None:
+        """Load state if not done yet, arm the eviction readiness gate, start the timers."""
+        self.load_state()
+        with self._lifecycle:
+            if self._started:
+                return
+            if self._stopped:
+                raise FailedPrecondition("a stopped coordinator cannot be restarted")
+            self._started = True
+            self._started_at = self._wall()
+            self.eviction.arm_readiness()
+            s = self.settings
+            if s.health_check_interval > 0:
+                self._tasks.append(
+                    PeriodicTask(
+                        "health-sweep", s.health_check_interval, self.sweep_stale_instances
+                    )
+                )
+            if s.checkpoint_path and s.checkpoint_interval > 0:
+                self._tasks.append(
+                    PeriodicTask("checkpoint", s.checkpoint_interval, self._periodic_checkpoint)
+                )
+            if s.eviction_check_interval > 0:
+                self._tasks.append(
+                    PeriodicTask("eviction", s.eviction_check_interval, self.run_eviction)
+                )
+            if s.fence_sweep_interval > 0:
+                self._tasks.append(
+                    PeriodicTask("fence-sweep", s.fence_sweep_interval, self.sweep_fences)
+                )
+            for task in self._tasks:
+                task.start()
+        logger.info("Coordinator started (%d timers)", len(self._tasks))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the timers, then write the final checkpoint (when a path is set). Idempotent.
+
+        A coordinator whose state was never loaded writes no checkpoint: its
+        empty state would overwrite the good one on disk.
+        """
+        with self._lifecycle:
+            if self._stopped:
+                return
+            self._stopped = True
+            tasks, self._tasks = self._tasks, []
+            loaded = self._loaded
+        for task in tasks:
+            task.stop(timeout)
+        if self.settings.checkpoint_path and loaded:
+            self._record_checkpoint(
+                save_checkpoint(
+                    self.settings.checkpoint_path,
+                    self.quiesce,
+                    self.checkpoint_components,
+                    self.settings.quiesce_timeout,
+                )
+            )
+        logger.info("Coordinator stopped")
+
+    @property
+    def timers(self) -> tuple[PeriodicTask, ...]:
+        """Running periodic tasks."""
+        return tuple(self._tasks)
+
+    def sweep_fences(self, max_slices: int = 64) -> int:
+        """Sweep records of large fences in slices of 1024 keys; returns the keys left.
+
+        Each slice holds the directory lock for a few milliseconds, so ingest
+        and lookups interleave with a long sweep.
+        """
+        left = self.directory.reclaim_fenced(_SWEEP_SLICE)
+        for _ in range(max_slices - 1):
+            if not left:
+                break
+            left = self.directory.reclaim_fenced(_SWEEP_SLICE)
+        return left
+
+    def _periodic_checkpoint(self) -> None:
+        self.checkpoint_now()
+
+    def checkpoint_now(self, timeout: float | None = None) -> CheckpointResult:
+        """Capture under quiesce and write the checkpoint now; failures are in the result.
+
+        Raises FailedPrecondition when no checkpoint path is configured.
+        """
+        path = self.settings.checkpoint_path
+        if not path:
+            raise FailedPrecondition("no checkpoint path is configured")
+        return self._record_checkpoint(
+            save_checkpoint(
+                path,
+                self.quiesce,
+                self.checkpoint_components,
+                self.settings.quiesce_timeout if timeout is None else timeout,
+            )
+        )
+
+    def _record_checkpoint(self, result: CheckpointResult) -> CheckpointResult:
+        self._last_checkpoint = result
+        if result.ok:
+            self._last_checkpoint_time = self._wall()
+        return result
+
+    @staticmethod
+    def _file_mtime(path: str) -> float | None:
+        try:
+            return os.path.getmtime(path)
+        except OSError:
+            return None
+
+    # -- ingest ----------------------------------------------------------------
+
+    def ingest(self, batch: CacheEventBatch) -> IngestResult:
+        """Validate then ingest one batch (InvalidArgument when malformed)."""
+        validate_batch(batch)
+        return self.gate.ingest(batch)
+
+    def ingest_validated(self, batch: CacheEventBatch) -> IngestResult:
+        """Ingest a batch the caller already passed through ``validate_batch`` (fast path)."""
+        return self.gate.ingest(batch)
+
+    def ingest_batches(
+        self, batches: Sequence[CacheEventBatch], *, validated: bool = False
+    ) -> IngestSummary:
+        """Validate every batch first (nothing is applied if one is bad), then ingest in order."""
+        if not validated:
+            for i, batch in enumerate(batches):
+                validate_batch(batch, field_prefix=f"batches[{i}]")
+        return self.gate.ingest_batches(batches)
+
+    def cursors(self) -> dict[str, CursorInfo]:
+        """Per-emitter stream cursors, gap flags and admission counters."""
+        return self.gate.cursors()
+
+    def consumer_stats(self) -> dict[str, ConsumerStats]:
+        """Per-consumer delivery counters."""
+        return self.broadcaster.stats()
+
+    # -- directory -------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[ObjectKey], *, with_tokens: bool = True) -> list[KeyInfo]:
+        """Placements (and tokens, access counts) of each key, in request order."""
+        return self.directory.lookup(keys, with_tokens=with_tokens)
+
+    def lookup_tokens(
+        self,
+        model_name: str,
+        world_size: int,
+        cache_salt: str,
+        token_ids: Sequence[int] | np.ndarray,
+        *,
+        with_tokens: bool = True,
+    ) -> TokenLookup:
+        """Resolve tokens to keys (§2.7), expand across object groups, look each up."""
+        keys, chunks = resolve_token_keys(
+            self.hasher, model_name, world_size, cache_salt, token_ids
+        )
+        if not keys:
+            return TokenLookup(0, ())
+        groups = self.directory.get_keys_across_object_groups(keys)
+        expanded = [k for ks in groups for k in ks]
+        results = tuple(self.directory.lookup(expanded, with_tokens=with_tokens))
+        # Leading chunks where every rank has a placement in some object group.
+        held: list[bool] = []
+        pos = 0
+        for ks in groups:
+            held.append(any(r.placements for r in results[pos : pos + len(ks)]))
+            pos += len(ks)
+        ranks = len(keys) // chunks
+        cached = 0
+        while cached < chunks and all(held[cached * ranks : (cached + 1) * ranks]):
+            cached += 1
+        return TokenLookup(chunks, results, cached)
+
+    def list_keys(
+        self,
+        *,
+        tier: Tier | None = None,
+        instance_id: str = "",
+        backend: str = "",
+        limit: int = DEFAULT_LIST_LIMIT,
+        page_token: str = "",
+    ) -> KeyPage:
+        """A page of the directory (see :meth:`KeyDirectory.list_keys`)."""
+        return self.directory.list_keys(
+            tier=tier, instance_id=instance_id, backend=backend, limit=limit, page_token=page_token
+        )
+
+    def stats(self) -> DirectoryStats:
+        """Directory totals (O(1) in the number of keys)."""
+        return self.directory.stats()
+
+    def status(self) -> CoordinatorStatus:
+        """Everything an operator's status view shows."""
+        cursors = self.gate.cursors()
+        return CoordinatorStatus(
+            started=self._started and not self._stopped,
+            started_at=self._started_at,
+            eviction_ready=self.eviction.is_ready(),
+            instances=len(self.registry),
+            directory=self.directory.stats(),
+            cursors=cursors,
+            consumers=self.broadcaster.stats(),
+            batches_admitted=sum(c.batches_admitted for c in cursors.values()),
+            batches_duplicate=sum(c.batches_duplicate for c in cursors.values()),
+            batches_stale=sum(c.batches_stale for c in cursors.values()),
+            evictions_in_flight=self.eviction.in_flight_count(),
+            metadata_save_failures=self.metadata.save_failures,
+            checkpoint_path=self.settings.checkpoint_path,
+            last_checkpoint=self._last_checkpoint,
+            last_checkpoint_time=self._last_checkpoint_time,
+            restored=bool(self._last_load is not None and self._last_load.restored),
+            last_load=self._last_load,
+            chunk_size=self.settings.chunk_size,
+        )
+
+    # -- membership ------------------------------------------------------------
+
+    def register_instance(
+        self,
+        instance_id: str,
+        *,
+        incarnation: int = 0,
+        endpoints: Endpoints | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Registration:
+        """Register (or re-register) a node; an empty id gets a generated one.
+
+        Touches neither the gate cursor nor capacity (a restart is detected
+        by the incarnation of the node's events).
+        """
+        iid = instance_id.strip() or f"kvm-{uuid.uuid4().hex}"
+        existed = self.registry.register(
+            iid, incarnation=incarnation, endpoints=endpoints, metadata=metadata
+        )
+        return Registration(iid, existed)
+
+    def heartbeat(self, instance_id: str) -> None:
+        """Record a heartbeat; NotFound (meaning: register again) for an unknown id."""
+        if not self.registry.update_heartbeat(instance_id):
+            raise NotFound(
+                f"unknown instance {instance_id}; re-register",
+                reason="INSTANCE_NOT_REGISTERED",
+                metadata={"instance_id": instance_id},
+            )
+
+    def deregister_instance(self, instance_id: str) -> bool:
+        """Remove a node, fence its L1 and forget its cursor and capacity; True if it was known.
+
+        The fence and forget run even for an unknown id (idempotent cleanup).
+        """
+        existed = self.registry.deregister(instance_id) is not None
+        self.gate.drop_instance(instance_id)
+        self.capacity.forget(instance_id)
+        return existed
+
+    def list_instances(self) -> list[InstanceInfo]:
+        """Every registered node, sorted by id."""
+        return self.registry.all_instances()
+
+    def sweep_stale_instances(self) -> list[str]:
+        """Reap nodes whose heartbeat expired: deregister, fence L1, forget cursor and capacity."""
+        removed = evict_stale(self.registry, self.settings.instance_timeout)
+        for iid in removed:
+            self.gate.drop_instance(iid)
+            self.capacity.forget(iid)
+        return removed
+
+    # -- usage -----------------------------------------------------------------
+
+    def _module_status(
+        self, tier: Tier, backend: str, shared: bool, used: int, capacity: int
+    ) -> ModuleMemoryStatus:
+        ratio = used / capacity if capacity > 0 else None
+        return ModuleMemoryStatus(tier, backend, shared, used, capacity, ratio)
+
+    def _instance_status(self, instance_id: str) -> InstanceMemoryStatus | None:
+        registered = self.registry.contains(instance_id)
+        declared = self.capacity.get(instance_id)
+        used = self.usage.get_owner_bytes(instance_id)
+        if not registered and not declared and not used:
+            return None
+        caps = {(m.tier, m.backend): m.capacity_bytes for m in declared if not m.shared}
+        modules = tuple(
+            self._module_status(t, b, False, used.get((t, b), 0), caps.get((t, b), 0))
+            for t, b in sorted(set(caps) | set(used))
+        )
+        return InstanceMemoryStatus(instance_id, registered, bool(declared), modules)
+
+    def instance_usage(self, instance_id: str) -> InstanceMemoryStatus:
+        """Memory view of one node; NotFound if unregistered with no bytes and no declaration."""
+        status = self._instance_status(instance_id)
+        if status is None:
+            raise NotFound(f"unknown instance {instance_id}", metadata={"instance_id": instance_id})
+        return status
+
+    def fleet_usage(self) -> FleetMemoryStatus:
+        """Every node that is registered, holds bytes or declared capacity, plus shared pools."""
+        declarations = self.capacity.get_all()
+        ids = (
+            {i.instance_id for i in self.registry.all_instances()}
+            | {o for o in self.usage.owners() if o}
+            | set(declarations)
+        )
+        instances = tuple(
+            st for iid in sorted(ids) if (st := self._instance_status(iid)) is not None
+        )
+        # A shared pool's capacity counts only when every declaring node agrees.
+        shared_caps: dict[tuple[Tier, str], set[int]] = {}
+        for mods in declarations.values():
+            for m in mods:
+                if m.shared:
+                    shared_caps.setdefault((m.tier, m.backend), set()).add(m.capacity_bytes)
+        shared_used = self.usage.get_owner_bytes("")
+        shared = tuple(
+            self._module_status(
+                t,
+                b,
+                True,
+                shared_used.get((t, b), 0),
+                next(iter(caps)) if len(caps := shared_caps.get((t, b), set())) == 1 else 0,
+            )
+            for t, b in sorted(set(shared_caps) | set(shared_used))
+        )
+        return FleetMemoryStatus(instances, shared)
+
+    def usage_by_salt(self, tier: Tier) -> dict[str, int]:
+        """Bytes per salt on ``tier``."""
+        return self.usage.get_bytes_by_salt(tier)
+
+    def quota_status(self, cache_salt: str, tier: Tier = Tier.L2) -> QuotaStatus:
+        """Quota (L2 only) and usage of one salt."""
+        used = self.usage.get_salt_bytes(tier, cache_salt)
+        if tier != Tier.L2:
+            return QuotaStatus(cache_salt, tier, None, False, used)
+        exists = self.quotas.has_quota(cache_salt)
+        limit = self.quotas.get_limit_bytes(cache_salt) if exists else None
+        return QuotaStatus(cache_salt, tier, limit, exists, used)
+
+    def list_quota_status(self, tier: Tier = Tier.L2) -> QuotaListing:
+        """Status of every salt with usage on ``tier`` or (L2) a quota, sorted by salt."""
+        salts = set(self.usage.get_bytes_by_salt(tier))
+        if tier == Tier.L2:
+            salts |= set(self.quotas.list_quotas())
+        return QuotaListing(
+            tier,
+            self.usage.get_total_bytes(tier),
+            tuple(self.quota_status(s, tier) for s in sorted(salts)),
+        )
+
+    # -- quotas (metadata: saved before returning) ------------------------------
+
+    def set_quota(self, cache_salt: str, limit_bytes: int) -> None:
+        """Set an L2 quota for ``cache_salt`` and persist it."""
+        self.quotas.set_quota(cache_salt, limit_bytes)
+        self.metadata.save()
+
+    def delete_quota(self, cache_salt: str) -> bool:
+        """Remove ``cache_salt``'s quota (persisted even when absent); True if it existed."""
+        existed = self.quotas.delete_quota(cache_salt)
+        self.metadata.save()
+        return existed
+
+    def list_quotas(self) -> dict[str, int]:
+        """Every explicit quota."""
+        return self.quotas.list_quotas()
+
+    def set_default_quota(self, limit_bytes: int | None) -> None:
+        """Set the default quota (None = unquota'd salts exempt) and persist it."""
+        self.quotas.set_default_limit_bytes(limit_bytes)
+        self.metadata.save()
+
+    def get_default_quota(self) -> int | None:
+        """The default quota (None at boot)."""
+        return self.quotas.get_default_limit_bytes()
+
+    # -- pins ------------------------------------------------------------------
+
+    def pin_keys(self, keys: Iterable[ObjectKey]) -> int:
+        """Pin keys (one more pin each) and persist; returns the number of keys."""
+        n = self.pins.pin(keys)
+        self.metadata.save()
+        return n
+
+    def unpin_keys(self, keys: Iterable[ObjectKey]) -> int:
+        """Remove one pin from each key and persist; returns the number of keys."""
+        n = self.pins.unpin(keys)
+        self.metadata.save()
+        return n
+
+    def pin_tokens(
+        self,
+        model_name: str,
+        world_size: int,
+        cache_salt: str,
+        token_ids: Sequence[int] | np.ndarray,
+    ) -> PinResult:
+        """Pin every key of a token sequence (resolved locally, §2.7)."""
+        keys, chunks = resolve_token_keys(
+            self.hasher, model_name, world_size, cache_salt, token_ids
+        )
+        return PinResult(chunks, self.pin_keys(keys) if keys else 0)
+
+    def unpin_tokens(
+        self,
+        model_name: str,
+        world_size: int,
+        cache_salt: str,
+        token_ids: Sequence[int] | np.ndarray,
+    ) -> PinResult:
+        """Unpin every key of a token sequence."""
+        keys, chunks = resolve_token_keys(
+            self.hasher, model_name, world_size, cache_salt, token_ids
+        )
+        return PinResult(chunks, self.unpin_keys(keys) if keys else 0)
+
+    def list_pins(
+        self,
+        cache_salt: str | None = None,
+        model_name: str | None = None,
+        limit: int = 1000,
+        page_token: str = "",
+    ) -> PinPage:
+        """Pins in first-pinned order, optionally filtered by salt and model."""
+        return self.pins.list_pins(cache_salt, model_name, limit, page_token)
+
+    # -- eviction ----------------------------------------------------------------
+
+    def plan_eviction(self) -> dict[str, list[ObjectKey]]:
+        """The pure plan (victims per salt over quota), without sending anything."""
+        return self.eviction.compute_eviction_plan()
+
+    def run_eviction(self, *, dry_run: bool = False) -> EvictionReport:
+        """One eviction cycle: plan and dispatch deletes (nothing before readiness).
+
+        With ``dry_run`` only the plan is computed (allowed before readiness).
+        """
+        return self.eviction.execute_evictions(dry_run=dry_run)
+
+    def delete_keys(
+        self,
+        keys: Sequence[ObjectKey],
+        *,
+        instance_id: str = "",
+        tier: Tier | None = None,
+        force: bool = False,
+    ) -> DeleteKeysResult:
+        """Delete keys (and their other object groups) through the nodes' command streams.
+
+        ``tier`` None means both tiers. With ``instance_id`` the delete goes
+        to that node for every adapter of the tier (NotFound if it is not
+        registered, Unavailable if it took none of the requests); without,
+        to every live node that holds a copy, naming the copy's backend.
+        Pinned keys are skipped unless ``force`` when L2 is included; a
+        forced L2 delete also drops their pins (persisted). Effects show up
+        when the nodes report the DELETE events.
+        """
+        if instance_id and not self.registry.contains(instance_id):
+            raise NotFound(f"unknown instance {instance_id}", metadata={"instance_id": instance_id})
+        tiers = (Tier.L1, Tier.L2) if tier is None else (tier,)
+        expanded = [k for ks in self.directory.get_keys_across_object_groups(keys) for k in ks]
+        pin_skipped = 0
+        targets = expanded
+        if Tier.L2 in tiers and not force:
+            targets = self.pins.filter_unpinned(expanded)
+            pin_skipped = len(expanded) - len(targets)
+        requests: list[DeleteRequest] = []
+        for t in tiers:
+            groups: dict[tuple[str, str], list[ObjectKey]] = {}
+            if instance_id:
+                if targets:
+                    groups[(instance_id, "")] = list(targets)
+            else:
+                for key in targets:
+                    ck = self.spaces.find_key(key)
+                    if ck is None:
+                        continue
+                    for dest in self.directory.delete_targets(ck, t, self.registry.contains):
+                        groups.setdefault(dest, []).append(key)
+            requests.extend(self.eviction.send_deletes(groups, t, force=force))
+        if instance_id and requests and not any(r.accepted for r in requests):
+            raise Unavailable(
+                f"instance {instance_id} did not accept the delete (is its event stream open?)",
+                metadata={"instance_id": instance_id},
+            )
+        if force and Tier.L2 in tiers and self.pins.drop_pins(expanded):
+            self.metadata.save()
+        dispatched = sum(len(r.keys) for r in requests if r.accepted)
+        return DeleteKeysResult(len(keys), dispatched, pin_skipped, tuple(requests))
+
+    def delete_tokens(
+        self,
+        model_name: str,
+        world_size: int,
+        cache_salt: str,
+        token_ids: Sequence[int] | np.ndarray,
+        *,
+        instance_id: str = "",
+        tier: Tier | None = None,
+        force: bool = False,
+    ) -> DeleteKeysResult:
+        """:meth:`delete_keys` of every key of a token sequence (resolved locally, §2.7)."""
+        if instance_id and not self.registry.contains(instance_id):
+            raise NotFound(f"unknown instance {instance_id}", metadata={"instance_id": instance_id})
+        keys, _chunks = resolve_token_keys(
+            self.hasher, model_name, world_size, cache_salt, token_ids
+        )
+        if not keys:
+            return DeleteKeysResult(0, 0, 0)
+        return self.delete_keys(keys, instance_id=instance_id, tier=tier, force=force)
+
+    def mark_eviction_ready(self) -> None:
+        """Lift the eviction readiness gate now (operator override)."""
+        self.eviction.mark_ready()

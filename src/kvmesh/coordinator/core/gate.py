@@ -1,0 +1,342 @@
+"""Admission of cache-event batches: incarnation fencing, seq dedup, gap detection.
+
+Behaviour is LMCache 0.5.6's EventGate (reference coordinator §3.1) exactly:
+
+* a batch from an older incarnation than the emitter's cursor is
+  STALE_INCARNATION and nothing else happens;
+* a newer incarnation first fences the emitter in every consumer (its L1
+  state is void), then gets a fresh cursor with ``last_seq = 0``;
+* within one incarnation ``seq <= last_seq`` is a DUPLICATE (no reorder
+  buffer: once seq 5 is in, seq 3 is dropped);
+* a jump ``seq > last_seq + 1`` sets the sticky ``gap_detected`` flag but the
+  batch is still admitted (consumers apply idempotently);
+* ``drop_instance`` fences and forgets the cursor, so any incarnation,
+  even a lower one, starts fresh afterwards.
+
+Lock order: ``QuiesceLock.applying()`` outside, the gate lock inside, then
+the consumers' own locks. The gate lock is held through the fan-out so one
+emitter's batches reach consumers in admission order; consumers must never
+call back into the gate.
+
+kvmesh additions: per-emitter counters (admitted / duplicate / stale,
+incarnation changes, last admit time) in :meth:`EventGate.cursors`, which the
+servicer exposes over gRPC (LMCache has no endpoint for cursors or gap
+flags); the QuiesceLock refuses a second concurrent capturer instead of
+leaving that rule to the callers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Protocol
+
+from kvmesh.common.errors import DeadlineExceeded
+from kvmesh.common.events import CacheEventBatch, IngestResult
+
+from .persistence import PersistenceType
+from .types import CursorInfo, IngestSummary
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_QUIESCE_TIMEOUT_S = 5.0
+
+
+class QuiesceTimeout(DeadlineExceeded, TimeoutError):
+    """A capture could not quiesce ingest in time (batches stayed in flight)."""
+
+    default_reason = "QUIESCE_TIMEOUT"
+
+
+class QuiesceLock:
+    """Lets a capture wait until no batch is being applied, and parks new batches meanwhile.
+
+    ``applying()`` brackets one batch (the gate takes it around ``ingest`` and
+    ``drop_instance``); it waits while a capture is pending, so a batch is
+    parked before it starts, never half-way. ``quiesced(timeout)`` brackets a
+    capture: it stops new batches and waits for the ones in flight.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._requested = False
+        self._in_flight = 0
+        # One capturer at a time: a second one queues behind the first
+        # instead of clearing the first one's request on exit.
+        self._capturer = threading.Lock()
+
+    def applying(self) -> _Applying:
+        """Context manager bracketing one batch; blocks while a capture is pending."""
+        return _Applying(self)
+
+    def _enter_apply(self) -> None:
+        with self._cond:
+            while self._requested:
+                self._cond.wait()
+            self._in_flight += 1
+
+    def _exit_apply(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._cond.notify_all()
+
+    @property
+    def in_flight(self) -> int:
+        """Batches being applied right now."""
+        with self._cond:
+            return self._in_flight
+
+    @contextmanager
+    def quiesced(self, timeout: float = DEFAULT_QUIESCE_TIMEOUT_S) -> Iterator[None]:
+        """Hold ingest still for the body; raise QuiesceTimeout if it cannot within ``timeout``.
+
+        On timeout nothing stays blocked: the request is withdrawn and parked
+        batches resume. Never call this from inside ``applying()`` or a
+        consumer (it would wait for itself). Keep the body to in-memory reads.
+        """
+        deadline = time.monotonic() + timeout
+        if not self._capturer.acquire(timeout=max(0.0, timeout)):
+            raise QuiesceTimeout(
+                f"another capture held the quiesce lock for {timeout:.1f}s",
+                metadata={"in_flight": "unknown"},
+            )
+        try:
+            with self._cond:
+                self._requested = True
+                while self._in_flight > 0:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        stuck = self._in_flight
+                        self._requested = False
+                        self._cond.notify_all()
+                        raise QuiesceTimeout(
+                            f"could not quiesce ingest within {timeout:.1f}s: "
+                            f"{stuck} batch(es) still in flight",
+                            metadata={"in_flight": str(stuck)},
+                        )
+                    self._cond.wait(left)
+            try:
+                yield
+            finally:
+                with self._cond:
+                    self._requested = False
+                    self._cond.notify_all()
+        finally:
+            self._capturer.release()
+
+
+class _Applying:
+    """Class-based context manager: cheaper per batch than a generator one."""
+
+    __slots__ = ("_q",)
+
+    def __init__(self, q: QuiesceLock) -> None:
+        self._q = q
+
+    def __enter__(self) -> None:
+        self._q._enter_apply()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._q._exit_apply()
+
+
+class BatchFanout(Protocol):
+    """What the gate hands admitted batches and fences to (the broadcaster)."""
+
+    def broadcast(self, batch: CacheEventBatch) -> None:
+        """Deliver one admitted batch to every consumer."""
+
+    def fence_instance(self, instance_id: str) -> None:
+        """Make every consumer drop the L1 state ``instance_id`` reported."""
+
+
+@dataclass(slots=True)
+class Cursor:
+    """Stream position of one emitter plus its admission counters."""
+
+    incarnation: int
+    last_seq: int = 0
+    gap_detected: bool = False
+    admitted: int = 0
+    duplicate: int = 0
+    stale: int = 0
+    incarnation_changes: int = 0
+    last_admit_time: float = 0.0
+
+
+class EventGate:
+    """The only way cache facts enter the coordinator (reference §3.1)."""
+
+    name = "stream_cursors"
+    persistence_type = PersistenceType.CHECKPOINT
+
+    def __init__(
+        self,
+        fanout: BatchFanout,
+        quiesce: QuiesceLock | None = None,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._fanout = fanout
+        self._quiesce = quiesce if quiesce is not None else QuiesceLock()
+        self._lock = threading.Lock()
+        self._cursors: dict[str, Cursor] = {}
+        self._wall = wall_clock
+        self._restored = False
+
+    @property
+    def quiesce(self) -> QuiesceLock:
+        """The quiesce lock this gate brackets its batches with."""
+        return self._quiesce
+
+    def ingest(self, batch: CacheEventBatch) -> IngestResult:
+        """Admit, drop as duplicate, or drop as stale one already-validated batch."""
+        with self._quiesce.applying(), self._lock:
+            iid = batch.instance_id
+            c = self._cursors.get(iid)
+            if c is not None:
+                if batch.incarnation < c.incarnation:
+                    c.stale += 1
+                    return IngestResult.STALE_INCARNATION
+                if batch.incarnation > c.incarnation:
+                    # Restart: the old incarnation's L1 is void. Fence before
+                    # anything of the new one is applied.
+                    self._fanout.fence_instance(iid)
+                    c = Cursor(
+                        incarnation=batch.incarnation,
+                        admitted=c.admitted,
+                        duplicate=c.duplicate,
+                        stale=c.stale,
+                        incarnation_changes=c.incarnation_changes + 1,
+                        last_admit_time=c.last_admit_time,
+                    )
+                    self._cursors[iid] = c
+                elif batch.seq <= c.last_seq:
+                    c.duplicate += 1
+                    return IngestResult.DUPLICATE
+            else:
+                c = Cursor(incarnation=batch.incarnation)
+                self._cursors[iid] = c
+            if batch.seq > c.last_seq + 1 and not c.gap_detected:
+                c.gap_detected = True
+                logger.warning(
+                    "Event stream gap from %s incarnation %d: last seq %d, got %d",
+                    iid,
+                    batch.incarnation,
+                    c.last_seq,
+                    batch.seq,
+                )
+            c.last_seq = batch.seq
+            c.admitted += 1
+            c.last_admit_time = self._wall()
+            self._fanout.broadcast(batch)
+            return IngestResult.ADMITTED
+
+    def ingest_batches(self, batches: Iterable[CacheEventBatch]) -> IngestSummary:
+        """Ingest each batch in order and count the outcomes."""
+        applied = duplicates = stale = 0
+        for batch in batches:
+            result = self.ingest(batch)
+            if result is IngestResult.ADMITTED:
+                applied += 1
+            elif result is IngestResult.DUPLICATE:
+                duplicates += 1
+            elif result is IngestResult.STALE_INCARNATION:
+                stale += 1
+            else:  # pragma: no cover - the enum has no other member
+                raise RuntimeError(f"unknown ingest result {result!r}")
+        return IngestSummary(applied=applied, duplicates=duplicates, stale=stale)
+
+    def drop_instance(self, instance_id: str) -> None:
+        """Fence ``instance_id`` in every consumer and forget its cursor (fences even if none)."""
+        with self._quiesce.applying(), self._lock:
+            self._fanout.fence_instance(instance_id)
+            self._cursors.pop(instance_id, None)
+
+    def cursors(self) -> dict[str, CursorInfo]:
+        """Snapshot of every emitter's cursor and counters."""
+        with self._lock:
+            return {
+                iid: CursorInfo(
+                    instance_id=iid,
+                    incarnation=c.incarnation,
+                    last_seq=c.last_seq,
+                    gap_detected=c.gap_detected,
+                    batches_admitted=c.admitted,
+                    batches_duplicate=c.duplicate,
+                    batches_stale=c.stale,
+                    incarnation_changes=c.incarnation_changes,
+                    last_admit_time=c.last_admit_time,
+                )
+                for iid, c in self._cursors.items()
+            }
+
+    # -- durable component -------------------------------------------------
+
+    def capture(self) -> dict[str, object]:
+        """``{"cursors": {id: [incarnation, last_seq, gap, admitted, dup, stale, changes, t]}}``."""
+        with self._lock:
+            return {
+                "cursors": {
+                    iid: [
+                        c.incarnation,
+                        c.last_seq,
+                        c.gap_detected,
+                        c.admitted,
+                        c.duplicate,
+                        c.stale,
+                        c.incarnation_changes,
+                        c.last_admit_time,
+                    ]
+                    for iid, c in self._cursors.items()
+                }
+            }
+
+    def restore(self, state: object) -> None:
+        """Load cursors into a gate that has admitted nothing yet.
+
+        Only the first three fields are required, so LMCache-shaped
+        ``(incarnation, last_seq, gap_detected)`` rows load too.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError("stream_cursors state must be a mapping")
+        rows = state.get("cursors")
+        if not isinstance(rows, Mapping):
+            raise TypeError("stream_cursors state has no 'cursors' mapping")
+        loaded: dict[str, Cursor] = {}
+        for iid, row in rows.items():
+            if not isinstance(iid, str) or not isinstance(row, list | tuple) or len(row) < 3:
+                raise ValueError(f"malformed cursor row for {iid!r}")
+            inc, last_seq, gap = row[0], row[1], row[2]
+            if not isinstance(inc, int) or not isinstance(last_seq, int) or inc < 0 or last_seq < 0:
+                raise ValueError(f"malformed cursor row for {iid!r}")
+            extra = [int(x) for x in row[3:7]] + [0] * (4 - len(row[3:7]))
+            loaded[iid] = Cursor(
+                incarnation=inc,
+                last_seq=last_seq,
+                gap_detected=bool(gap),
+                admitted=extra[0],
+                duplicate=extra[1],
+                stale=extra[2],
+                incarnation_changes=extra[3],
+                last_admit_time=float(row[7]) if len(row) > 7 else 0.0,
+            )
+        with self._lock:
+            if self._cursors or self._restored:
+                raise ValueError(
+                    "stream_cursors restore requires an empty gate "
+                    "(a batch was admitted before restore, or it was restored already)"
+                )
+            self._cursors = loaded
+            self._restored = True

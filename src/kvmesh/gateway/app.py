@@ -1,0 +1,174 @@
+"""The gateway as a service: core + servicer + storage link + background sweeps."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+import grpc
+from prometheus_client.registry import Collector
+
+from kvmesh.api.gateway.v1 import gateway_pb2_grpc
+from kvmesh.gateway.config import GatewayConfig, GatewaySettings
+from kvmesh.gateway.core import Gateway, NodeStorage
+from kvmesh.gateway.link import GrpcNodeStorage
+from kvmesh.gateway.servicer import GatewayServicer
+from kvmesh.rpc.metrics import Series, StatsCollector
+from kvmesh.rpc.server import ServiceBinding
+from kvmesh.storage.client import StorageClient
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvmesh.gateway.v1.GatewayService"
+
+_SERIES = [
+    Series("kvmesh_gateway_lookups", "Lookups handled.", "lookups", "counter"),
+    Series(
+        "kvmesh_gateway_hash_memo_hits",
+        "Prompt chunks whose hash came from the memo of recent prefixes.",
+        "hash_memo_hits",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_hash_memo_misses",
+        "Prompt chunks hashed with blake3 (not in the memo).",
+        "hash_memo_misses",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_lookup_requested_tokens",
+        "Tokens (complete chunks) asked about by lookups.",
+        "lookup_requested_tokens",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_lookup_hit_tokens",
+        "Tokens of lookups served from the cache.",
+        "lookup_hit_tokens",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_lookup_l1_hit_chunks",
+        "Hit chunks found in L1.",
+        "lookup_l1_hit_chunks",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_lookup_l2_hit_chunks",
+        "Hit chunks loaded from L2.",
+        "lookup_l2_hit_chunks",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_lookups_without_engine",
+        "Lookups that missed because no engine of that model is registered.",
+        "lookups_without_engine",
+        "counter",
+    ),
+    Series("kvmesh_gateway_stores", "Store calls.", "stores", "counter"),
+    Series("kvmesh_gateway_stored_chunks", "Chunks stored into L1.", "stored_chunks", "counter"),
+    Series(
+        "kvmesh_gateway_store_skipped_chunks",
+        "Chunks not stored (L1 full).",
+        "store_skipped_chunks",
+        "counter",
+    ),
+    Series("kvmesh_gateway_retrieves", "Retrieve calls.", "retrieves", "counter"),
+    Series(
+        "kvmesh_gateway_retrieved_chunks",
+        "Chunks copied into engines.",
+        "retrieved_chunks",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_retrieve_missed_chunks",
+        "Chunks asked for by a retrieve that were no longer cached.",
+        "retrieve_missed_chunks",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_prefetch_waits",
+        "Calls that waited for a running prefetch (L2 loads) to finish.",
+        "prefetch_waits",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_prefetch_wait_seconds",
+        "Time engines spent waiting for prefetches.",
+        "prefetch_wait_seconds",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_sessions_expired",
+        "Sessions expired by idleness.",
+        "sessions_expired",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_lock_releases", "Lookup read locks released.", "locks_released", "counter"
+    ),
+    Series("kvmesh_gateway_active_sessions", "Open request sessions.", "active_sessions"),
+    Series("kvmesh_gateway_registered_engines", "Registered engine workers.", "registered_engines"),
+]
+
+
+class GatewayApp:
+    """ServiceApp of the gateway."""
+
+    name = "gateway"
+
+    def __init__(self, config: GatewaySettings, storage: NodeStorage | None = None) -> None:
+        """A gateway over ``storage``, or, by default, over gRPC to ``config.storage_target``."""
+        self.config = config
+        self.storage_client: StorageClient | None = None
+        if storage is None:
+            if not isinstance(config, GatewayConfig):
+                raise TypeError("a gateway without a storage link needs a GatewayConfig")
+            self.storage_client = StorageClient(
+                config.storage_target, max_message_bytes=config.max_message_bytes
+            )
+            storage = GrpcNodeStorage(self.storage_client)
+        self.core = Gateway(
+            storage,
+            chunk_size=config.chunk_size,
+            session_ttl_s=config.session_ttl_seconds,
+            max_tokens=config.max_tokens,
+            max_wait_ms=config.max_wait_ms,
+            engine_reap_s=config.engine_reap_seconds,
+            hash_memo_entries=config.hash_memo_entries,
+        )
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def bindings(self) -> Sequence[ServiceBinding]:
+        servicer = GatewayServicer(self.core)
+
+        def add(server: grpc.aio.Server) -> None:
+            gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+
+        return [ServiceBinding(SERVICE_NAME, add)]
+
+    def collectors(self) -> Sequence[Collector]:
+        return [StatsCollector(self.core.stats, _SERIES)]
+
+    async def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="gateway-sweeper")
+
+    async def _sweep_loop(self) -> None:
+        period = max(0.05, min(self.config.session_ttl_seconds / 4, 5.0))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.core.sweep()
+            except Exception:
+                logger.exception("session sweep failed")
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self.core.close()
+        if self.storage_client is not None:
+            await self.storage_client.close()

@@ -1,0 +1,350 @@
+"""Typed client of the gateway: what a vLLM connector imports to talk to kvmesh.
+
+Generated once from the .proto files and maintained by hand; a test checks that
+every RPC of the service has a method here and that each default deadline
+matches the "Deadline:" line of the RPC's comment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.rpc.client import CallPolicy, SyncClient
+
+
+class GatewayClient(SyncClient):
+    """Typed client of ``kvmesh.gateway.v1.GatewayService``."""
+
+    POLICIES: Mapping[str, CallPolicy] = {
+        "RegisterKVCache": CallPolicy(timeout=30.0, idempotent=True),
+        "UnregisterKVCache": CallPolicy(timeout=10.0, idempotent=True),
+        "Lookup": CallPolicy(timeout=5.0, idempotent=True),
+        "QueryPrefetchStatus": CallPolicy(timeout=2.0, idempotent=True),
+        "WaitPrefetchStatus": CallPolicy(timeout=2.0, idempotent=True),
+        "FreeLookupLocks": CallPolicy(timeout=2.0, idempotent=False),
+        "EndSession": CallPolicy(timeout=2.0, idempotent=True),
+        "Store": CallPolicy(timeout=30.0, idempotent=True),
+        "Retrieve": CallPolicy(timeout=30.0, idempotent=False),
+        "Clear": CallPolicy(timeout=30.0, idempotent=True),
+        "GetChunkSize": CallPolicy(timeout=2.0, idempotent=True),
+        "Ping": CallPolicy(timeout=2.0, idempotent=True),
+        "ReportBlockAllocation": CallPolicy(timeout=2.0, idempotent=True),
+        "RegisterEngineContext": CallPolicy(timeout=10.0, idempotent=True),
+        "UnregisterEngineContext": CallPolicy(timeout=10.0, idempotent=True),
+        "PrepareStore": CallPolicy(timeout=10.0, idempotent=False),
+        "CommitStore": CallPolicy(timeout=10.0, idempotent=True),
+        "PrepareRetrieve": CallPolicy(timeout=10.0, idempotent=False),
+        "CommitRetrieve": CallPolicy(timeout=10.0, idempotent=False),
+    }
+
+    def _bind(self) -> None:
+        self._stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
+
+    def register_kv_cache(
+        self,
+        request: gateway_pb2.RegisterKVCacheRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.RegisterKVCacheResponse:
+        """``RegisterKVCache``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "RegisterKVCache",
+            self._stub.RegisterKVCache,
+            request,
+            gateway_pb2.RegisterKVCacheResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def unregister_kv_cache(
+        self,
+        request: gateway_pb2.UnregisterKVCacheRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.UnregisterKVCacheResponse:
+        """``UnregisterKVCache``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "UnregisterKVCache",
+            self._stub.UnregisterKVCache,
+            request,
+            gateway_pb2.UnregisterKVCacheResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def lookup(
+        self,
+        request: gateway_pb2.LookupRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.LookupResponse:
+        """``Lookup``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "Lookup",
+            self._stub.Lookup,
+            request,
+            gateway_pb2.LookupResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def query_prefetch_status(
+        self,
+        request: gateway_pb2.QueryPrefetchStatusRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.QueryPrefetchStatusResponse:
+        """``QueryPrefetchStatus``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "QueryPrefetchStatus",
+            self._stub.QueryPrefetchStatus,
+            request,
+            gateway_pb2.QueryPrefetchStatusResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def wait_prefetch_status(
+        self,
+        request: gateway_pb2.WaitPrefetchStatusRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.WaitPrefetchStatusResponse:
+        """``WaitPrefetchStatus``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "WaitPrefetchStatus",
+            self._stub.WaitPrefetchStatus,
+            request,
+            gateway_pb2.WaitPrefetchStatusResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def free_lookup_locks(
+        self,
+        request: gateway_pb2.FreeLookupLocksRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.FreeLookupLocksResponse:
+        """``FreeLookupLocks``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "FreeLookupLocks",
+            self._stub.FreeLookupLocks,
+            request,
+            gateway_pb2.FreeLookupLocksResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def end_session(
+        self,
+        request: gateway_pb2.EndSessionRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.EndSessionResponse:
+        """``EndSession``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "EndSession",
+            self._stub.EndSession,
+            request,
+            gateway_pb2.EndSessionResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def store(
+        self,
+        request: gateway_pb2.StoreRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.StoreResponse:
+        """``Store``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "Store", self._stub.Store, request, gateway_pb2.StoreResponse, timeout, wait_for_ready
+        )
+
+    def retrieve(
+        self,
+        request: gateway_pb2.RetrieveRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.RetrieveResponse:
+        """``Retrieve``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "Retrieve",
+            self._stub.Retrieve,
+            request,
+            gateway_pb2.RetrieveResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def clear(
+        self,
+        request: gateway_pb2.ClearRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.ClearResponse:
+        """``Clear``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "Clear", self._stub.Clear, request, gateway_pb2.ClearResponse, timeout, wait_for_ready
+        )
+
+    def get_chunk_size(
+        self,
+        request: gateway_pb2.GetChunkSizeRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.GetChunkSizeResponse:
+        """``GetChunkSize``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "GetChunkSize",
+            self._stub.GetChunkSize,
+            request,
+            gateway_pb2.GetChunkSizeResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def ping(
+        self,
+        request: gateway_pb2.PingRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.PingResponse:
+        """``Ping``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "Ping", self._stub.Ping, request, gateway_pb2.PingResponse, timeout, wait_for_ready
+        )
+
+    def report_block_allocation(
+        self,
+        request: gateway_pb2.ReportBlockAllocationRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.ReportBlockAllocationResponse:
+        """``ReportBlockAllocation``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "ReportBlockAllocation",
+            self._stub.ReportBlockAllocation,
+            request,
+            gateway_pb2.ReportBlockAllocationResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def register_engine_context(
+        self,
+        request: gateway_pb2.RegisterEngineContextRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.RegisterEngineContextResponse:
+        """``RegisterEngineContext``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "RegisterEngineContext",
+            self._stub.RegisterEngineContext,
+            request,
+            gateway_pb2.RegisterEngineContextResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def unregister_engine_context(
+        self,
+        request: gateway_pb2.UnregisterEngineContextRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.UnregisterEngineContextResponse:
+        """``UnregisterEngineContext``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "UnregisterEngineContext",
+            self._stub.UnregisterEngineContext,
+            request,
+            gateway_pb2.UnregisterEngineContextResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def prepare_store(
+        self,
+        request: gateway_pb2.PrepareStoreRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.PrepareStoreResponse:
+        """``PrepareStore``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "PrepareStore",
+            self._stub.PrepareStore,
+            request,
+            gateway_pb2.PrepareStoreResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def commit_store(
+        self,
+        request: gateway_pb2.CommitStoreRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.CommitStoreResponse:
+        """``CommitStore``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "CommitStore",
+            self._stub.CommitStore,
+            request,
+            gateway_pb2.CommitStoreResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def prepare_retrieve(
+        self,
+        request: gateway_pb2.PrepareRetrieveRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.PrepareRetrieveResponse:
+        """``PrepareRetrieve``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "PrepareRetrieve",
+            self._stub.PrepareRetrieve,
+            request,
+            gateway_pb2.PrepareRetrieveResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def commit_retrieve(
+        self,
+        request: gateway_pb2.CommitRetrieveRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.CommitRetrieveResponse:
+        """``CommitRetrieve``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "CommitRetrieve",
+            self._stub.CommitRetrieve,
+            request,
+            gateway_pb2.CommitRetrieveResponse,
+            timeout,
+            wait_for_ready,
+        )

@@ -1,0 +1,204 @@
+"""The gateway's link to its node's storage service: NodeStorage over gRPC.
+
+Converts the core's plain types to ``kvmesh.storage.v1`` messages and back.
+A storage failure surfaces as the gRPC error it was (UNAVAILABLE when the
+node is down, INVALID_ARGUMENT for a block id out of range, ...): the
+gateway's servicer passes it through unchanged so engines see storage's
+clear message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.storage.v1 import storage_pb2
+from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
+from kvmesh.gateway.core import KeyGridSpec, KeyRow, PreparedSlots, StorageRejected
+from kvmesh.storage.client import StorageClient
+
+# Codes with which storage refuses RetrieveChunks / CommitRetrieve before it
+# releases any lock (it validates everything first; an unknown transaction
+# releases nothing). Other failures (UNAVAILABLE, a deadline, INTERNAL from a
+# copy) may come after the release, so the gateway must not count those locks
+# as still held: a double release could take another request's lock.
+_REFUSED = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+
+
+def _refused(exc: grpc.aio.AioRpcError) -> BaseException:
+    """``StorageRejected`` wrapping ``exc`` when storage refused the call, else ``exc``."""
+    return StorageRejected(exc) if exc.code() in _REFUSED else exc
+
+
+def _row(row: KeyRow) -> common_pb2.ChunkKeys:
+    return common_pb2.ChunkKeys(
+        model_name=row.model_name,
+        cache_salt=row.cache_salt,
+        kv_rank=row.kv_rank,
+        chunk_hashes=row.chunk_hashes,
+    )
+
+
+def _grid(grid: KeyGridSpec) -> common_pb2.KeyGrid:
+    return common_pb2.KeyGrid(
+        model_name=grid.model_name,
+        cache_salt=grid.cache_salt,
+        kv_ranks=grid.kv_ranks,
+        chunk_hashes=grid.chunk_hashes,
+    )
+
+
+def _state(prefetch_id: str, completed: bool, result: storage_pb2.PrefetchResult) -> PrefetchState:
+    return PrefetchState(
+        prefetch_id,
+        completed,
+        result.hit_chunks,
+        result.l1_hit_chunks,
+        result.l2_hit_chunks,
+    )
+
+
+def _prepared(
+    transaction_id: str, slots: Sequence[storage_pb2.Slot], cached: int = 0, skipped: int = 0
+) -> PreparedSlots:
+    refs = [
+        Slot(s.chunk_index, s.region.path, s.region.offset_bytes, s.region.size_bytes)
+        for s in slots
+    ]
+    return PreparedSlots(transaction_id, refs, cached, skipped)
+
+
+class GrpcNodeStorage:
+    """NodeStorage implemented with the asyncio StorageClient."""
+
+    # A remote node finishes a call whatever the caller does: shield it.
+    cancel_safe = False
+
+    def __init__(self, client: StorageClient) -> None:
+        self.client = client
+
+    async def register_engine(self, engine_id: str, registration: object) -> tuple[bool, str]:
+        assert isinstance(registration, storage_pb2.RegisterEngineMemoryRequest)
+        response = await self.client.register_engine_memory(registration)
+        return response.already_registered, response.instance_id
+
+    async def unregister_engine(self, engine_id: str) -> bool:
+        response = await self.client.unregister_engine_memory(
+            storage_pb2.UnregisterEngineMemoryRequest(engine_id=engine_id)
+        )
+        return response.existed
+
+    async def lookup_and_lock(
+        self, request_id: str, grid: KeyGridSpec, readers: int, wait_ms: int
+    ) -> PrefetchState:
+        response = await self.client.lookup_and_lock(
+            storage_pb2.LookupAndLockRequest(
+                keys=_grid(grid),
+                num_kv_readers=readers,
+                wait_timeout_ms=wait_ms,
+                request_id=request_id,
+                chunk_bytes=grid.chunk_bytes,
+            )
+        )
+        return _state(response.prefetch_id, response.completed, response.result)
+
+    async def prefetch_status(self, prefetch_id: str, wait_ms: int) -> PrefetchState:
+        response = await self.client.get_prefetch_status(
+            storage_pb2.GetPrefetchStatusRequest(prefetch_id=prefetch_id, wait_timeout_ms=wait_ms)
+        )
+        return _state(prefetch_id, response.completed, response.result)
+
+    async def release_prefetch(self, prefetch_id: str) -> None:
+        await self.client.release_prefetch(
+            storage_pb2.ReleasePrefetchRequest(prefetch_id=prefetch_id)
+        )
+
+    async def store_chunks(
+        self, engine_id: str, row: KeyRow, block_ids: Sequence[int], chunk_tokens: int
+    ) -> list[StoreOutcome]:
+        response = await self.client.store_chunks(
+            storage_pb2.StoreChunksRequest(
+                engine_id=engine_id, keys=_row(row), block_ids=block_ids, chunk_tokens=chunk_tokens
+            )
+        )
+        return [StoreOutcome(o) for o in response.outcomes]
+
+    async def retrieve_chunks(
+        self,
+        engine_id: str,
+        row: KeyRow,
+        block_ids: Sequence[int],
+        chunk_tokens: int,
+        skip_first_n_tokens: int,
+        release_mask: Sequence[bool],
+    ) -> int:
+        try:
+            response = await self.client.retrieve_chunks(
+                storage_pb2.RetrieveChunksRequest(
+                    engine_id=engine_id,
+                    keys=_row(row),
+                    block_ids=block_ids,
+                    chunk_tokens=chunk_tokens,
+                    skip_first_n_tokens=skip_first_n_tokens,
+                    release_lookup_locks=release_mask,
+                )
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _refused(exc) from None
+        return response.retrieved_chunks
+
+    async def release_locks(self, grid: KeyGridSpec, count: int) -> int:
+        response = await self.client.release_locks(
+            storage_pb2.ReleaseLocksRequest(keys=_grid(grid), count=count)
+        )
+        return response.released_keys
+
+    async def touch(self, grid: KeyGridSpec) -> None:
+        await self.client.touch_keys(storage_pb2.TouchKeysRequest(keys=_grid(grid)))
+
+    async def clear(self, force: bool) -> int:
+        response = await self.client.clear(storage_pb2.ClearRequest(force=force))
+        return response.cleared_objects
+
+    async def prepare_store(self, row: KeyRow, chunk_bytes: int) -> PreparedSlots:
+        response = await self.client.prepare_store(
+            storage_pb2.PrepareStoreRequest(keys=_row(row), chunk_bytes=chunk_bytes)
+        )
+        return _prepared(
+            response.transaction_id,
+            response.slots,
+            response.already_cached_chunks,
+            response.skipped_chunks,
+        )
+
+    async def commit_store(self, transaction_id: str) -> int:
+        response = await self.client.commit_store(
+            storage_pb2.CommitStoreRequest(transaction_id=transaction_id)
+        )
+        return response.committed_chunks
+
+    async def prepare_retrieve(self, row: KeyRow, chunk_bytes: int) -> PreparedSlots:
+        response = await self.client.prepare_retrieve(
+            storage_pb2.PrepareRetrieveRequest(keys=_row(row), chunk_bytes=chunk_bytes)
+        )
+        return _prepared(response.transaction_id, response.slots)
+
+    async def commit_retrieve(self, transaction_id: str, release_mask: Sequence[bool]) -> int:
+        try:
+            response = await self.client.commit_retrieve(
+                storage_pb2.CommitRetrieveRequest(
+                    transaction_id=transaction_id, release_lookup_locks=release_mask
+                )
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _refused(exc) from None
+        return response.released_chunks

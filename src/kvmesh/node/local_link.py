@@ -1,0 +1,127 @@
+"""NodeStorage in-process: the gateway calling its storage node directly (``kvmesh node``).
+
+When a node's gateway and storage run in one process, every engine request
+saves a whole gRPC round trip (serialisation, a socket, another event-loop
+turn). The semantics are exactly those of the gRPC link: the same
+StorageNode methods run, errors are the same KvmeshError types, and a
+refusal that released no lookup lock is reported as StorageRejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvmesh.api.storage.v1 import storage_pb2
+from kvmesh.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from kvmesh.common.keys import ObjectKey
+from kvmesh.common.node_types import PrefetchState, StoreOutcome
+from kvmesh.gateway.core import KeyGridSpec, KeyRow, PreparedSlots, StorageRejected
+from kvmesh.storage.node import StorageNode
+from kvmesh.storage.servicer import handle_from_proto, layout_from_proto
+
+# Errors the node raises before it releases any lock (see link._REFUSED).
+_REFUSED = (InvalidArgument, FailedPrecondition, NotFound, ResourceExhausted)
+
+
+def _row_keys(row: KeyRow) -> list[ObjectKey]:
+    return [ObjectKey(h, row.model_name, row.kv_rank, 0, row.cache_salt) for h in row.chunk_hashes]
+
+
+def _grid_rows(grid: KeyGridSpec) -> list[list[ObjectKey]]:
+    return [
+        [ObjectKey(h, grid.model_name, rank, 0, grid.cache_salt) for h in grid.chunk_hashes]
+        for rank in grid.kv_ranks
+    ]
+
+
+class LocalNodeStorage:
+    """NodeStorage over a StorageNode in the same process."""
+
+    # StorageNode.lookup_and_lock releases what a cancelled lookup locked, and
+    # prefetch_status only forgets a result it has returned.
+    cancel_safe = True
+
+    def __init__(self, node: StorageNode, instance_id: str) -> None:
+        self.node = node
+        self.instance_id = instance_id
+
+    async def register_engine(self, engine_id: str, registration: object) -> tuple[bool, str]:
+        assert isinstance(registration, storage_pb2.RegisterEngineMemoryRequest)
+        layout = layout_from_proto(registration.layout)
+        handles = [handle_from_proto(h, i) for i, h in enumerate(registration.layers)]
+        return self.node.register_engine(engine_id, layout, handles), self.instance_id
+
+    async def unregister_engine(self, engine_id: str) -> bool:
+        return self.node.unregister_engine(engine_id)
+
+    async def lookup_and_lock(
+        self, request_id: str, grid: KeyGridSpec, readers: int, wait_ms: int
+    ) -> PrefetchState:
+        return await self.node.lookup_and_lock(
+            request_id, _grid_rows(grid), readers, wait_ms, grid.chunk_bytes
+        )
+
+    async def prefetch_status(self, prefetch_id: str, wait_ms: int) -> PrefetchState:
+        return await self.node.prefetch_status(prefetch_id, wait_ms)
+
+    async def release_prefetch(self, prefetch_id: str) -> None:
+        self.node.release_prefetch(prefetch_id)
+
+    async def store_chunks(
+        self, engine_id: str, row: KeyRow, block_ids: Sequence[int], chunk_tokens: int
+    ) -> list[StoreOutcome]:
+        return await self.node.store_chunks(engine_id, _row_keys(row), block_ids, chunk_tokens)
+
+    async def retrieve_chunks(
+        self,
+        engine_id: str,
+        row: KeyRow,
+        block_ids: Sequence[int],
+        chunk_tokens: int,
+        skip_first_n_tokens: int,
+        release_mask: Sequence[bool],
+    ) -> int:
+        try:
+            return await self.node.retrieve_chunks(
+                engine_id,
+                _row_keys(row),
+                block_ids,
+                chunk_tokens,
+                skip_first_n_tokens,
+                release_mask,
+            )
+        except _REFUSED as exc:
+            raise StorageRejected(exc) from None
+
+    async def release_locks(self, grid: KeyGridSpec, count: int) -> int:
+        keys = [k for row in _grid_rows(grid) for k in row]
+        released, _ = self.node.release_locks(keys, count)
+        return released
+
+    async def touch(self, grid: KeyGridSpec) -> None:
+        self.node.touch([k for row in _grid_rows(grid) for k in row])
+
+    async def clear(self, force: bool) -> int:
+        return self.node.clear(force)
+
+    async def prepare_store(self, row: KeyRow, chunk_bytes: int) -> PreparedSlots:
+        txn, slots, cached, skipped = self.node.prepare_store(_row_keys(row), chunk_bytes)
+        return PreparedSlots(txn, slots, cached, skipped)
+
+    async def commit_store(self, transaction_id: str) -> int:
+        return self.node.commit_store(transaction_id)
+
+    async def prepare_retrieve(self, row: KeyRow, chunk_bytes: int) -> PreparedSlots:
+        txn, slots = self.node.prepare_retrieve(_row_keys(row), chunk_bytes)
+        return PreparedSlots(txn, slots)
+
+    async def commit_retrieve(self, transaction_id: str, release_mask: Sequence[bool]) -> int:
+        try:
+            return self.node.commit_retrieve(transaction_id, release_mask)
+        except _REFUSED as exc:
+            raise StorageRejected(exc) from None

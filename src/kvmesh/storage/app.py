@@ -1,0 +1,376 @@
+"""The storage node as a service: core, servicer, event emitter and registrar.
+
+Start-up order matters for fencing: the incarnation is taken (and persisted)
+before anything is reported, the emitter exists before the storage core so
+the very first placement change (the L2 index announced at start) is
+reported, and the registrar re-declares capacity after every (re-)
+registration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from prometheus_client.registry import Collector
+
+from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
+from kvmesh.common.errors import Unavailable
+from kvmesh.common.events import CacheEventEntry, EventType, Tier
+from kvmesh.common.keys import ObjectKey
+from kvmesh.kernels import native
+from kvmesh.rpc.metrics import Series, StatsCollector
+from kvmesh.rpc.server import ServiceBinding
+from kvmesh.storage.config import StorageConfig
+from kvmesh.storage.controllers.prefetch import PrefetchPolicy
+from kvmesh.storage.controllers.store import StorePolicy
+from kvmesh.storage.emitter import (
+    CacheEventEmitter,
+    EmitterConfig,
+    EventTransport,
+    NodeCommand,
+)
+from kvmesh.storage.incarnation import next_incarnation
+from kvmesh.storage.l2.base import L2Adapter
+from kvmesh.storage.l2.factory import build_l2_adapter
+from kvmesh.storage.manager import CapacityModule, StorageManager, StorageOptions
+from kvmesh.storage.node import StorageNode
+from kvmesh.storage.registrar import Registrar, Registration
+from kvmesh.storage.servicer import StorageServicer
+from kvmesh.storage.transfer import TransferEngine
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvmesh.storage.v1.StorageService"
+
+
+class EmitterSink:
+    """The storage core's EventSink, feeding the cache-event emitter."""
+
+    def __init__(self, emitter: CacheEventEmitter) -> None:
+        self.emitter = emitter
+
+    def record(
+        self,
+        event_type: EventType,
+        tier: Tier,
+        backend: str,
+        shared: bool,
+        entries: Sequence[tuple[ObjectKey, int]],
+    ) -> None:
+        self.emitter.record(
+            event_type, tier, backend, shared, [CacheEventEntry(k, size) for k, size in entries]
+        )
+
+    def record_capacity(self, modules: Sequence[CapacityModule]) -> None:
+        self.emitter.record_capacity(
+            (m.tier, m.backend, m.shared, m.capacity_bytes) for m in modules
+        )
+
+
+class _DeferredHandler:
+    """Commands arrive on the stream the emitter opens before the node exists."""
+
+    def __init__(self) -> None:
+        self.node: StorageNode | None = None
+
+    def handle_command(self, command: NodeCommand) -> int:
+        if self.node is None:
+            raise Unavailable("the storage node is still starting")
+        return self.node.handle_command(command)
+
+
+def _flat_stats(node: StorageNode, emitter: CacheEventEmitter | None) -> dict[str, Any]:
+    """The node's status flattened for Prometheus series."""
+    status = node.status()
+    l1 = status["l1"]
+    out: dict[str, Any] = {
+        "l1_used_bytes": l1.get("used_bytes", 0),
+        "l1_capacity_bytes": l1.get("capacity_bytes", 0),
+        "l1_mapped_bytes": l1.get("committed_bytes", 0),
+        "l1_resident_objects": l1.get("resident_objects", 0),
+        "l1_read_locked_objects": l1.get("read_locked_objects", 0),
+        "l1_bytes_by_salt": node.manager.l1.bytes_by_salt(),
+        "active_prefetches": status["active_prefetches"],
+        "engines": len(status["engines"]),
+        "l2_used_bytes": {t["name"]: t["index_bytes"] for t in status["l2"]},
+        "l2_objects": {t["name"]: t["index_objects"] for t in status["l2"]},
+        "l2_healthy": {t["name"]: 1 if t["healthy"] else 0 for t in status["l2"]},
+        "l2_stored_keys": {t["name"]: t["stored_keys"] for t in status["l2"]},
+        "l2_loaded_keys": {t["name"]: t["loaded_keys"] for t in status["l2"]},
+        "l2_store_failed_keys": {t["name"]: t["store_failed_keys"] for t in status["l2"]},
+    }
+    for section in ("eviction", "store", "prefetch"):
+        for name, value in status.get(section, {}).items():
+            if isinstance(value, bool | int | float):
+                out[f"{section}_{name}"] = value
+    if emitter is not None:
+        stats = emitter.stats()
+        for name in ("batches_acked", "batches_dropped", "reconnects", "window_depth"):
+            out[f"emitter_{name}"] = getattr(stats, name, 0)
+        out["emitter_connected"] = 1 if getattr(stats, "connected", False) else 0
+    return out
+
+
+_SERIES = [
+    Series("kvmesh_storage_l1_used_bytes", "L1 bytes in use.", "l1_used_bytes"),
+    Series("kvmesh_storage_l1_capacity_bytes", "Configured L1 size.", "l1_capacity_bytes"),
+    Series("kvmesh_storage_l1_mapped_bytes", "L1 bytes mapped so far.", "l1_mapped_bytes"),
+    Series("kvmesh_storage_l1_objects", "Resident L1 objects.", "l1_resident_objects"),
+    Series(
+        "kvmesh_storage_l1_read_locked_objects",
+        "L1 objects with read locks.",
+        "l1_read_locked_objects",
+    ),
+    Series(
+        "kvmesh_storage_l1_salt_bytes",
+        "L1 bytes per cache salt.",
+        "l1_bytes_by_salt",
+        label="cache_salt",
+    ),
+    Series("kvmesh_storage_active_prefetches", "Prefetches in flight.", "active_prefetches"),
+    Series("kvmesh_storage_engines", "Registered engines.", "engines"),
+    Series(
+        "kvmesh_storage_l2_used_bytes", "L2 bytes per adapter.", "l2_used_bytes", label="adapter"
+    ),
+    Series("kvmesh_storage_l2_objects", "L2 objects per adapter.", "l2_objects", label="adapter"),
+    Series(
+        "kvmesh_storage_l2_healthy", "1 when the adapter is usable.", "l2_healthy", label="adapter"
+    ),
+    Series(
+        "kvmesh_storage_l2_stored_keys",
+        "Keys written to L2.",
+        "l2_stored_keys",
+        "counter",
+        label="adapter",
+    ),
+    Series(
+        "kvmesh_storage_l2_loaded_keys",
+        "Keys loaded from L2.",
+        "l2_loaded_keys",
+        "counter",
+        label="adapter",
+    ),
+    Series(
+        "kvmesh_storage_l2_store_failed_keys",
+        "Failed L2 writes.",
+        "l2_store_failed_keys",
+        "counter",
+        label="adapter",
+    ),
+    Series(
+        "kvmesh_storage_l1_evicted_keys",
+        "Keys evicted from L1.",
+        "eviction_l1_evicted_keys",
+        "counter",
+    ),
+    Series(
+        "kvmesh_storage_l2_evicted_keys",
+        "Keys evicted from L2.",
+        "eviction_l2_evicted_keys",
+        "counter",
+    ),
+    Series(
+        "kvmesh_storage_emitter_batches_acked",
+        "Event batches acked.",
+        "emitter_batches_acked",
+        "counter",
+    ),
+    Series(
+        "kvmesh_storage_emitter_batches_dropped",
+        "Event batches dropped (gap).",
+        "emitter_batches_dropped",
+        "counter",
+    ),
+    Series(
+        "kvmesh_storage_emitter_connected", "1 while the event stream is up.", "emitter_connected"
+    ),
+]
+
+
+class StorageApp:
+    """ServiceApp of a storage node."""
+
+    name = "storage"
+
+    def __init__(self, config: StorageConfig) -> None:
+        self.config = config
+        self.instance_id = config.instance_id or (
+            f"storage-{socket.gethostname()}-{config.port}"
+            if config.port
+            else f"storage-{socket.gethostname()}-{config.unix_socket or 'local'}".replace("/", "_")
+        )
+        self.data_dir = config.resolved_data_dir(self.instance_id)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.incarnation = next_incarnation(self.data_dir)
+        logger.info(
+            "storage node %s, incarnation %d, data in %s",
+            self.instance_id,
+            self.incarnation,
+            self.data_dir,
+        )
+        adapters: list[L2Adapter] = []
+        try:
+            for i, spec in enumerate(config.l2_configs(self.data_dir)):
+                adapters.append(build_l2_adapter(spec, path=f"l2[{i}]"))
+        except BaseException:
+            for adapter in adapters:
+                adapter.close()
+            raise
+        self.emitter: CacheEventEmitter | None = None
+        self.registrar: Registrar | None = None
+        self._handler = _DeferredHandler()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._event_transport: EventTransport | None = None
+        sink = None
+        if config.event_transport == "nats":
+            # nats-py is an optional dependency (the "nats" extra).
+            from kvmesh.storage.nats_link import NatsEventTransport, StreamSettings
+
+            self._event_transport = NatsEventTransport(
+                config.nats_url,
+                stream=StreamSettings(
+                    name=config.nats_stream, max_age_s=config.nats_max_age_seconds
+                ),
+            )
+        elif config.coordinator_target:
+            from kvmesh.storage.coordinator_link import GrpcEventTransport
+
+            self._event_transport = GrpcEventTransport(config.coordinator_target)
+        if self._event_transport is not None:
+            self.emitter = CacheEventEmitter(
+                EmitterConfig(
+                    instance_id=self.instance_id,
+                    incarnation=self.incarnation,
+                    flush_interval_s=config.event_flush_ms / 1000.0,
+                ),
+                self._event_transport,
+                command_handler=self._handler,
+            )
+            sink = EmitterSink(self.emitter)
+        options = StorageOptions(
+            segment_bytes=config.segment_bytes(),
+            initial_l1_bytes=config.l1_prefault_bytes or None,
+            shm_dir=config.shm_dir,
+            read_ttl_s=config.read_ttl_seconds,
+            write_ttl_s=config.write_ttl_seconds,
+            trigger_watermark=config.eviction_watermark,
+            target_watermark=max(0.0, config.eviction_watermark - config.eviction_ratio),
+            store_policy=StorePolicy(config.store_policy),
+            prefetch_policy=PrefetchPolicy(config.prefetch_policy),
+            prefetch_max_in_flight=config.prefetch_max_in_flight,
+        )
+        self.manager = StorageManager(
+            self.instance_id,
+            config.l1_size_bytes,
+            l2_adapters=adapters,
+            event_sink=sink,
+            options=options,
+        )
+        self.transfer = TransferEngine(config.allowed_memory_dir)
+        self.node = StorageNode(
+            self.manager, self.transfer, max_chunks_per_request=config.max_chunks_per_request
+        )
+        self._handler.node = self.node
+        self.servicer = StorageServicer(self.node, self.instance_id, self.incarnation)
+        if self.emitter is not None:
+            self.servicer.emitter_status = self._emitter_status
+
+    def _emitter_status(self) -> storage_pb2.EmitterStatus:
+        assert self.emitter is not None
+        stats = self.emitter.stats()
+        return storage_pb2.EmitterStatus(
+            connected=bool(getattr(stats, "connected", False)),
+            incarnation=self.incarnation,
+            last_seq=self.emitter.last_seq,
+            last_acked_seq=int(getattr(stats, "acked_through_seq", 0)),
+            unacked_batches=int(getattr(stats, "window_depth", 0)),
+            dropped_batches=int(getattr(stats, "batches_dropped", 0)),
+        )
+
+    def bindings(self) -> Sequence[ServiceBinding]:
+        def add(server: grpc.aio.Server) -> None:
+            storage_pb2_grpc.add_StorageServiceServicer_to_server(self.servicer, server)
+
+        return [ServiceBinding(SERVICE_NAME, add)]
+
+    def collectors(self) -> Sequence[Collector]:
+        return [
+            StatsCollector(
+                lambda: _flat_stats(self.node, self.emitter),
+                _SERIES,
+                const_labels={"instance_id": self.instance_id},
+            )
+        ]
+
+    def on_bound(
+        self, storage_address: str, metrics_address: str, gateway_address: str = ""
+    ) -> None:
+        """Called once the server is bound: start talking to the coordinator."""
+        if not self.config.coordinator_target or self.registrar is not None:
+            return
+        from kvmesh.storage.coordinator_link import GrpcMembershipClient
+
+        client = GrpcMembershipClient(
+            self.config.coordinator_target,
+            incarnation=self.incarnation,
+            storage_address=storage_address,
+            gateway_address=gateway_address,
+            metrics_address=metrics_address,
+        )
+        self.registrar = Registrar(
+            client,
+            self.instance_id,
+            heartbeat_interval_s=self.config.heartbeat_seconds,
+            on_registered=self._on_registered,
+        )
+
+    def _on_registered(self, registration: Registration) -> None:
+        # A (re-)registered node re-declares its capacity; the coordinator may be new.
+        self.manager.publish_capacity()
+
+    async def start(self) -> None:
+        # Build or load the native copy kernel now, off the request path (the first
+        # store would otherwise fall back to the slower NumPy copy while it compiles).
+        library = await asyncio.to_thread(native.load, 60.0)
+        logger.info("copy kernel: %s", native.status() if library else "numpy fallback")
+        if self.emitter is not None:
+            self.emitter.start()
+        if self.registrar is not None:
+            self.registrar.start()
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="storage-txn-sweeper")
+
+    async def _sweep_loop(self) -> None:
+        period = max(0.5, min(self.config.read_ttl_seconds, self.config.write_ttl_seconds) / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.node.expire_transactions()
+            except Exception:
+                logger.exception("expiring engine-driven transactions failed")
+
+    async def discard(self) -> None:
+        """Release what construction took when the server could not be created (never started)."""
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        if self.registrar is not None:
+            self.registrar.stop()
+        self.node.close()
+        self.manager.close()
+        self.transfer.close()
+        if self.emitter is not None and not self.emitter.close(timeout=5.0):
+            logger.warning("some cache events were not acknowledged before shutdown")
+        close_transport = getattr(self._event_transport, "close", None)
+        if close_transport is not None:
+            # After the emitter: ends the transport's sessions, threads and event loop.
+            await asyncio.to_thread(close_transport)

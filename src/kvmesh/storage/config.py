@@ -1,0 +1,136 @@
+"""Settings of the storage service (L1/L2 defaults as LMCache 0.5.6, §15)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from kvmesh.common.config import ConfigError, setting
+from kvmesh.rpc.server import ServerSettings
+
+DEFAULT_PORT = 8301
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageConfig(ServerSettings):
+    """What a storage node needs: identity, L1 size, L2 adapters, coordinator."""
+
+    port: int = setting(DEFAULT_PORT, "gRPC port (0 picks a free one)")
+    instance_id: str = setting(
+        "", "stable node id for the coordinator ('' = storage-<hostname>-<port>)"
+    )
+    coordinator_target: str = setting(
+        "", "coordinator address (host:port); '' runs without reporting cache events"
+    )
+    data_dir: str = setting(
+        "", "node state: incarnation counter, default disk L2 ('' = <tmp>/kvmesh/<instance_id>)"
+    )
+    l1_size_bytes: int = setting(2 * 1024**3, "L1 CPU memory, grown lazily up to this size")
+    l1_segment_bytes: int = setting(
+        0, "L1 grows by shared-memory segments this big (0 = min(256MiB, l1_size_bytes))"
+    )
+    l1_prefault_bytes: int = setting(
+        0, "L1 mapped and pre-faulted at start, off the request path (0 = one segment)"
+    )
+    shm_dir: str = setting("/dev/shm", "directory of the L1 shared-memory segments")
+    allowed_memory_dir: str = setting(
+        "/dev/shm", "engines' KV shared-memory files must lie inside this directory"
+    )
+    l2: list[str] = setting(  # noqa: RUF009 - setting() makes a default_factory field
+        ["disk"],
+        "L2 adapters in priority order: 'disk', 'none', or JSON such as "
+        '\'{"type": "redis", "url": "redis://127.0.0.1:6379"}\'',
+    )
+    eviction_watermark: float = setting(0.8, "evict L1 when used bytes reach this fraction")
+    eviction_ratio: float = setting(0.2, "fraction of L1 bytes freed per eviction cycle")
+    read_ttl_seconds: float = setting(300.0, "a read lock expires after this (crashed clients)")
+    write_ttl_seconds: float = setting(600.0, "an unfinished write expires after this")
+    store_policy: Literal["default", "skip_l1"] = setting(
+        "default", "default keeps chunks in L1 after writing them to L2; skip_l1 drops them"
+    )
+    prefetch_policy: Literal["default", "retain"] = setting(
+        "default", "default frees chunks loaded from L2 after use; retain keeps them in L1"
+    )
+    prefetch_max_in_flight: int = setting(8, "L2→L1 prefetches running at once")
+    max_chunks_per_request: int = setting(4096, "largest store/retrieve/lookup, in chunks")
+    heartbeat_seconds: float = setting(5.0, "how often to heartbeat the coordinator")
+    event_flush_ms: int = setting(50, "cache events are batched for at most this long")
+    event_transport: Literal["grpc", "nats"] = setting(
+        "grpc",
+        "how cache events reach the coordinator: its gRPC stream, or a NATS JetStream stream "
+        "it replays after a restart (membership still uses coordinator_target)",
+    )
+    nats_url: str = setting("nats://127.0.0.1:4222", "NATS server (event_transport nats)")
+    nats_stream: str = setting("KVMESH_EVENTS", "JetStream stream of cache events")
+    nats_max_age_seconds: float = setting(
+        86400.0, "events kept this long when this node creates the stream (0 = forever)"
+    )
+
+    def segment_bytes(self) -> int:
+        """The L1 segment size in effect."""
+        return self.l1_segment_bytes or min(256 * 1024**2, self.l1_size_bytes)
+
+    def resolved_instance_id(self, bound_port: int) -> str:
+        """The configured id, or one derived from host name and port (never random)."""
+        return self.instance_id or f"storage-{socket.gethostname()}-{bound_port}"
+
+    def resolved_data_dir(self, instance_id: str) -> Path:
+        """Where node state lives."""
+        if self.data_dir:
+            return Path(self.data_dir).expanduser()
+        return Path(tempfile.gettempdir()) / "kvmesh" / instance_id
+
+    def l2_configs(self, data_dir: Path) -> list[dict[str, object]]:
+        """Adapter configs, with the 'disk' shorthand expanded under data_dir."""
+        configs: list[dict[str, object]] = []
+        for item in self.l2:
+            text = item.strip()
+            if text in ("", "none"):
+                continue
+            if text == "disk":
+                configs.append({"type": "disk", "base_path": str(data_dir / "l2")})
+                continue
+            try:
+                parsed = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"l2: not JSON and not a shorthand: {item!r}") from exc
+            if not isinstance(parsed, dict) or "type" not in parsed:
+                raise ConfigError(f"l2: an adapter config needs a 'type': {item!r}")
+            configs.append(parsed)
+        return configs
+
+    def validate(self) -> None:
+        """Raise ConfigError on unusable settings."""
+        self.validate_server()
+        if self.l1_size_bytes < 1024**2:
+            raise ConfigError("l1_size_bytes must be at least 1MiB")
+        if self.l1_segment_bytes and not 4096 <= self.l1_segment_bytes <= self.l1_size_bytes:
+            raise ConfigError("l1_segment_bytes must be 0 (auto) or in [4KiB, l1_size_bytes]")
+        if not 0 <= self.l1_prefault_bytes <= self.l1_size_bytes:
+            raise ConfigError("l1_prefault_bytes must be in [0, l1_size_bytes]")
+        if not 0.0 < self.eviction_watermark <= 1.0:
+            raise ConfigError("eviction_watermark must be in (0, 1]")
+        if not 0.0 < self.eviction_ratio <= 1.0:
+            raise ConfigError("eviction_ratio must be in (0, 1]")
+        if self.read_ttl_seconds <= 0 or self.write_ttl_seconds <= 0:
+            raise ConfigError("lock TTLs must be > 0")
+        if self.prefetch_max_in_flight < 1:
+            raise ConfigError("prefetch_max_in_flight must be >= 1")
+        if self.max_chunks_per_request < 1:
+            raise ConfigError("max_chunks_per_request must be >= 1")
+        if self.heartbeat_seconds <= 0 or self.event_flush_ms < 1:
+            raise ConfigError("heartbeat_seconds and event_flush_ms must be > 0")
+        if self.event_transport == "nats":
+            if not self.nats_url:
+                raise ConfigError("nats_url must be set when event_transport is nats")
+            if not self.nats_stream or any(c in self.nats_stream for c in ".*> /\\"):
+                raise ConfigError("nats_stream must be a JetStream stream name")
+            if self.nats_max_age_seconds < 0:
+                raise ConfigError("nats_max_age_seconds must be >= 0")
+        if "/" in self.instance_id or "@" in self.instance_id:
+            raise ConfigError("instance_id must not contain '/' or '@'")
+        self.l2_configs(Path("."))

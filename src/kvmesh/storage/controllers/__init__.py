@@ -1,0 +1,20 @@
+"""The storage node's L2 controllers: write-through (store) and lookup/load (prefetch)."""
+
+from kvmesh.storage.controllers.l2tier import L2Tier
+from kvmesh.storage.controllers.prefetch import (
+    PrefetchController,
+    PrefetchHandle,
+    PrefetchPolicy,
+    PrefetchResult,
+)
+from kvmesh.storage.controllers.store import StoreController, StorePolicy
+
+__all__ = [
+    "L2Tier",
+    "PrefetchController",
+    "PrefetchHandle",
+    "PrefetchPolicy",
+    "PrefetchResult",
+    "StoreController",
+    "StorePolicy",
+]

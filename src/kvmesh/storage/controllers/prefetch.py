@@ -1,0 +1,548 @@
+"""PrefetchController: lookup over L1 and L2, and loading of the missing prefix from L2.
+
+A request is a grid of keys: rows are kv ranks / object groups, columns are
+chunks. A column counts only when every row has it, and only the contiguous
+prefix of counting columns is served (reference mp_server §12.3):
+
+1. Read-lock every L1 hit ``num_kv_readers`` times (synchronously, in
+   ``submit``). When L1 alone covers the whole grid, or no L2 adapter is
+   available, the result is ready before ``submit`` returns.
+2. Otherwise a worker (at most ``max_in_flight`` requests at once, the rest
+   wait in FIFO order) pins the missing cells in each adapter and asks it
+   which it holds (``contains``), lowest adapter first.
+3. Plan: the longest column prefix that L1 ∪ L2 can serve; nothing after the
+   first missing column is ever loaded, and L1 locks after it are released.
+4. Reserve L1 staging for the planned cells, load them (``get_into``) and
+   publish them with ``num_kv_readers`` read locks: *temporary* objects
+   (freed when their last reader is done) under the ``default`` policy,
+   ordinary resident ones under ``retain``. An out-of-memory reservation or a
+   failed load shortens the prefix; everything after it is released.
+5. The result is kept until it is queried, exactly once.
+
+A degraded or failing adapter only turns its cells into misses; an
+unexpected error aborts the request into an all-miss result with every lock,
+pin and staging object released. Nothing raised here reaches the caller of
+``query``/``wait`` except ``NotFound`` for an unknown or consumed handle.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvmesh.common.keys import ObjectKey
+from kvmesh.storage.controllers.l2tier import L2Tier
+from kvmesh.storage.eviction import PinTable
+from kvmesh.storage.l1.manager import MAX_READ_LOCKS_PER_CALL, L1Manager, L1Result
+from kvmesh.storage.l1.objects import L1Object
+from kvmesh.storage.l2.base import L2Unavailable
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_IN_FLIGHT = 8
+DEFAULT_RESULT_TTL_S = 300.0
+
+Cell = tuple[int, int]  # (row, column)
+
+
+class PrefetchPolicy(enum.Enum):
+    """Retention of objects loaded from L2."""
+
+    DEFAULT = "default"  # temporary: freed when the last reader releases it
+    RETAIN = "retain"  # kept resident like a client-written object
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchHandle:
+    """Identifies one submitted prefetch."""
+
+    id: int
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    """Outcome of a prefetch, returned exactly once.
+
+    ``hit_chunks`` is the servable prefix in chunks (columns); every key of
+    ``locked_keys`` (row-major over the prefix) is read-locked
+    ``num_kv_readers`` times for the caller, who releases them with
+    ``finish_read``. ``error`` is empty unless the request was aborted.
+    """
+
+    request_id: str
+    hit_chunks: int
+    num_rows: int
+    num_chunks: int
+    num_kv_readers: int
+    l1_hit_cells: int
+    l2_hit_cells: int
+    locked_keys: tuple[ObjectKey, ...]
+    error: str = ""
+
+
+@dataclass(eq=False)
+class _Job:
+    handle: PrefetchHandle
+    rows: list[list[ObjectKey]]
+    readers: int
+    row_nbytes: list[int] | None
+    held: list[list[bool]]
+    loaded: set[Cell] = field(default_factory=set)
+    staged: dict[Cell, tuple[L2Tier, L1Object]] = field(default_factory=dict)
+    pins: dict[Cell, L2Tier] = field(default_factory=dict)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.rows[0]) if self.rows else 0
+
+    @property
+    def tag(self) -> str:
+        return f"prefetch:{self.handle.id}"
+
+    def key(self, cell: Cell) -> ObjectKey:
+        return self.rows[cell[0]][cell[1]]
+
+    def held_prefix(self) -> int:
+        """Columns held in every row, from the left (the first gap in any row ends it)."""
+        prefix = self.num_chunks
+        for row in self.held:
+            if False in row:
+                prefix = min(prefix, row.index(False))
+        return prefix
+
+
+class PrefetchController:
+    """Runs prefetch requests and keeps their results until queried.
+
+    Threads: a pool of ``max_in_flight`` workers (``kvmesh-prefetch``) whose
+    queue is FIFO. ``close()`` lets running requests finish, aborts queued
+    ones (releasing their locks) and joins the workers.
+    """
+
+    def __init__(
+        self,
+        l1: L1Manager,
+        tiers: Sequence[L2Tier],
+        pins: PinTable,
+        *,
+        policy: PrefetchPolicy = PrefetchPolicy.DEFAULT,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        result_ttl_s: float = DEFAULT_RESULT_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_in_flight < 1:
+            raise InvalidArgument("max_in_flight must be >= 1", field="max_in_flight")
+        self.l1 = l1
+        self.tiers = list(tiers)
+        self.pins = pins
+        self.policy = policy
+        self.max_in_flight = max_in_flight
+        self.result_ttl_s = result_ttl_s
+        self._clock = clock
+        self._ids = itertools.count(1)
+        self._cond = threading.Condition()
+        self._jobs: dict[int, _Job] = {}
+        self._results: OrderedDict[int, tuple[float, PrefetchResult]] = OrderedDict()
+        self._closing = False
+        self._executor = ThreadPoolExecutor(
+            max_workers=max_in_flight, thread_name_prefix="kvmesh-prefetch"
+        )
+        # Gauges and counters.
+        self.queued = 0
+        self.in_flight = 0
+        self.submitted = 0
+        self.completed = 0
+        self.completed_l1_only = 0
+        self.aborted = 0
+        self.expired_results = 0
+        self.l2_loaded_cells = 0
+        self.l2_failed_cells = 0
+        self.oom_cells = 0
+
+    # -- API ----------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        key_rows: Sequence[Sequence[ObjectKey]],
+        num_kv_readers: int,
+        *,
+        row_nbytes: Sequence[int] | None = None,
+    ) -> PrefetchHandle:
+        """Start a prefetch of the grid ``key_rows`` (rows × chunks).
+
+        ``row_nbytes`` gives the object size of each row (needed to stage L2
+        loads); without it the size comes from the adapter's index or another
+        L1 object of the same row, and a cell of unknown size is a miss.
+        """
+        rows = [list(r) for r in key_rows]
+        if rows and any(len(r) != len(rows[0]) for r in rows):
+            raise InvalidArgument(
+                "every key row must have the same number of chunks", field="key_rows"
+            )
+        nbytes: list[int] | None = None
+        if row_nbytes is not None:
+            nbytes = list(row_nbytes)
+            if len(nbytes) != len(rows) or any(n <= 0 for n in nbytes):
+                raise InvalidArgument(
+                    "row_nbytes must give one positive size per key row", field="row_nbytes"
+                )
+        readers = min(max(num_kv_readers, 1), MAX_READ_LOCKS_PER_CALL)
+        self._sweep_results()
+        with self._cond:
+            if self._closing:
+                raise FailedPrecondition("the prefetch controller is closed")
+            handle = PrefetchHandle(next(self._ids), request_id)
+            self.submitted += 1
+        job = _Job(handle, rows, readers, nbytes, [[False] * len(r) for r in rows])
+        if job.num_chunks:
+            flat = [k for r in rows for k in r]
+            held = [res is L1Result.SUCCESS for res in self.l1.reserve_read(flat, readers)]
+            width = job.num_chunks
+            job.held = [held[i : i + width] for i in range(0, len(held), width)]
+        prefix = job.held_prefix()
+        if prefix == job.num_chunks or not any(t.available() for t in self.tiers):
+            with self._cond:
+                self.completed_l1_only += 1
+            self._finish(job, prefix)
+            return handle
+        with self._cond:
+            self._jobs[handle.id] = job
+            self.queued += 1
+        try:
+            self._executor.submit(self._run, job)
+        except RuntimeError:
+            # close() shut the pool down between our check and now.
+            with self._cond:
+                self.queued -= 1
+            self._abort(job, "storage node shutting down")
+        return handle
+
+    def query(self, handle: PrefetchHandle) -> PrefetchResult | None:
+        """The result once (then forgotten); None while running; NotFound if unknown/consumed."""
+        self._sweep_results()
+        with self._cond:
+            entry = self._results.pop(handle.id, None)
+            if entry is not None:
+                return entry[1]
+            if handle.id in self._jobs:
+                return None
+        raise NotFound(
+            f"prefetch {handle.id} of request {handle.request_id!r} is unknown or its result "
+            "was already returned",
+            reason="PREFETCH_NOT_FOUND",
+        )
+
+    def wait(self, handle: PrefetchHandle, timeout: float) -> bool:
+        """Block until the result is ready (True) or ``timeout`` seconds pass (False).
+
+        Does not consume the result; raises NotFound if unknown/consumed.
+        """
+        with self._cond:
+            self._cond.wait_for(
+                lambda: handle.id in self._results or handle.id not in self._jobs,
+                timeout=max(0.0, timeout),
+            )
+            if handle.id in self._results:
+                return True
+            if handle.id in self._jobs:
+                return False
+        raise NotFound(
+            f"prefetch {handle.id} of request {handle.request_id!r} is unknown or its result "
+            "was already returned",
+            reason="PREFETCH_NOT_FOUND",
+        )
+
+    def close(self) -> None:
+        """Finish running requests, abort queued ones, join the workers. Idempotent."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        with self._cond:
+            leftover = list(self._jobs.values())
+        for job in leftover:
+            self._abort(job, "storage node shutting down")
+
+    def stats(self) -> dict[str, Any]:
+        """Queue gauges and counters."""
+        with self._cond:
+            return {
+                "policy": self.policy.value,
+                "max_in_flight": self.max_in_flight,
+                "queued": self.queued,
+                "in_flight": self.in_flight,
+                "unconsumed_results": len(self._results),
+                "submitted": self.submitted,
+                "completed": self.completed,
+                "completed_l1_only": self.completed_l1_only,
+                "aborted": self.aborted,
+                "expired_results": self.expired_results,
+                "l2_loaded_cells": self.l2_loaded_cells,
+                "l2_failed_cells": self.l2_failed_cells,
+                "oom_cells": self.oom_cells,
+            }
+
+    # -- worker ---------------------------------------------------------------
+
+    def _run(self, job: _Job) -> None:
+        with self._cond:
+            self.queued -= 1
+            self.in_flight += 1
+        try:
+            self._load_prefix(job)
+        except Exception as exc:
+            logger.exception("prefetch %s failed; answering all-miss", job.handle.request_id)
+            self._abort(job, f"internal error: {exc!r}")
+        finally:
+            with self._cond:
+                self.in_flight -= 1
+
+    def _load_prefix(self, job: _Job) -> None:
+        start = job.held_prefix()
+        width, height = job.num_chunks, len(job.rows)
+        missing = [(r, c) for c in range(start, width) for r in range(height) if not job.held[r][c]]
+        sizes = self._cell_sizes(job, missing)
+        for tier in self.tiers:
+            ask = [cell for cell in missing if cell not in job.pins and sizes.get(cell)]
+            if not ask or not tier.available():
+                continue
+            pinned = self.pins.pin(tier.name, [job.key(c) for c in ask])
+            ask = [cell for cell, ok in zip(ask, pinned, strict=True) if ok]
+            for cell in ask:
+                job.pins[cell] = tier
+            try:
+                present = tier.contains([job.key(c) for c in ask])
+            except L2Unavailable:
+                present = [False] * len(ask)
+            self._unpin(job, [c for c, ok in zip(ask, present, strict=True) if not ok])
+
+        # Plan: the longest prefix every row can serve from L1 or some adapter.
+        end = start
+        for c in range(start, width):
+            if not all(job.held[r][c] or (r, c) in job.pins for r in range(height)):
+                break
+            end = c + 1
+        self._unpin(job, [cell for cell in list(job.pins) if cell[1] >= end])
+        self._release(job, end)
+        if end == start:
+            self._finish(job, start)
+            return
+
+        end = self._stage(job, sizes, end)
+        for tier in self.tiers:
+            cells = sorted(
+                (c for c, (t, _) in job.staged.items() if t is tier), key=lambda rc: rc[1]
+            )
+            if not cells:
+                continue
+            end = self._load_from(job, tier, cells, end)
+        self._finish(job, min(end, job.held_prefix()))
+
+    def _cell_sizes(self, job: _Job, cells: list[Cell]) -> dict[Cell, int]:
+        """Object size per cell: given per row, else an adapter index, else the row's L1 size."""
+        sizes: dict[Cell, int] = {}
+        row_guess: dict[int, int | None] = {}
+        for r, c in cells:
+            if job.row_nbytes is not None:
+                sizes[(r, c)] = job.row_nbytes[r]
+                continue
+            key = job.rows[r][c]
+            known = next((s for t in self.tiers if (s := t.index.size_of(key)) is not None), None)
+            if known is None:
+                if r not in row_guess:
+                    row_guess[r] = next(
+                        (
+                            s
+                            for cc, held in enumerate(job.held[r])
+                            if held and (s := self.l1.size_of(job.rows[r][cc])) is not None
+                        ),
+                        None,
+                    )
+                known = row_guess[r]
+            if known is None:
+                logger.debug("prefetch %s: size of %s unknown", job.handle.request_id, key)
+                continue
+            sizes[(r, c)] = known
+        return sizes
+
+    def _stage(self, job: _Job, sizes: dict[Cell, int], end: int) -> int:
+        """Reserve L1 staging for the planned cells before ``end``; returns the new end."""
+        cells = sorted(job.pins, key=lambda rc: (rc[1], rc[0]))
+        results, objects = self.l1.reserve_write(
+            [job.key(c) for c in cells],
+            [sizes[c] for c in cells],
+            tag=job.tag,
+            temporary=self.policy is PrefetchPolicy.DEFAULT,
+            from_l2=True,
+        )
+        for cell, res in zip(cells, results, strict=True):
+            if res is L1Result.SUCCESS:
+                job.staged[cell] = (job.pins[cell], objects[job.key(cell)])
+            elif (
+                res is L1Result.KEY_NOT_WRITABLE
+                and self.l1.reserve_read([job.key(cell)], job.readers)[0] is L1Result.SUCCESS
+            ):
+                # Someone stored the key meanwhile: serve it from L1.
+                job.held[cell[0]][cell[1]] = True
+                self._unpin(job, [cell])
+            else:
+                if res is L1Result.OUT_OF_MEMORY:
+                    with self._cond:
+                        self.oom_cells += 1
+                end = min(end, cell[1])
+        self._drop_after(job, end)
+        return end
+
+    def _load_from(self, job: _Job, tier: L2Tier, cells: list[Cell], end: int) -> int:
+        """Load one adapter's staged cells before ``end``; returns the new end."""
+        cells = [c for c in cells if c[1] < end]
+        self._drop_after(job, end)
+        if not cells:
+            return end
+        keys = [job.key(c) for c in cells]
+        try:
+            ok = tier.get_into(keys, [job.staged[c][1].view() for c in cells])
+        except L2Unavailable:
+            ok = [False] * len(cells)
+        good = [c for c, g in zip(cells, ok, strict=True) if g]
+        bad = [c for c, g in zip(cells, ok, strict=True) if not g]
+        if good:
+            published = self.l1.finish_write_and_reserve_read(
+                [job.key(c) for c in good], job.readers, tag=job.tag
+            )
+            for cell, res in zip(good, published, strict=True):
+                job.staged.pop(cell, None)
+                if res is L1Result.SUCCESS:
+                    job.held[cell[0]][cell[1]] = True
+                    job.loaded.add(cell)
+                else:
+                    end = min(end, cell[1])
+            with self._cond:
+                self.l2_loaded_cells += len(good)
+        if bad:
+            with self._cond:
+                self.l2_failed_cells += len(bad)
+            self.l1.finish_write_and_delete([job.key(c) for c in bad], tag=job.tag)
+            for cell in bad:
+                job.staged.pop(cell, None)
+            end = min(end, *(c[1] for c in bad))
+            logger.info(
+                "prefetch %s: %d loads from L2 %s failed; prefix cut to %d chunks",
+                job.handle.request_id,
+                len(bad),
+                tier.name,
+                end,
+            )
+        self._unpin(job, cells)
+        return end
+
+    # -- bookkeeping ------------------------------------------------------------
+
+    def _drop_after(self, job: _Job, end: int) -> None:
+        """Discard staging and pins of cells at or after column ``end``."""
+        late = [c for c in job.staged if c[1] >= end]
+        if late:
+            self.l1.finish_write_and_delete([job.key(c) for c in late], tag=job.tag)
+            for cell in late:
+                del job.staged[cell]
+        self._unpin(job, [c for c in job.pins if c[1] >= end])
+
+    def _unpin(self, job: _Job, cells: Sequence[Cell]) -> None:
+        by_tier: dict[str, list[ObjectKey]] = {}
+        for cell in cells:
+            tier = job.pins.pop(cell, None)
+            if tier is not None:
+                by_tier.setdefault(tier.name, []).append(job.key(cell))
+        for name, keys in by_tier.items():
+            self.pins.unpin(name, keys)
+
+    def _release(self, job: _Job, end: int) -> None:
+        """Release the read locks held on cells at or after column ``end``."""
+        cells = [(r, c) for r, row in enumerate(job.held) for c in range(end, len(row)) if row[c]]
+        if cells:
+            self.l1.finish_read([job.key(c) for c in cells], job.readers)
+            for r, c in cells:
+                job.held[r][c] = False
+                job.loaded.discard((r, c))
+
+    def _finish(self, job: _Job, end: int, error: str = "") -> None:
+        self._drop_after(job, 0 if error else end)
+        self._release(job, end)
+        locked = tuple(key for row in job.rows for key in row[:end])
+        if locked:
+            self.l1.touch(locked)
+        l2_cells = sum(1 for c in job.loaded if c[1] < end)
+        result = PrefetchResult(
+            request_id=job.handle.request_id,
+            hit_chunks=end,
+            num_rows=len(job.rows),
+            num_chunks=job.num_chunks,
+            num_kv_readers=job.readers,
+            l1_hit_cells=len(locked) - l2_cells,
+            l2_hit_cells=l2_cells,
+            locked_keys=locked,
+            error=error,
+        )
+        with self._cond:
+            self._jobs.pop(job.handle.id, None)
+            self._results[job.handle.id] = (self._clock(), result)
+            self.completed += 1
+            self._cond.notify_all()
+
+    def _abort(self, job: _Job, error: str) -> None:
+        with self._cond:
+            self.aborted += 1
+        try:
+            self._finish(job, 0, error)
+        except Exception:
+            logger.exception("cleanup of prefetch %s failed", job.handle.request_id)
+            with self._cond:
+                self._jobs.pop(job.handle.id, None)
+                self._results[job.handle.id] = (
+                    self._clock(),
+                    PrefetchResult(
+                        request_id=job.handle.request_id,
+                        hit_chunks=0,
+                        num_rows=len(job.rows),
+                        num_chunks=job.num_chunks,
+                        num_kv_readers=job.readers,
+                        l1_hit_cells=0,
+                        l2_hit_cells=0,
+                        locked_keys=(),
+                        error=error,
+                    ),
+                )
+                self._cond.notify_all()
+
+    def _sweep_results(self) -> None:
+        """Drop results nobody queried within the TTL, releasing their locks."""
+        now = self._clock()
+        expired: list[PrefetchResult] = []
+        with self._cond:
+            while self._results:
+                hid, (at, result) = next(iter(self._results.items()))
+                if now - at < self.result_ttl_s:
+                    break
+                del self._results[hid]
+                expired.append(result)
+            self.expired_results += len(expired)
+        for result in expired:
+            logger.warning(
+                "prefetch result of request %r was never queried; releasing its %d locks",
+                result.request_id,
+                len(result.locked_keys),
+            )
+            if result.locked_keys:
+                self.l1.finish_read(list(result.locked_keys), result.num_kv_readers)

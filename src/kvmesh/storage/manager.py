@@ -1,0 +1,589 @@
+"""StorageManager: the storage node's core, as the gRPC servicer (and tests) call it.
+
+It wires the L1 pool and state machine, the L2 adapters (each behind an
+:class:`L2Tier`), eviction, the store and prefetch controllers, quotas, and
+placement events. Plain typed Python: no protobuf, no grpc.
+
+Every placement change is reported to an :class:`EventSink` in the order it
+happened: L1 admit (STORE/L1), L1 delete, eviction or release (DELETE/L1),
+L1 use (ACCESS/L1), L2 store (STORE/L2), L2 delete or eviction (DELETE/L2),
+L2 load into L1 (ACCESS/L2 plus STORE/L1 of the loaded object), and, at
+start, everything each adapter already holds (STORE/L2), so the coordinator
+relearns this node's L2 placements after a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from kvmesh.common.errors import FailedPrecondition, InvalidArgument
+from kvmesh.common.events import EventType, Tier
+from kvmesh.common.keys import ObjectKey
+from kvmesh.storage.controllers.l2tier import DEFAULT_BACKOFF_S, DEFAULT_MAX_BACKOFF_S, L2Tier
+from kvmesh.storage.controllers.prefetch import (
+    DEFAULT_MAX_IN_FLIGHT,
+    PrefetchController,
+    PrefetchHandle,
+    PrefetchPolicy,
+    PrefetchResult,
+)
+from kvmesh.storage.controllers.store import (
+    DEFAULT_BATCH_KEYS,
+    DEFAULT_MAX_PENDING_KEYS,
+    StoreController,
+    StorePolicy,
+)
+from kvmesh.storage.eviction import (
+    DEFAULT_PERIOD_S,
+    DEFAULT_TARGET_WATERMARK,
+    DEFAULT_TRIGGER_WATERMARK,
+    EvictionController,
+    L2EvictionConfig,
+    PinTable,
+    Quota,
+    QuotaManager,
+)
+from kvmesh.storage.l1.manager import (
+    DEFAULT_READ_TTL_S,
+    DEFAULT_WRITE_TTL_S,
+    STORE_TAG,
+    L1Manager,
+    L1Result,
+    RemovalReason,
+)
+from kvmesh.storage.l1.objects import L1Object
+from kvmesh.storage.l1.pool import DEFAULT_SEGMENT_BYTES, DEFAULT_SHM_DIR, L1Pool
+from kvmesh.storage.l2.base import L2Adapter, L2Unavailable
+
+logger = logging.getLogger(__name__)
+
+#: Backend name of the DRAM L1 in cache events (LMCache's ``L1BackendType.dram``).
+L1_BACKEND = "dram"
+
+
+class CapacityModule(NamedTuple):
+    """One storage compartment's declared capacity (0 = undeclared)."""
+
+    tier: Tier
+    backend: str
+    capacity_bytes: int
+    shared: bool = False
+
+
+class EventSink(Protocol):
+    """Receives placement changes in order; the cache-event emitter batches and sequences them.
+
+    Called from many threads, sometimes under the L1 lock: implementations
+    must be thread-safe, quick (append to a buffer) and must never call back
+    into the storage manager.
+    """
+
+    def record(
+        self,
+        event_type: EventType,
+        tier: Tier,
+        backend: str,
+        shared: bool,
+        entries: Sequence[tuple[ObjectKey, int]],
+    ) -> None:
+        """Record one run of same-kind changes; entries are ``(key, size_bytes)``.
+
+        ``size_bytes`` is meaningful for STORE only (0 otherwise). ACCESS on
+        L1 uses backend ``""``, as in LMCache.
+        """
+        ...
+
+    def record_capacity(self, modules: Sequence[CapacityModule]) -> None:
+        """Declare the node's whole storage topology (replaces any earlier declaration)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StorageOptions:
+    """Tunables of the storage core; the service config maps onto these."""
+
+    # L1 pool
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    shm_dir: str = DEFAULT_SHM_DIR
+    initial_l1_bytes: int | None = None  # None: one segment at start
+    grow_watermark: float = 0.75
+    prefault: bool = True
+    full_chunk_bytes: int | None = None  # None: learned (largest object size seen)
+    # L1 locks
+    read_ttl_s: float = DEFAULT_READ_TTL_S
+    write_ttl_s: float = DEFAULT_WRITE_TTL_S
+    # eviction
+    eviction_period_s: float = DEFAULT_PERIOD_S
+    trigger_watermark: float = DEFAULT_TRIGGER_WATERMARK
+    target_watermark: float = DEFAULT_TARGET_WATERMARK
+    l2_eviction: Mapping[str, L2EvictionConfig] = field(default_factory=dict)
+    default_quota: Quota | None = None  # None: salts without a quota are exempt
+    # controllers
+    store_policy: StorePolicy = StorePolicy.DEFAULT
+    store_batch_keys: int = DEFAULT_BATCH_KEYS
+    store_max_pending_keys: int = DEFAULT_MAX_PENDING_KEYS
+    prefetch_policy: PrefetchPolicy = PrefetchPolicy.DEFAULT
+    prefetch_max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    l2_backoff_s: float = DEFAULT_BACKOFF_S
+    l2_max_backoff_s: float = DEFAULT_MAX_BACKOFF_S
+    # threads
+    background_threads: bool = True  # eviction loops and ahead-of-need pool growth
+    index_l2_at_start: bool = True
+    close_flush_timeout_s: float = 5.0
+
+
+class _L1EventBridge:
+    """Turns L1 listener calls into placement events."""
+
+    def __init__(self, sink: EventSink) -> None:
+        self._sink = sink
+
+    def on_admitted(self, keys: Sequence[ObjectKey], sizes: Sequence[int], from_l2: bool) -> None:
+        self._emit(EventType.STORE, L1_BACKEND, list(zip(keys, sizes, strict=True)))
+
+    def on_removed(
+        self, keys: Sequence[ObjectKey], sizes: Sequence[int], reason: RemovalReason
+    ) -> None:
+        self._emit(EventType.DELETE, L1_BACKEND, [(k, 0) for k in keys])
+
+    def on_touched(self, keys: Sequence[ObjectKey]) -> None:
+        self._emit(EventType.ACCESS, "", [(k, 0) for k in keys])
+
+    def _emit(
+        self, event_type: EventType, backend: str, entries: list[tuple[ObjectKey, int]]
+    ) -> None:
+        try:
+            self._sink.record(event_type, Tier.L1, backend, False, entries)
+        except Exception:
+            logger.exception("event sink rejected %s L1 events", event_type.name)
+
+
+class StorageManager:
+    """Facade of the storage node: L1 writes and reads, prefetch, deletes, quotas, status.
+
+    Threads (all daemon, all stopped and joined by :meth:`close`): the pool
+    grower and the two eviction loops (when ``background_threads``), the
+    store dispatcher with its per-adapter I/O pool, the prefetch worker
+    pool, and a start-up thread that indexes each adapter.
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        l1_capacity_bytes: int,
+        *,
+        l2_adapters: Sequence[L2Adapter] = (),
+        event_sink: EventSink | None = None,
+        options: StorageOptions | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        opts = options or StorageOptions()
+        self.instance_id = instance_id
+        self.options = opts
+        self._sink = event_sink
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self.pool = L1Pool(
+            instance_id,
+            l1_capacity_bytes,
+            segment_bytes=opts.segment_bytes,
+            shm_dir=opts.shm_dir,
+            initial_bytes=opts.initial_l1_bytes,
+            grow_watermark=opts.grow_watermark,
+            prefault=opts.prefault,
+            background_grow=opts.background_threads,
+            full_chunk_bytes=opts.full_chunk_bytes,
+        )
+        try:
+            self.l1 = L1Manager(
+                self.pool, read_ttl_s=opts.read_ttl_s, write_ttl_s=opts.write_ttl_s, clock=clock
+            )
+            self.tiers = _make_tiers(l2_adapters, event_sink, opts, clock)
+            self.pins = PinTable()
+            self.quotas = QuotaManager(opts.default_quota)
+            self.eviction = EvictionController(
+                self.l1,
+                self.pool,
+                self.quotas,
+                self.pins,
+                tiers=self.tiers,
+                l2_configs=opts.l2_eviction,
+                period_s=opts.eviction_period_s,
+                trigger_watermark=opts.trigger_watermark,
+                target_watermark=opts.target_watermark,
+            )
+            self.store = StoreController(
+                self.l1,
+                self.tiers,
+                policy=opts.store_policy,
+                batch_max_keys=opts.store_batch_keys,
+                max_pending_keys=opts.store_max_pending_keys,
+            )
+            self.prefetch = PrefetchController(
+                self.l1,
+                self.tiers,
+                self.pins,
+                policy=opts.prefetch_policy,
+                max_in_flight=opts.prefetch_max_in_flight,
+                result_ttl_s=opts.read_ttl_s,
+                clock=clock,
+            )
+        except BaseException:
+            self.pool.close()
+            raise
+        # Events first, so a listener further down can never report a change
+        # before the coordinator has heard of it.
+        if event_sink is not None:
+            self.l1.add_listener(_L1EventBridge(event_sink))
+        self.l1.add_listener(self.eviction.policy)
+        self.l1.add_listener(self.store)
+        self.l1.set_reclaim(self._reclaim)
+
+        self._index_done = threading.Event()
+        self._closing = threading.Event()
+        self._index_thread: threading.Thread | None = None
+        self.publish_capacity()
+        self.store.start()
+        if opts.background_threads:
+            self.eviction.start()
+        if self.tiers:
+            self._index_thread = threading.Thread(
+                target=self._index_l2, name="kvmesh-l2-index", daemon=True
+            )
+            self._index_thread.start()
+        else:
+            self._index_done.set()
+
+    @property
+    def event_sink(self) -> EventSink | None:
+        """Where placement changes are reported (None when the node runs alone)."""
+        return self._sink
+
+    # -- writes ---------------------------------------------------------------
+
+    def reserve_write(
+        self,
+        keys: Sequence[ObjectKey],
+        nbytes_per_key: int | Sequence[int],
+        *,
+        tag: str = STORE_TAG,
+    ) -> dict[ObjectKey, L1Object]:
+        """Reserve an L1 object per key for a client write.
+
+        Keys already resident, being written, or that do not fit even after
+        eviction are omitted from the answer (not an error). Keys are assumed
+        validated by the caller (the servicer validates at the edge).
+        """
+        self._check_open()
+        sizes = (
+            [nbytes_per_key] * len(keys)
+            if isinstance(nbytes_per_key, int)
+            else list(nbytes_per_key)
+        )
+        if len(sizes) != len(keys):
+            raise InvalidArgument("one size per key is required", field="nbytes_per_key")
+        _, objects = self.l1.reserve_write(keys, sizes, tag=tag)
+        return objects
+
+    def finish_write(self, keys: Sequence[ObjectKey], *, tag: str = STORE_TAG) -> list[L1Result]:
+        """Publish written objects: they become readable and are written through to L2."""
+        return self.l1.finish_write(keys, tag=tag)
+
+    def abort_write(self, keys: Sequence[ObjectKey], *, tag: str = STORE_TAG) -> list[L1Result]:
+        """Discard reserved objects whose transfer failed (instead of waiting for the TTL)."""
+        return self.l1.finish_write_and_delete(keys, tag=tag)
+
+    # -- lookup / prefetch ---------------------------------------------------------
+
+    def submit_prefetch(
+        self,
+        request_id: str,
+        key_rows: Sequence[Sequence[ObjectKey]],
+        num_kv_readers: int,
+        *,
+        row_nbytes: Sequence[int] | None = None,
+    ) -> PrefetchHandle:
+        """Look the grid up in L1 and L2 and load the missing prefix; see PrefetchController."""
+        self._check_open()
+        return self.prefetch.submit(request_id, key_rows, num_kv_readers, row_nbytes=row_nbytes)
+
+    def query_prefetch(self, handle: PrefetchHandle) -> PrefetchResult | None:
+        """The result, exactly once; None while running; NotFound when unknown or consumed."""
+        return self.prefetch.query(handle)
+
+    def wait_prefetch(self, handle: PrefetchHandle, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the result (does not consume it)."""
+        return self.prefetch.wait(handle, timeout)
+
+    # -- reads ----------------------------------------------------------------
+
+    def unsafe_read(self, keys: Sequence[ObjectKey]) -> dict[ObjectKey, L1Object]:
+        """Objects of keys the caller holds read locks on (from a prefetch); others are absent."""
+        _, objects = self.l1.unsafe_read(keys)
+        return objects
+
+    def reserve_read(self, keys: Sequence[ObjectKey], n: int = 1) -> list[L1Result]:
+        """Take ``n`` read locks on resident keys (e.g. for an engine-driven read)."""
+        return self.l1.reserve_read(keys, n)
+
+    def finish_read(self, keys: Sequence[ObjectKey], n: int = 1) -> list[L1Result]:
+        """Release ``n`` read locks per key."""
+        return self.l1.finish_read(keys, n)
+
+    def touch(self, keys: Sequence[ObjectKey]) -> int:
+        """Refresh LRU recency of resident keys (end of a session); returns how many were."""
+        return self.l1.touch(keys)
+
+    # -- deletes --------------------------------------------------------------
+
+    def delete(
+        self,
+        keys: Sequence[ObjectKey],
+        tier: Tier | None = None,
+        *,
+        force: bool = False,
+        backend: str = "",
+    ) -> tuple[int, int]:
+        """Delete keys from L1, L2 or both (``tier=None``); returns ``(deleted, skipped)``.
+
+        Counted per key and tier. Skipped: locked in L1, pinned by a running
+        prefetch in L2 (both overridden by ``force``), or on a degraded
+        adapter. ``backend`` limits the L2 part to one adapter (by backend or
+        adapter name).
+        """
+        deleted = skipped = 0
+        if tier in (None, Tier.L1):
+            for res in self.l1.delete(keys, force=force):
+                if res is L1Result.SUCCESS:
+                    deleted += 1
+                elif res is L1Result.KEY_IS_LOCKED:
+                    skipped += 1
+        if tier in (None, Tier.L2):
+            for l2 in self.tiers:
+                if backend and backend not in (l2.backend, l2.name):
+                    continue
+                d, s = self._delete_l2(l2, keys, force)
+                deleted += d
+                skipped += s
+        return deleted, skipped
+
+    def _delete_l2(self, tier: L2Tier, keys: Sequence[ObjectKey], force: bool) -> tuple[int, int]:
+        if not tier.available():
+            return 0, len(keys)
+        claimed = self.pins.claim_for_delete(tier.name, keys)
+        targets = list(keys) if force else claimed
+        try:
+            return tier.delete_many(targets), len(keys) - len(targets)
+        except L2Unavailable:
+            return 0, len(keys)
+        finally:
+            self.pins.release_delete(tier.name, claimed)
+
+    def clear(self, *, force: bool = False) -> tuple[int, int]:
+        """Delete everything in L1 (L2 is left alone, as in LMCache); ``(deleted, skipped)``."""
+        return self.l1.clear(force=force)
+
+    # -- quotas ---------------------------------------------------------------
+
+    def set_quota(
+        self, cache_salt: str, *, l1_bytes: int | None = None, l2_bytes: int | None = None
+    ) -> Quota:
+        """Set a salt's byte limits (None = unlimited on that tier); applied at once."""
+        quota = Quota(l1_bytes=l1_bytes, l2_bytes=l2_bytes)
+        self.quotas.set_quota(cache_salt, quota)
+        return quota
+
+    def get_quota(self, cache_salt: str) -> Quota | None:
+        """A salt's own quota, or None (then the default applies; None default = exempt)."""
+        return self.quotas.get_quota(cache_salt)
+
+    def delete_quota(self, cache_salt: str) -> bool:
+        """Remove a salt's quota; False when it had none."""
+        return self.quotas.delete_quota(cache_salt)
+
+    def list_quotas(self) -> dict[str, Quota]:
+        """Every explicit quota."""
+        return self.quotas.list_quotas()
+
+    # -- status -----------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """Everything an operator needs, as plain data."""
+        pool = self.pool.stats()
+        l1 = self.l1.stats()
+        capacity = pool["capacity_bytes"]
+        return {
+            "instance_id": self.instance_id,
+            "l1": {
+                **pool,
+                **l1,
+                "usage_ratio": pool["used_bytes"] / capacity if capacity else 0.0,
+                "read_ttl_s": self.l1.read_ttl_s,
+                "write_ttl_s": self.l1.write_ttl_s,
+            },
+            "l2": [tier.stats() for tier in self.tiers],
+            "l2_index_complete": self._index_done.is_set(),
+            "store": self.store.stats(),
+            "prefetch": self.prefetch.stats(),
+            "eviction": self.eviction.stats(),
+            "quotas": {
+                salt: {"l1_bytes": q.l1_bytes, "l2_bytes": q.l2_bytes}
+                for salt, q in self.quotas.list_quotas().items()
+            },
+            "default_quota": (
+                None
+                if self.quotas.default is None
+                else {
+                    "l1_bytes": self.quotas.default.l1_bytes,
+                    "l2_bytes": self.quotas.default.l2_bytes,
+                }
+            ),
+        }
+
+    def index_report(self) -> dict[str, dict[str, Any]]:
+        """Per adapter: indexing state, object count and bytes (what it held at start and since)."""
+        return {
+            t.name: {
+                "backend": t.backend,
+                "shared": t.shared,
+                "state": t.index_state,
+                "objects": len(t.index),
+                "bytes": t.index.total_bytes,
+                "bytes_by_salt": t.index.bytes_by_salt(),
+            }
+            for t in self.tiers
+        }
+
+    def wait_l2_index(self, timeout: float) -> bool:
+        """Wait until every adapter has been indexed at start (or failed to be)."""
+        return self._index_done.wait(timeout)
+
+    def publish_capacity(self) -> None:
+        """Declare L1 and L2 capacities to the event sink (again after a re-registration)."""
+        if self._sink is None:
+            return
+        modules = [CapacityModule(Tier.L1, L1_BACKEND, self.pool.capacity_bytes, False)]
+        modules += [
+            CapacityModule(Tier.L2, t.backend, t.declared_capacity_bytes, t.shared)
+            for t in self.tiers
+        ]
+        try:
+            self._sink.record_capacity(modules)
+        except Exception:
+            logger.exception("event sink rejected the capacity declaration")
+
+    # -- maintenance (also used by tests) -------------------------------------------
+
+    def run_eviction_once(self) -> int:
+        """One L1 and one L2 eviction cycle now; returns keys evicted."""
+        return self.eviction.evict_l1_once() + self.eviction.evict_l2_once()
+
+    def flush_l2_writes(self, timeout: float) -> bool:
+        """Wait until queued write-through to L2 is done; False on timeout."""
+        return self.store.flush(timeout)
+
+    def close(self) -> None:
+        """Stop every thread, close adapters, remove the shared-memory segments. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._closing.set()
+        self.prefetch.close()
+        if not self.store.flush(self.options.close_flush_timeout_s):
+            logger.warning("L2 write-through not finished at close; remaining keys are dropped")
+        self.store.close()
+        self.eviction.close()
+        if self._index_thread is not None:
+            self._index_thread.join(self.options.close_flush_timeout_s)
+        for tier in self.tiers:
+            tier.close()
+        self.pool.close()
+
+    def __enter__(self) -> StorageManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPrecondition("the storage node is shutting down")
+
+    def _reclaim(self, sizes: Sequence[int]) -> None:
+        """Allocation failed: grow the pool if it may, else evict until the sizes fit."""
+        if self.pool.grow_for(sizes):
+            return
+        if not self.eviction.reclaim(sizes):
+            logger.debug("L1 reclaim could not make room for %d objects", len(sizes))
+
+    def _index_l2(self) -> None:
+        """Learn each adapter's capacity and contents; retry the ones that are down.
+
+        ``wait_l2_index`` returns after the first pass; adapters that failed are
+        retried every backoff period until they answer or the node closes, so an
+        adapter that comes back later is still indexed and announced.
+        """
+        pending = list(self.tiers)
+        first_pass = True
+        try:
+            while pending and not self._closing.is_set():
+                progressed = False
+                for tier in list(pending):
+                    if self._closing.is_set():
+                        return
+                    if not tier.available():
+                        continue
+                    try:
+                        tier.refresh_capacity()
+                        if self.options.index_l2_at_start:
+                            tier.rebuild_index()
+                    except L2Unavailable as exc:
+                        logger.warning("could not index L2 %s at start: %s", tier.name, exc)
+                        tier.index_state = "failed"
+                        continue
+                    pending.remove(tier)
+                    progressed = True
+                if progressed:
+                    self.publish_capacity()
+                if first_pass:
+                    first_pass = False
+                    self._index_done.set()
+                if pending:
+                    self._closing.wait(self.options.l2_backoff_s)
+        except Exception:
+            logger.exception("L2 start-up indexing failed")
+        finally:
+            self._index_done.set()
+
+
+def _make_tiers(
+    adapters: Sequence[L2Adapter],
+    sink: EventSink | None,
+    opts: StorageOptions,
+    clock: Callable[[], float],
+) -> list[L2Tier]:
+    tiers: list[L2Tier] = []
+    seen: dict[str, int] = {}
+    for adapter in adapters:
+        n = seen.get(adapter.backend, 0) + 1
+        seen[adapter.backend] = n
+        name = adapter.backend if n == 1 else f"{adapter.backend}#{n}"
+        tiers.append(
+            L2Tier(
+                adapter,
+                name=name,
+                sink=sink,
+                backoff_s=opts.l2_backoff_s,
+                max_backoff_s=opts.l2_max_backoff_s,
+                clock=clock,
+            )
+        )
+    return tiers

@@ -1,0 +1,395 @@
+"""``kvmesh.storage.v1.StorageService``: a thin adapter from protobuf to the StorageNode."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
+from kvmesh.common.convert import key_from_proto, key_to_proto
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.events import Tier
+from kvmesh.common.keys import CHUNK_HASH_BYTES, ObjectKey
+from kvmesh.common.node_types import PrefetchState, Slot
+from kvmesh.storage.node import StorageNode
+from kvmesh.storage.transfer import CudaIpcHandle, KVHandle, KVLayout, SharedMemoryHandle
+
+DTYPES = {
+    common_pb2.DTYPE_FLOAT16: torch.float16,
+    common_pb2.DTYPE_BFLOAT16: torch.bfloat16,
+    common_pb2.DTYPE_FLOAT32: torch.float32,
+    common_pb2.DTYPE_FLOAT8_E4M3FN: torch.float8_e4m3fn,
+    common_pb2.DTYPE_FLOAT8_E5M2: torch.float8_e5m2,
+    common_pb2.DTYPE_UINT8: torch.uint8,
+}
+LAYOUT_KINDS = {
+    common_pb2.KV_LAYOUT_KIND_FLASH_ATTN: "flash_attn",
+    common_pb2.KV_LAYOUT_KIND_FLASHINFER: "flashinfer",
+    common_pb2.KV_LAYOUT_KIND_MLA: "mla",
+}
+MAX_PAGE_SIZE = 10_000
+
+
+def layout_from_proto(layout: common_pb2.KVLayout) -> KVLayout:
+    """A KVLayout, or InvalidArgument naming the bad field."""
+    kind = LAYOUT_KINDS.get(layout.kind)
+    if kind is None:
+        raise InvalidArgument("layout.kind must be specified", field="layout.kind")
+    dtype = DTYPES.get(layout.dtype)
+    if dtype is None:
+        raise InvalidArgument("layout.dtype must be specified", field="layout.dtype")
+    return KVLayout(
+        kind,
+        layout.num_layers,
+        layout.num_blocks,
+        layout.block_size,
+        layout.kv_heads,
+        layout.head_dim,
+        dtype,
+    )
+
+
+def handle_from_proto(handle: common_pb2.MemoryHandle, index: int) -> KVHandle:
+    """One layer's handle, or InvalidArgument when neither kind is set."""
+    which = handle.WhichOneof("kind")
+    if which == "shared_memory":
+        shm = handle.shared_memory
+        return SharedMemoryHandle(shm.path, shm.offset_bytes, shm.size_bytes)
+    if which == "cuda_ipc":
+        ipc = handle.cuda_ipc
+        return CudaIpcHandle(
+            device_index=-1,
+            ipc_handle=ipc.memory_handle,
+            storage_size_bytes=ipc.storage_size_bytes,
+            storage_offset_bytes=ipc.storage_offset_bytes,
+            ref_counter_handle=ipc.ref_counter_handle,
+            ref_counter_offset=ipc.ref_counter_offset,
+            event_handle=ipc.event_handle,
+            event_sync_required=ipc.event_sync_required,
+            shape=tuple(ipc.shape),
+            stride=tuple(ipc.stride),
+            tensor_offset=ipc.storage_offset_elements,
+            device_uuid=ipc.device_uuid,
+        )
+    raise InvalidArgument(f"layers[{index}] sets no memory handle", field=f"layers[{index}]")
+
+
+def _hashes(values: Sequence[bytes], field: str) -> list[bytes]:
+    out = list(values)
+    for i, h in enumerate(out):
+        if len(h) != CHUNK_HASH_BYTES:
+            raise InvalidArgument(
+                f"{field}[{i}] must be {CHUNK_HASH_BYTES} bytes, got {len(h)}", field=field
+            )
+    return out
+
+
+def row_keys(row: common_pb2.ChunkKeys, field: str = "keys") -> list[ObjectKey]:
+    """The keys of a ChunkKeys row."""
+    hashes = _hashes(row.chunk_hashes, f"{field}.chunk_hashes")
+    return [
+        ObjectKey(h, row.model_name, row.kv_rank, row.object_group_id, row.cache_salt)
+        for h in hashes
+    ]
+
+
+def grid_rows(grid: common_pb2.KeyGrid, field: str = "keys") -> list[list[ObjectKey]]:
+    """The keys of a KeyGrid, one row per kv rank."""
+    hashes = _hashes(grid.chunk_hashes, f"{field}.chunk_hashes")
+    return [
+        [ObjectKey(h, grid.model_name, rank, grid.object_group_id, grid.cache_salt) for h in hashes]
+        for rank in grid.kv_ranks
+    ]
+
+
+def _tier(value: int, *, allow_all: bool) -> Tier | None:
+    if value == common_pb2.TIER_L1:
+        return Tier.L1
+    if value == common_pb2.TIER_L2:
+        return Tier.L2
+    if value == common_pb2.TIER_ALL and allow_all:
+        return None
+    allowed = "TIER_L1, TIER_L2 or TIER_ALL" if allow_all else "TIER_L1 or TIER_L2"
+    raise InvalidArgument(f"tier must be {allowed}", field="tier")
+
+
+def _status(status: PrefetchState) -> tuple[bool, storage_pb2.PrefetchResult]:
+    return status.completed, storage_pb2.PrefetchResult(
+        hit_chunks=status.hit_chunks,
+        l1_hit_chunks=status.l1_hit_chunks,
+        l2_hit_chunks=status.l2_hit_chunks,
+    )
+
+
+def _slot(slot: Slot) -> storage_pb2.Slot:
+    return storage_pb2.Slot(
+        chunk_index=slot.chunk_index,
+        region=common_pb2.SharedMemoryHandle(
+            path=slot.path, offset_bytes=slot.offset_bytes, size_bytes=slot.size_bytes
+        ),
+    )
+
+
+class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
+    """Every RPC converts its request, calls the node, converts the answer."""
+
+    def __init__(self, node: StorageNode, instance_id: str, incarnation: int) -> None:
+        self.node = node
+        self.instance_id = instance_id
+        self.incarnation = incarnation
+        self.emitter_status: Any = None  # set by the app when an emitter runs
+
+    async def RegisterEngineMemory(
+        self, request: storage_pb2.RegisterEngineMemoryRequest, context: Any
+    ) -> storage_pb2.RegisterEngineMemoryResponse:
+        layout = layout_from_proto(request.layout)
+        handles = [handle_from_proto(h, i) for i, h in enumerate(request.layers)]
+        already = self.node.register_engine(request.engine_id, layout, handles)
+        return storage_pb2.RegisterEngineMemoryResponse(
+            already_registered=already, instance_id=self.instance_id
+        )
+
+    async def UnregisterEngineMemory(
+        self, request: storage_pb2.UnregisterEngineMemoryRequest, context: Any
+    ) -> storage_pb2.UnregisterEngineMemoryResponse:
+        existed = self.node.unregister_engine(request.engine_id)
+        return storage_pb2.UnregisterEngineMemoryResponse(existed=existed)
+
+    async def StoreChunks(
+        self, request: storage_pb2.StoreChunksRequest, context: Any
+    ) -> storage_pb2.StoreChunksResponse:
+        outcomes = await self.node.store_chunks(
+            request.engine_id, row_keys(request.keys), request.block_ids, request.chunk_tokens
+        )
+        return storage_pb2.StoreChunksResponse(
+            outcomes=[storage_pb2.StoreOutcome.ValueType(o) for o in outcomes]
+        )
+
+    async def LookupAndLock(
+        self, request: storage_pb2.LookupAndLockRequest, context: Any
+    ) -> storage_pb2.LookupAndLockResponse:
+        status = await self.node.lookup_and_lock(
+            request.request_id,
+            grid_rows(request.keys),
+            request.num_kv_readers,
+            request.wait_timeout_ms,
+            request.chunk_bytes,
+        )
+        completed, result = _status(status)
+        return storage_pb2.LookupAndLockResponse(
+            prefetch_id=status.prefetch_id, completed=completed, result=result
+        )
+
+    async def GetPrefetchStatus(
+        self, request: storage_pb2.GetPrefetchStatusRequest, context: Any
+    ) -> storage_pb2.GetPrefetchStatusResponse:
+        status = await self.node.prefetch_status(request.prefetch_id, request.wait_timeout_ms)
+        completed, result = _status(status)
+        return storage_pb2.GetPrefetchStatusResponse(completed=completed, result=result)
+
+    async def ReleasePrefetch(
+        self, request: storage_pb2.ReleasePrefetchRequest, context: Any
+    ) -> storage_pb2.ReleasePrefetchResponse:
+        existed = self.node.release_prefetch(request.prefetch_id)
+        return storage_pb2.ReleasePrefetchResponse(existed=existed)
+
+    async def RetrieveChunks(
+        self, request: storage_pb2.RetrieveChunksRequest, context: Any
+    ) -> storage_pb2.RetrieveChunksResponse:
+        retrieved = await self.node.retrieve_chunks(
+            request.engine_id,
+            row_keys(request.keys),
+            request.block_ids,
+            request.chunk_tokens,
+            request.skip_first_n_tokens,
+            list(request.release_lookup_locks),
+        )
+        return storage_pb2.RetrieveChunksResponse(retrieved_chunks=retrieved)
+
+    async def ReleaseLocks(
+        self, request: storage_pb2.ReleaseLocksRequest, context: Any
+    ) -> storage_pb2.ReleaseLocksResponse:
+        keys = [k for row in grid_rows(request.keys) for k in row]
+        released, skipped = self.node.release_locks(keys, request.count)
+        return storage_pb2.ReleaseLocksResponse(released_keys=released, skipped_keys=skipped)
+
+    async def TouchKeys(
+        self, request: storage_pb2.TouchKeysRequest, context: Any
+    ) -> storage_pb2.TouchKeysResponse:
+        keys = [k for row in grid_rows(request.keys) for k in row]
+        return storage_pb2.TouchKeysResponse(touched_keys=self.node.touch(keys))
+
+    async def DeleteKeys(
+        self, request: storage_pb2.DeleteKeysRequest, context: Any
+    ) -> storage_pb2.DeleteKeysResponse:
+        tier = _tier(request.tier, allow_all=True)
+        keys = [key_from_proto(k) for k in request.keys]
+        deleted, skipped = self.node.delete(keys, tier, request.backend, request.force)
+        return storage_pb2.DeleteKeysResponse(deleted=deleted, skipped=skipped)
+
+    async def Clear(
+        self, request: storage_pb2.ClearRequest, context: Any
+    ) -> storage_pb2.ClearResponse:
+        return storage_pb2.ClearResponse(cleared_objects=self.node.clear(request.force))
+
+    async def GetStatus(
+        self, request: storage_pb2.GetStatusRequest, context: Any
+    ) -> storage_pb2.GetStatusResponse:
+        data = self.node.status()
+        l1 = data["l1"]
+        response = storage_pb2.GetStatusResponse(
+            instance_id=self.instance_id,
+            incarnation=self.incarnation,
+            l1=storage_pb2.L1Status(
+                used_bytes=int(l1.get("used_bytes", 0)),
+                mapped_bytes=int(l1.get("committed_bytes", 0)),
+                configured_bytes=int(l1.get("capacity_bytes", 0)),
+                resident_objects=int(l1.get("resident_objects", 0)),
+                staging_objects=int(l1.get("staging_objects", 0)),
+                read_locked_objects=int(l1.get("read_locked_objects", 0)),
+                evicted_objects=int(data.get("eviction", {}).get("l1_evicted_keys", 0)),
+            ),
+            engine_ids=data["engines"],
+            active_prefetches=int(data["active_prefetches"]),
+        )
+        for tier in data["l2"]:
+            response.l2.append(
+                storage_pb2.L2AdapterStatus(
+                    backend=tier["backend"],
+                    shared=tier["shared"],
+                    healthy=tier["healthy"],
+                    used_bytes=int(tier["index_bytes"]),
+                    capacity_bytes=int(tier["declared_capacity_bytes"]),
+                    object_count=int(tier["index_objects"]),
+                    last_error=tier["last_error"] or "",
+                    pending_stores=int(data["store"].get("pending_keys", 0)),
+                )
+            )
+        for salt, used in sorted(self.node.manager.l1.bytes_by_salt().items()):
+            quota = self.node.manager.get_quota(salt)
+            usage = storage_pb2.SaltUsage(cache_salt=salt, tier=common_pb2.TIER_L1, used_bytes=used)
+            if quota is not None and quota.l1_bytes is not None:
+                usage.limit_bytes = quota.l1_bytes
+            response.salts.append(usage)
+        if self.emitter_status is not None:
+            response.emitter.CopyFrom(self.emitter_status())
+        return response
+
+    async def ListObjects(
+        self, request: storage_pb2.ListObjectsRequest, context: Any
+    ) -> storage_pb2.ListObjectsResponse:
+        tier = _tier(request.tier, allow_all=True)
+        page_size = request.page_size or 500
+        if page_size > MAX_PAGE_SIZE:
+            raise InvalidArgument(f"page_size must be <= {MAX_PAGE_SIZE}", field="page_size")
+        try:
+            offset = int(request.page_token or "0")
+        except ValueError:
+            raise InvalidArgument(
+                "page_token is not one this server issued", field="page_token"
+            ) from None
+        if offset < 0:
+            raise InvalidArgument(
+                "page_token is not one this server issued", field="page_token"
+            ) from None
+        listing = self.node.list_objects(tier, request.backend, request.model_name)
+        page = listing[offset : offset + page_size]
+        response = storage_pb2.ListObjectsResponse(
+            objects=[
+                storage_pb2.StoredObject(
+                    key=key_to_proto(key),
+                    tier=common_pb2.TIER_L1 if t is Tier.L1 else common_pb2.TIER_L2,
+                    backend=backend,
+                    size_bytes=size,
+                )
+                for key, t, backend, size in page
+            ]
+        )
+        if offset + page_size < len(listing):
+            response.next_page_token = str(offset + page_size)
+        return response
+
+    async def SetQuota(
+        self, request: storage_pb2.SetQuotaRequest, context: Any
+    ) -> storage_pb2.SetQuotaResponse:
+        tier = _tier(request.tier, allow_all=False)
+        assert tier is not None
+        self.node.check_salt(request.cache_salt)
+        self.node.apply_quota(request.cache_salt, tier, request.limit_bytes)
+        return storage_pb2.SetQuotaResponse()
+
+    async def GetQuota(
+        self, request: storage_pb2.GetQuotaRequest, context: Any
+    ) -> storage_pb2.GetQuotaResponse:
+        tier = _tier(request.tier, allow_all=False)
+        assert tier is not None
+        self.node.check_salt(request.cache_salt)
+        return storage_pb2.GetQuotaResponse(usage=self._salt_usage(request.cache_salt, tier))
+
+    def _salt_usage(self, salt: str, tier: Tier) -> storage_pb2.SaltUsage:
+        used, limit = self.node.salt_usage(salt, tier)
+        usage = storage_pb2.SaltUsage(
+            cache_salt=salt,
+            tier=common_pb2.TIER_L1 if tier is Tier.L1 else common_pb2.TIER_L2,
+            used_bytes=used,
+        )
+        if limit is not None:
+            usage.limit_bytes = limit
+        return usage
+
+    async def DeleteQuota(
+        self, request: storage_pb2.DeleteQuotaRequest, context: Any
+    ) -> storage_pb2.DeleteQuotaResponse:
+        tier = _tier(request.tier, allow_all=False)
+        assert tier is not None
+        self.node.check_salt(request.cache_salt)
+        _, limit = self.node.salt_usage(request.cache_salt, tier)
+        if limit is not None:
+            self.node.apply_quota(request.cache_salt, tier, None)
+        return storage_pb2.DeleteQuotaResponse(existed=limit is not None)
+
+    async def ListQuotas(
+        self, request: storage_pb2.ListQuotasRequest, context: Any
+    ) -> storage_pb2.ListQuotasResponse:
+        tier = _tier(request.tier, allow_all=False)
+        assert tier is not None
+        salts = self.node.salts(tier)
+        return storage_pb2.ListQuotasResponse(salts=[self._salt_usage(s, tier) for s in salts])
+
+    async def PrepareStore(
+        self, request: storage_pb2.PrepareStoreRequest, context: Any
+    ) -> storage_pb2.PrepareStoreResponse:
+        txn, slots, cached, skipped = self.node.prepare_store(
+            row_keys(request.keys), request.chunk_bytes
+        )
+        return storage_pb2.PrepareStoreResponse(
+            transaction_id=txn,
+            slots=[_slot(s) for s in slots],
+            already_cached_chunks=cached,
+            skipped_chunks=skipped,
+        )
+
+    async def CommitStore(
+        self, request: storage_pb2.CommitStoreRequest, context: Any
+    ) -> storage_pb2.CommitStoreResponse:
+        committed = self.node.commit_store(request.transaction_id)
+        return storage_pb2.CommitStoreResponse(committed_chunks=committed)
+
+    async def PrepareRetrieve(
+        self, request: storage_pb2.PrepareRetrieveRequest, context: Any
+    ) -> storage_pb2.PrepareRetrieveResponse:
+        txn, slots = self.node.prepare_retrieve(row_keys(request.keys), request.chunk_bytes)
+        return storage_pb2.PrepareRetrieveResponse(
+            transaction_id=txn, slots=[_slot(s) for s in slots]
+        )
+
+    async def CommitRetrieve(
+        self, request: storage_pb2.CommitRetrieveRequest, context: Any
+    ) -> storage_pb2.CommitRetrieveResponse:
+        released = self.node.commit_retrieve(
+            request.transaction_id, list(request.release_lookup_locks)
+        )
+        return storage_pb2.CommitRetrieveResponse(released_chunks=released)
