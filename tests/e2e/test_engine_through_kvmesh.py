@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from kvmesh.api.gateway.v1 import gateway_pb2
-from kvmesh.cli.main import main
 from kvmesh.cli.fleet import Fleet
+from kvmesh.cli.main import main
 from kvmesh.connector import KVConnectorRole, KVMeshConnector, KVMeshConnectorConfig, Request
 from kvmesh.engine import Engine, EngineConfig
 from kvmesh.gateway.client import GatewayClient

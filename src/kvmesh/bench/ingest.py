@@ -26,7 +26,7 @@ What runs, as deployed:
   (Little's law). ``--window`` takes several values to run one
   configuration after another, each against a fresh coordinator. The
   default runs first what a storage node runs (window
-  ``DEFAULT_MAX_IN_FLIGHT_BATCHES`` of ``kvmesh.storage.emitter``, 2,
+  ``DEFAULT_MAX_IN_FLIGHT_BATCHES`` of ``kvmesh.storage.events.emitter``, 2,
   with groups: the headline figures), then window 1 without groups
   (LMCache's synchronous flush, for the comparison). Every
   request is serialized before the clock starts (the stream sends the
@@ -97,7 +97,7 @@ from kvmesh.common.convert import batch_to_proto, key_to_proto
 from kvmesh.common.events import Tier
 from kvmesh.common.keys import ObjectKey, worker_kv_rank
 from kvmesh.coordinator.servicer import BATCH_GROUPS_METADATA
-from kvmesh.storage.emitter import DEFAULT_MAX_IN_FLIGHT_BATCHES
+from kvmesh.storage.events.emitter import DEFAULT_MAX_IN_FLIGHT_BATCHES
 
 logger = logging.getLogger(__name__)
 

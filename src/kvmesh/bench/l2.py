@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.l2.factory import build_l2_adapter
+from kvmesh.storage.core.l2.factory import build_l2_adapter
 
 logger = logging.getLogger(__name__)
 

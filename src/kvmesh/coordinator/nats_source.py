@@ -1,7 +1,7 @@
 """The coordinator's durable event source: the NATS JetStream stream of cache events.
 
 Storage nodes started with ``--event-transport nats`` publish their batches to
-a JetStream stream (:mod:`kvmesh.storage.nats_link`: stream
+a JetStream stream (:mod:`kvmesh.storage.events.nats_link`: stream
 ``KVMESH_EVENTS``, subjects ``kvmesh.events.<instance>``). :class:`NatsEventSource`
 reads that stream in order and feeds every batch to the core's gate, exactly
 like the gRPC ingest servicer does for nodes that stream to it; both may run

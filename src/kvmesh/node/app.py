@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from prometheus_client.registry import Collector
 
 from kvmesh.gateway.app import GatewayApp
-from kvmesh.node.local_link import LocalNodeStorage
 from kvmesh.node.config import NodeConfig
+from kvmesh.node.local_link import LocalNodeStorage
 from kvmesh.rpc.server import ServiceBinding
 from kvmesh.storage.app import StorageApp
 

@@ -27,22 +27,22 @@ from kvmesh.kernels import native
 from kvmesh.rpc.metrics import Series, StatsCollector
 from kvmesh.rpc.server import ServiceBinding
 from kvmesh.storage.config import StorageConfig
-from kvmesh.storage.controllers.prefetch import PrefetchPolicy
-from kvmesh.storage.controllers.store import StorePolicy
-from kvmesh.storage.emitter import (
+from kvmesh.storage.core.controllers.prefetch import PrefetchPolicy
+from kvmesh.storage.core.controllers.store import StorePolicy
+from kvmesh.storage.core.incarnation import next_incarnation
+from kvmesh.storage.core.l2.base import L2Adapter
+from kvmesh.storage.core.l2.factory import build_l2_adapter
+from kvmesh.storage.core.manager import CapacityModule, StorageManager, StorageOptions
+from kvmesh.storage.core.node import StorageNode
+from kvmesh.storage.core.transfer import TransferEngine
+from kvmesh.storage.events.emitter import (
     CacheEventEmitter,
     EmitterConfig,
     EventTransport,
     NodeCommand,
 )
-from kvmesh.storage.incarnation import next_incarnation
-from kvmesh.storage.l2.base import L2Adapter
-from kvmesh.storage.l2.factory import build_l2_adapter
-from kvmesh.storage.manager import CapacityModule, StorageManager, StorageOptions
-from kvmesh.storage.node import StorageNode
-from kvmesh.storage.registrar import Registrar, Registration
+from kvmesh.storage.events.registrar import Registrar, Registration
 from kvmesh.storage.servicer import StorageServicer
-from kvmesh.storage.transfer import TransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ class StorageApp:
         sink = None
         if config.event_transport == "nats":
             # nats-py is an optional dependency (the "nats" extra).
-            from kvmesh.storage.nats_link import NatsEventTransport, StreamSettings
+            from kvmesh.storage.events.nats_link import NatsEventTransport, StreamSettings
 
             self._event_transport = NatsEventTransport(
                 config.nats_url,
@@ -239,7 +239,7 @@ class StorageApp:
                 ),
             )
         elif config.coordinator_target:
-            from kvmesh.storage.coordinator_link import GrpcEventTransport
+            from kvmesh.storage.events.coordinator_link import GrpcEventTransport
 
             self._event_transport = GrpcEventTransport(config.coordinator_target)
         if self._event_transport is not None:
@@ -314,7 +314,7 @@ class StorageApp:
         """Called once the server is bound: start talking to the coordinator."""
         if not self.config.coordinator_target or self.registrar is not None:
             return
-        from kvmesh.storage.coordinator_link import GrpcMembershipClient
+        from kvmesh.storage.events.coordinator_link import GrpcMembershipClient
 
         client = GrpcMembershipClient(
             self.config.coordinator_target,

@@ -14,8 +14,8 @@ from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import Tier
 from kvmesh.common.keys import CHUNK_HASH_BYTES, ObjectKey
 from kvmesh.common.node_types import PrefetchState, Slot
-from kvmesh.storage.node import StorageNode
-from kvmesh.storage.transfer import CudaIpcHandle, KVHandle, KVLayout, SharedMemoryHandle
+from kvmesh.storage.core.node import StorageNode
+from kvmesh.storage.core.transfer import CudaIpcHandle, KVHandle, KVLayout, SharedMemoryHandle
 
 DTYPES = {
     common_pb2.DTYPE_FLOAT16: torch.float16,

@@ -7,7 +7,7 @@ import threading
 from kvmesh.common.errors import KvmeshError
 from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, IngestResult, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.emitter import (
+from kvmesh.storage.events.emitter import (
     CacheEventEmitter,
     CommandResult,
     DeleteKeysCommand,

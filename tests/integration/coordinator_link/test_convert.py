@@ -32,12 +32,12 @@ from kvmesh.common.events import (
     validate_batch,
 )
 from kvmesh.common.keys import MAX_CACHE_SALT_CHARS, ObjectKey
-from kvmesh.storage.coordinator_link import (
+from kvmesh.storage.events.coordinator_link import (
     UnsupportedCommand,
     command_from_proto,
     result_to_proto,
 )
-from kvmesh.storage.emitter import (
+from kvmesh.storage.events.emitter import (
     CommandResult,
     DeleteKeysCommand,
     QuotaChangedCommand,

@@ -19,8 +19,8 @@ from kvmesh.api.coordinator.v1 import ingest_pb2
 from kvmesh.common.convert import key_to_proto
 from kvmesh.common.errors import NotFound
 from kvmesh.common.events import CacheEventEntry, EventType, Tier
-from kvmesh.storage.coordinator_link import GrpcEventTransport
-from kvmesh.storage.emitter import (
+from kvmesh.storage.events.coordinator_link import GrpcEventTransport
+from kvmesh.storage.events.emitter import (
     CacheEventEmitter,
     DeleteKeysCommand,
     EmitterConfig,

@@ -1,6 +1,6 @@
 """GrpcEventTransport / GrpcEventSession against a real gRPC server, without the emitter.
 
-These pin the session contract of src/kvmesh/storage/emitter.py: acks in stream
+These pin the session contract of src/kvmesh/storage/events/emitter.py: acks in stream
 order on the reader thread, commands on a separate thread with their results
 written up the stream, ``on_closed`` exactly once for a stream that ends by
 itself and never for one the owner closed, TransportError for an absent
@@ -19,8 +19,8 @@ from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.coordinator.v1 import ingest_pb2
 from kvmesh.api.events.v1 import events_pb2
 from kvmesh.common.events import CacheEventEntry, IngestResult, Tier
-from kvmesh.storage.coordinator_link import GrpcEventTransport
-from kvmesh.storage.emitter import QuotaChangedCommand, TransportError
+from kvmesh.storage.events.coordinator_link import GrpcEventTransport
+from kvmesh.storage.events.emitter import QuotaChangedCommand, TransportError
 from tests.harness import free_port
 from tests.integration.coordinator_link.fake_coordinator import CoordinatorHandle
 from tests.integration.coordinator_link.support import (

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvmesh.common.errors import InvalidArgument, NotFound, Unavailable
-from kvmesh.storage.coordinator_link import GrpcMembershipClient
-from kvmesh.storage.registrar import Registrar, Registration
+from kvmesh.storage.events.coordinator_link import GrpcMembershipClient
+from kvmesh.storage.events.registrar import Registrar, Registration
 from tests.harness import free_port, wait_for
 from tests.integration.coordinator_link.fake_coordinator import CoordinatorHandle
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.storage.l2.base import L2Adapter
+from kvmesh.storage.core.l2.base import L2Adapter
 
 ADAPTER_KINDS = ["memory", "disk", "redis", "s3", "nixl"]
 S3_BUCKET = "kvmesh-l2-tests"
@@ -60,22 +60,22 @@ def l2_case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[AdapterC
     kind: str = request.param
     namespace = f"t{uuid.uuid4().hex[:12]}"
     if kind == "memory":
-        from kvmesh.storage.l2.memory import MemoryL2Adapter
+        from kvmesh.storage.core.l2.memory import MemoryL2Adapter
 
         case = AdapterCase(kind, lambda: MemoryL2Adapter(capacity_bytes=1 << 40), persistent=False)
     elif kind == "disk":
-        from kvmesh.storage.l2.disk import DiskL2Adapter
+        from kvmesh.storage.core.l2.disk import DiskL2Adapter
 
         path = tmp_path / "disk"
         case = AdapterCase(kind, lambda: DiskL2Adapter(path, capacity_bytes=1 << 40), True)
     elif kind == "nixl":
         require_nixl()
-        from kvmesh.storage.l2.nixl import NixlL2Adapter
+        from kvmesh.storage.core.l2.nixl import NixlL2Adapter
 
         path = tmp_path / "nixl"
         case = AdapterCase(kind, lambda: NixlL2Adapter(path, capacity_bytes=1 << 40), True)
     elif kind == "redis":
-        from kvmesh.storage.l2.redis import RedisL2Adapter
+        from kvmesh.storage.core.l2.redis import RedisL2Adapter
 
         server = request.getfixturevalue("redis_server")
         case = AdapterCase(
@@ -89,7 +89,7 @@ def l2_case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[AdapterC
             True,
         )
     elif kind == "s3":
-        from kvmesh.storage.l2.s3 import S3L2Adapter
+        from kvmesh.storage.core.l2.s3 import S3L2Adapter
 
         server = request.getfixturevalue("s3_server")
         case = AdapterCase(

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvmesh.storage.l2.base import L2Adapter, L2Unavailable
-from kvmesh.storage.l2.memory import MemoryL2Adapter, MemoryL2Pool
+from kvmesh.storage.core.l2.base import L2Adapter, L2Unavailable
+from kvmesh.storage.core.l2.memory import MemoryL2Adapter, MemoryL2Pool
 from tests.integration.l2.l2_support import make_key, payload_for
 from tests.servers import ServerProcess, free_port
 
@@ -47,7 +47,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
 def redis_adapter_on(
     redis_server_factory: Callable[[], ServerProcess],
 ) -> Iterator[tuple[ServerProcess, L2Adapter]]:
-    from kvmesh.storage.l2.redis import RedisL2Adapter
+    from kvmesh.storage.core.l2.redis import RedisL2Adapter
 
     server = redis_server_factory()
     adapter = RedisL2Adapter(
@@ -96,7 +96,7 @@ def test_redis_hung_server_times_out_instead_of_hanging(
 
 
 def test_redis_nothing_listening_raises_unavailable_at_first_call() -> None:
-    from kvmesh.storage.l2.redis import RedisL2Adapter
+    from kvmesh.storage.core.l2.redis import RedisL2Adapter
 
     adapter = RedisL2Adapter(host="127.0.0.1", port=free_port(), connect_timeout_s=1.0)
     try:
@@ -109,7 +109,7 @@ def test_redis_nothing_listening_raises_unavailable_at_first_call() -> None:
 def test_s3_killed_raises_unavailable_fast(
     s3_server_factory: Callable[[], ServerProcess],
 ) -> None:
-    from kvmesh.storage.l2.s3 import S3L2Adapter
+    from kvmesh.storage.core.l2.s3 import S3L2Adapter
 
     server = s3_server_factory()
     adapter = S3L2Adapter(

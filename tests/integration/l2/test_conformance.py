@@ -13,7 +13,7 @@ import pytest
 
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.l2.base import L2Adapter, L2Entry, L2Unavailable
+from kvmesh.storage.core.l2.base import L2Adapter, L2Entry, L2Unavailable
 from tests.integration.l2.conftest import AdapterCase
 from tests.integration.l2.l2_support import make_key, payload_for
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvmesh.common.keys import object_name
-from kvmesh.storage.l2.base import L2Entry, L2Unavailable
-from kvmesh.storage.l2.disk import (
+from kvmesh.storage.core.l2.base import L2Entry, L2Unavailable
+from kvmesh.storage.core.l2.disk import (
     OBJECT_SUFFIX,
     PAYLOAD_OFFSET,
     TEMP_PREFIX,
@@ -221,7 +221,7 @@ def test_nixl_and_disk_adapters_read_each_others_objects(
     store: Path, opened: list[DiskL2Adapter]
 ) -> None:
     require_nixl()
-    from kvmesh.storage.l2.nixl import NixlL2Adapter
+    from kvmesh.storage.core.l2.nixl import NixlL2Adapter
 
     nixl = NixlL2Adapter(store)
     opened.append(nixl)
@@ -240,7 +240,7 @@ def test_nixl_and_disk_adapters_read_each_others_objects(
 CRASH_WRITER = textwrap.dedent(
     """
     import sys
-    from kvmesh.storage.l2.disk import DiskL2Adapter
+    from kvmesh.storage.core.l2.disk import DiskL2Adapter
     from tests.integration.l2.l2_support import make_key, payload_for, size_for
 
     adapter = DiskL2Adapter(sys.argv[1])

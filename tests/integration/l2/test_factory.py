@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from kvmesh.common.errors import InvalidArgument
-from kvmesh.storage.l2.base import L2Adapter
-from kvmesh.storage.l2.factory import ADAPTER_TYPES, build_l2_adapter, parse_l2_config
+from kvmesh.storage.core.l2.base import L2Adapter
+from kvmesh.storage.core.l2.factory import ADAPTER_TYPES, build_l2_adapter, parse_l2_config
 from tests.integration.l2.conftest import require_nixl
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -117,7 +117,7 @@ def test_null_means_default() -> None:
 
 def test_importing_the_factory_loads_no_optional_backend() -> None:
     code = (
-        "import sys; import kvmesh.storage.l2.factory, kvmesh.storage.l2.disk;"
+        "import sys; import kvmesh.storage.core.l2.factory, kvmesh.storage.core.l2.disk;"
         "print(sorted(m for m in ('nixl_cu12', 'redis', 'boto3') if m in sys.modules))"
     )
     out = subprocess.run(

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvmesh.common.keys import object_name
-from kvmesh.storage.l2.base import L2Entry
+from kvmesh.storage.core.l2.base import L2Entry
 from tests.integration.l2.l2_support import make_key, payload_for
 from tests.servers import ServerProcess
 
@@ -27,7 +27,7 @@ def test_redis_values_are_stored_under_prefix_at_object_name(
 ) -> None:
     import redis
 
-    from kvmesh.storage.l2.redis import RedisL2Adapter
+    from kvmesh.storage.core.l2.redis import RedisL2Adapter
 
     assert isinstance(redis_client, redis.Redis)
     adapter = RedisL2Adapter(redis_server.url, key_prefix="naming")
@@ -45,7 +45,7 @@ def test_redis_listing_skips_foreign_keys_and_other_prefixes(
 ) -> None:
     import redis
 
-    from kvmesh.storage.l2.redis import RedisL2Adapter
+    from kvmesh.storage.core.l2.redis import RedisL2Adapter
 
     assert isinstance(redis_client, redis.Redis)
     mine = RedisL2Adapter(host=redis_server.host, port=redis_server.port, key_prefix="p[1]")
@@ -69,7 +69,7 @@ def test_redis_listing_skips_foreign_keys_and_other_prefixes(
 def test_redis_ttl_makes_objects_expire(redis_server: ServerProcess, redis_client: object) -> None:
     import redis
 
-    from kvmesh.storage.l2.redis import RedisL2Adapter
+    from kvmesh.storage.core.l2.redis import RedisL2Adapter
 
     assert isinstance(redis_client, redis.Redis)
     adapter = RedisL2Adapter(redis_server.url, key_prefix="ttl", ttl_s=60)
@@ -87,8 +87,8 @@ def test_redis_ttl_makes_objects_expire(redis_server: ServerProcess, redis_clien
 def test_s3_listing_paginates_and_deletes_in_bounded_batches(
     s3_server: ServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvmesh.storage.l2 import s3
-    from kvmesh.storage.l2.s3 import S3L2Adapter
+    from kvmesh.storage.core.l2 import s3
+    from kvmesh.storage.core.l2.s3 import S3L2Adapter
 
     # Small limits so a few dozen objects span several pages and delete requests
     # (the real limits are S3's 1000; moto is too slow for thousands of PUTs).
@@ -126,7 +126,7 @@ def test_s3_listing_paginates_and_deletes_in_bounded_batches(
 def test_s3_objects_are_named_prefix_plus_object_name(s3_server: ServerProcess) -> None:
     import boto3
 
-    from kvmesh.storage.l2.s3 import S3L2Adapter
+    from kvmesh.storage.core.l2.s3 import S3L2Adapter
 
     adapter = S3L2Adapter(
         "kvmesh-l2-naming",

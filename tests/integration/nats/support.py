@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.events.v1 import events_pb2
-from kvmesh.storage.nats_link import DEFAULT_STREAM, MSG_ID_HEADER
+from kvmesh.storage.events.nats_link import DEFAULT_STREAM, MSG_ID_HEADER
 from tests.harness import ServerThread, wait_for
 from tests.integration.coordinator.support import Clients, eventually
 from tests.integration.storage.support import Node

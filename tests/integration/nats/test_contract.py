@@ -23,7 +23,7 @@ from kvmesh.coordinator.nats_source import (
     NatsStreamPosition,
     PreferStreamDispatcher,
 )
-from kvmesh.storage.nats_link import (
+from kvmesh.storage.events.nats_link import (
     StreamSettings,
     commands_subject,
     events_subject,

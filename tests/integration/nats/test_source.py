@@ -19,7 +19,7 @@ import pytest
 from kvmesh.api.coordinator.v1 import ingest_pb2
 from kvmesh.common.events import CacheEventBatch, IngestResult
 from kvmesh.coordinator.nats_source import NatsEventSource
-from kvmesh.storage.nats_link import (
+from kvmesh.storage.events.nats_link import (
     DEFAULT_STREAM,
     StreamSettings,
     commands_subject,

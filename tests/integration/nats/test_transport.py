@@ -28,7 +28,7 @@ from kvmesh.common.events import (
     Tier,
 )
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.emitter import (
+from kvmesh.storage.events.emitter import (
     CacheEventEmitter,
     CommandResult,
     DeleteKeysCommand,
@@ -36,7 +36,7 @@ from kvmesh.storage.emitter import (
     NodeCommand,
     TransportError,
 )
-from kvmesh.storage.nats_link import (
+from kvmesh.storage.events.nats_link import (
     NatsEventTransport,
     command_results_subject,
     commands_subject,

@@ -18,7 +18,7 @@ import pytest
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.emitter import CacheEventEmitter, EmitterConfig, LoopbackTransport
+from kvmesh.storage.events.emitter import CacheEventEmitter, EmitterConfig, LoopbackTransport
 from tests.unit.emitter.fakes import FakeGate, entry, key, key_id
 
 GIB = 1 << 30
@@ -321,7 +321,7 @@ def test_window_overflow_drops_the_oldest_batches_with_one_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     em = make_emitter(max_buffered_batches=3)
-    caplog.set_level(logging.WARNING, logger="kvmesh.storage.emitter")
+    caplog.set_level(logging.WARNING, logger="kvmesh.storage.events.emitter")
     for i in range(6):
         em.record(
             EventType.STORE if i % 2 == 0 else EventType.DELETE, Tier.L1, "dram", False, [entry(i)]
@@ -380,7 +380,7 @@ def test_records_after_close_are_discarded_and_counted() -> None:
 
 
 def test_a_batch_holds_the_changes_of_one_trace(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvmesh.storage.emitter as emitter_module
+    import kvmesh.storage.events.emitter as emitter_module
 
     em = make_emitter()
     current = {"traceparent": ""}

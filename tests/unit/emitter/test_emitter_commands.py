@@ -10,7 +10,7 @@ import pytest
 from kvmesh.common.errors import NotFound, Unavailable
 from kvmesh.common.events import CacheEventEntry, EventType, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.emitter import (
+from kvmesh.storage.events.emitter import (
     CacheEventEmitter,
     CommandHandler,
     DeleteKeysCommand,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvmesh.common.events import EventType, IngestResult, Tier
-from kvmesh.storage.emitter import (
+from kvmesh.storage.events.emitter import (
     DEFAULT_MAX_IN_FLIGHT_BATCHES,
     CacheEventEmitter,
     EmitterConfig,
@@ -245,7 +245,7 @@ def test_unanswered_stream_times_out_reconnects_and_resends() -> None:
 def test_window_overflow_while_disconnected_shows_up_as_a_gap(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="kvmesh.storage.emitter")
+    caplog.set_level(logging.WARNING, logger="kvmesh.storage.events.emitter")
     r = Rig(max_buffered_batches=3)
     r.transport.set_down(True)
     r.start()
@@ -266,7 +266,7 @@ def test_window_overflow_while_disconnected_shows_up_as_a_gap(
 def test_stale_incarnation_acks_count_as_delivered_and_log_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="kvmesh.storage.emitter")
+    caplog.set_level(logging.ERROR, logger="kvmesh.storage.events.emitter")
     r = Rig(incarnation=3)
     newer = Rig(incarnation=4)
     newer.gate = r.gate

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.storage.incarnation import INCARNATION_FILE, next_incarnation, read_incarnation
+from kvmesh.storage.core.incarnation import INCARNATION_FILE, next_incarnation, read_incarnation
 
 
 class FakeClock:

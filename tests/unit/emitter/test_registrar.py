@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvmesh.common.errors import InvalidArgument, NotFound, Unavailable
-from kvmesh.storage.registrar import MembershipClient, Registrar, Registration
+from kvmesh.storage.events.registrar import MembershipClient, Registrar, Registration
 from tests.unit.emitter.fakes import DEADLINE_S, wait_until
 
 META = {"address": "10.0.0.5:7100", "incarnation": "12"}

@@ -348,7 +348,7 @@ def test_a_copy_never_waits_for_the_compiler(fresh_loader: Path) -> None:
 @pytest.mark.slow
 @needs_compiler
 def test_two_processes_compiling_at_once_both_load_one_library(fresh_loader: Path) -> None:
-    code = "from kernels import native; k = native.load(); assert k is not None, native.status()"
+    code = "from kvmesh.kernels import native; k = native.load(); assert k is not None, native.status()"
     env = {**os.environ, native.ENV_CACHE: str(fresh_loader)}
     procs = [
         subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=env) for _ in range(2)
@@ -362,7 +362,7 @@ def test_two_processes_compiling_at_once_both_load_one_library(fresh_loader: Pat
 def test_importing_kernels_builds_nothing(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     code = (
-        "import kernels, kernels.native as n, kvmesh.storage.transfer; "
+        "import kvmesh.kernels, kvmesh.kernels.native as n, kvmesh.storage.core.transfer; "
         "assert n.status() == 'not loaded yet', n.status()"
     )
     env = {**os.environ, native.ENV_CACHE: str(cache)}

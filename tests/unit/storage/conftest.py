@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvmesh.storage.l1.manager import L1Manager
-from kvmesh.storage.l1.pool import L1Pool
+from kvmesh.storage.core.l1.manager import L1Manager
+from kvmesh.storage.core.l1.pool import L1Pool
 from tests.unit.storage.helpers import MIB, FakeClock
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.l2.base import L2Entry, L2Unavailable, L2Usage
+from kvmesh.storage.core.l2.base import L2Entry, L2Unavailable, L2Usage
 
 MIB = 1 << 20
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvmesh.storage.l1.allocator import ExtentAllocator
+from kvmesh.storage.core.l1.allocator import ExtentAllocator
 
 MIB = 1 << 20
 CHUNK = 32 * MIB  # a full chunk: 256 tokens x 32 layers x 8 heads x 128 x bf16

@@ -10,11 +10,11 @@ import pytest
 from kvmesh.common.errors import InvalidArgument, NotFound
 from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.controllers.prefetch import PrefetchPolicy, PrefetchResult
-from kvmesh.storage.controllers.store import StorePolicy
-from kvmesh.storage.l1.manager import L1Result
-from kvmesh.storage.l2.base import L2Adapter
-from kvmesh.storage.manager import StorageManager, StorageOptions
+from kvmesh.storage.core.controllers.prefetch import PrefetchPolicy, PrefetchResult
+from kvmesh.storage.core.controllers.store import StorePolicy
+from kvmesh.storage.core.l1.manager import L1Result
+from kvmesh.storage.core.l2.base import L2Adapter
+from kvmesh.storage.core.manager import StorageManager, StorageOptions
 from tests.unit.storage.helpers import MIB, FakeClock, FakeL2, RecordingSink, make_key
 
 CHUNK = 256 * 1024
@@ -410,7 +410,7 @@ def test_an_unqueried_result_expires_and_releases_its_locks(
 
 
 def test_the_memory_adapter_round_trips_through_l2(make_manager: MakeManager) -> None:
-    memory = pytest.importorskip("kvmesh.storage.l2.memory")
+    memory = pytest.importorskip("kvmesh.storage.core.l2.memory")
     adapter = memory.MemoryL2Adapter()
     m = make_manager([adapter])
     write(m, KEYS[:3])

@@ -10,8 +10,8 @@ import pytest
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.controllers.l2tier import L2Tier
-from kvmesh.storage.eviction import (
+from kvmesh.storage.core.controllers.l2tier import L2Tier
+from kvmesh.storage.core.eviction import (
     ByteLRU,
     EvictionController,
     L2EvictionConfig,
@@ -19,8 +19,8 @@ from kvmesh.storage.eviction import (
     Quota,
     QuotaManager,
 )
-from kvmesh.storage.l1.manager import L1Manager, L1Result, RemovalReason
-from kvmesh.storage.l1.pool import L1Pool
+from kvmesh.storage.core.l1.manager import L1Manager, L1Result, RemovalReason
+from kvmesh.storage.core.l1.pool import L1Pool
 from tests.unit.storage.helpers import MIB, FakeClock, FakeL2, RecordingSink, make_key
 
 S = L1Result.SUCCESS

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument
-from kvmesh.storage.l1.pool import L1Pool, segment_prefix
+from kvmesh.storage.core.l1.pool import L1Pool, segment_prefix
 from tests.unit.storage.helpers import MIB
 
 

@@ -28,7 +28,7 @@ from kvmesh.kernels import (
     ref_gather_chunks,
     ref_scatter_chunks,
 )
-from kvmesh.storage.transfer import (
+from kvmesh.storage.core.transfer import (
     CudaIpcHandle,
     KVLayout,
     SharedMemoryHandle,

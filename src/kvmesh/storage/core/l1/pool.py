@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvmesh.storage.l1.allocator import ExtentAllocator
-from kvmesh.storage.l1.objects import ALIGNMENT, L1Object, Segment, align_up
+from kvmesh.storage.core.l1.allocator import ExtentAllocator
+from kvmesh.storage.core.l1.objects import ALIGNMENT, L1Object, Segment, align_up
 
 logger = logging.getLogger(__name__)
 

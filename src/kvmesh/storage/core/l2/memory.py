@@ -1,7 +1,7 @@
 """An in-process L2 adapter, and the small argument helpers every adapter shares.
 
 :class:`MemoryL2Adapter` is the reference implementation of the
-:class:`~kvmesh.storage.l2.base.L2Adapter` contract: a dict behind a lock.
+:class:`~kvmesh.storage.core.l2.base.L2Adapter` contract: a dict behind a lock.
 It exists for controller tests, so it can pretend to be a slow or broken
 backend: a fixed per-call latency, a bandwidth limit (the call sleeps for
 ``bytes / bandwidth``) and a "down" switch that makes every call raise
@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.l2.base import (
+from kvmesh.storage.core.l2.base import (
     L2Entry,
     L2Unavailable,
     L2Usage,

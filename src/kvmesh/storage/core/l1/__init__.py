@@ -1,7 +1,7 @@
 """L1: the node's CPU memory tier (shared-memory pool, allocator, object state machine)."""
 
-from kvmesh.storage.l1.allocator import ExtentAllocator
-from kvmesh.storage.l1.manager import (
+from kvmesh.storage.core.l1.allocator import ExtentAllocator
+from kvmesh.storage.core.l1.manager import (
     DEFAULT_READ_TTL_S,
     DEFAULT_WRITE_TTL_S,
     STORE_TAG,
@@ -11,8 +11,8 @@ from kvmesh.storage.l1.manager import (
     RemovalReason,
     TTLLock,
 )
-from kvmesh.storage.l1.objects import ALIGNMENT, L1Object, ShmLocation, align_up
-from kvmesh.storage.l1.pool import DEFAULT_SEGMENT_BYTES, DEFAULT_SHM_DIR, L1Pool
+from kvmesh.storage.core.l1.objects import ALIGNMENT, L1Object, ShmLocation, align_up
+from kvmesh.storage.core.l1.pool import DEFAULT_SEGMENT_BYTES, DEFAULT_SHM_DIR, L1Pool
 
 __all__ = [
     "ALIGNMENT",

@@ -24,21 +24,21 @@ from typing import Any, NamedTuple, Protocol
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument
 from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.controllers.l2tier import DEFAULT_BACKOFF_S, DEFAULT_MAX_BACKOFF_S, L2Tier
-from kvmesh.storage.controllers.prefetch import (
+from kvmesh.storage.core.controllers.l2tier import DEFAULT_BACKOFF_S, DEFAULT_MAX_BACKOFF_S, L2Tier
+from kvmesh.storage.core.controllers.prefetch import (
     DEFAULT_MAX_IN_FLIGHT,
     PrefetchController,
     PrefetchHandle,
     PrefetchPolicy,
     PrefetchResult,
 )
-from kvmesh.storage.controllers.store import (
+from kvmesh.storage.core.controllers.store import (
     DEFAULT_BATCH_KEYS,
     DEFAULT_MAX_PENDING_KEYS,
     StoreController,
     StorePolicy,
 )
-from kvmesh.storage.eviction import (
+from kvmesh.storage.core.eviction import (
     DEFAULT_PERIOD_S,
     DEFAULT_TARGET_WATERMARK,
     DEFAULT_TRIGGER_WATERMARK,
@@ -48,7 +48,7 @@ from kvmesh.storage.eviction import (
     Quota,
     QuotaManager,
 )
-from kvmesh.storage.l1.manager import (
+from kvmesh.storage.core.l1.manager import (
     DEFAULT_READ_TTL_S,
     DEFAULT_WRITE_TTL_S,
     STORE_TAG,
@@ -56,9 +56,9 @@ from kvmesh.storage.l1.manager import (
     L1Result,
     RemovalReason,
 )
-from kvmesh.storage.l1.objects import L1Object
-from kvmesh.storage.l1.pool import DEFAULT_SEGMENT_BYTES, DEFAULT_SHM_DIR, L1Pool
-from kvmesh.storage.l2.base import L2Adapter, L2Unavailable
+from kvmesh.storage.core.l1.objects import L1Object
+from kvmesh.storage.core.l1.pool import DEFAULT_SEGMENT_BYTES, DEFAULT_SHM_DIR, L1Pool
+from kvmesh.storage.core.l2.base import L2Adapter, L2Unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """The storage node's L2 controllers: write-through (store) and lookup/load (prefetch)."""
 
-from kvmesh.storage.controllers.l2tier import L2Tier
-from kvmesh.storage.controllers.prefetch import (
+from kvmesh.storage.core.controllers.l2tier import L2Tier
+from kvmesh.storage.core.controllers.prefetch import (
     PrefetchController,
     PrefetchHandle,
     PrefetchPolicy,
     PrefetchResult,
 )
-from kvmesh.storage.controllers.store import StoreController, StorePolicy
+from kvmesh.storage.core.controllers.store import StoreController, StorePolicy
 
 __all__ = [
     "L2Tier",

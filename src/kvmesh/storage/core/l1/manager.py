@@ -39,8 +39,8 @@ from typing import Any, Protocol
 
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.l1.objects import L1Object
-from kvmesh.storage.l1.pool import L1Pool
+from kvmesh.storage.core.l1.objects import L1Object
+from kvmesh.storage.core.l1.pool import L1Pool
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The file format, the atomic temp-file-then-rename write, the start-up scan
 that deletes temp files and invalid objects, the index and the capacity
-bound are the disk adapter's (:mod:`kvmesh.storage.l2.disk`): only the
+bound are the disk adapter's (:mod:`kvmesh.storage.core.l2.disk`): only the
 payload transfer differs. For each object the adapter registers the host
 buffer (DRAM) and the file range (FILE, by descriptor) with the agent, posts
 one WRITE or READ transfer and polls it to completion under
@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from kvmesh.common.errors import InvalidArgument
-from kvmesh.storage.l2.base import L2Unavailable
-from kvmesh.storage.l2.disk import DiskL2Adapter
+from kvmesh.storage.core.l2.base import L2Unavailable
+from kvmesh.storage.core.l2.disk import DiskL2Adapter
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.controllers.l2tier import L2Tier
-from kvmesh.storage.l1.manager import L1Manager, L1Result, RemovalReason
-from kvmesh.storage.l2.base import L2Unavailable
+from kvmesh.storage.core.controllers.l2tier import L2Tier
+from kvmesh.storage.core.l1.manager import L1Manager, L1Result, RemovalReason
+from kvmesh.storage.core.l2.base import L2Unavailable
 
 logger = logging.getLogger(__name__)
 

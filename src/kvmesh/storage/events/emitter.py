@@ -256,7 +256,7 @@ class EmitterConfig:
 
     ``instance_id`` is stable across restarts (configured, or derived from
     host and port by the caller — never random per start); ``incarnation``
-    comes from :func:`kvmesh.storage.incarnation.next_incarnation`.
+    comes from :func:`kvmesh.storage.core.incarnation.next_incarnation`.
     ``flush_interval_s`` 0 flushes after every record. The window holds at
     most ``max_buffered_batches`` unacked batches and about
     ``max_buffered_bytes`` (an estimate of their payload); beyond either the

@@ -40,11 +40,11 @@ from typing import Any
 
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.controllers.l2tier import L2Tier
-from kvmesh.storage.eviction import PinTable
-from kvmesh.storage.l1.manager import MAX_READ_LOCKS_PER_CALL, L1Manager, L1Result
-from kvmesh.storage.l1.objects import L1Object
-from kvmesh.storage.l2.base import L2Unavailable
+from kvmesh.storage.core.controllers.l2tier import L2Tier
+from kvmesh.storage.core.eviction import PinTable
+from kvmesh.storage.core.l1.manager import MAX_READ_LOCKS_PER_CALL, L1Manager, L1Result
+from kvmesh.storage.core.l1.objects import L1Object
+from kvmesh.storage.core.l2.base import L2Unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.eviction import ByteLRU
-from kvmesh.storage.l2.base import L2Adapter, L2ObjectCorrupt, L2Unavailable
+from kvmesh.storage.core.eviction import ByteLRU
+from kvmesh.storage.core.l2.base import L2Adapter, L2ObjectCorrupt, L2Unavailable
 
 if TYPE_CHECKING:
-    from kvmesh.storage.manager import EventSink
+    from kvmesh.storage.core.manager import EventSink
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from botocore.config import Config
 
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.keys import ObjectKey, object_name, parse_object_name
-from kvmesh.storage.l2.base import (
+from kvmesh.storage.core.l2.base import (
     L2Entry,
     L2Unavailable,
     L2Usage,

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.keys import ObjectKey, validate_cache_salt
-from kvmesh.storage.l1.manager import L1Manager, RemovalReason
-from kvmesh.storage.l1.pool import L1Pool
-from kvmesh.storage.l2.base import L2Unavailable
+from kvmesh.storage.core.l1.manager import L1Manager, RemovalReason
+from kvmesh.storage.core.l1.pool import L1Pool
+from kvmesh.storage.core.l2.base import L2Unavailable
 
 if TYPE_CHECKING:
-    from kvmesh.storage.controllers.l2tier import L2Tier
+    from kvmesh.storage.core.controllers.l2tier import L2Tier
 
 logger = logging.getLogger(__name__)
 

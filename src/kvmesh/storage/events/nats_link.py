@@ -1,7 +1,7 @@
 """The storage node's durable event link: cache events through NATS JetStream.
 
 :class:`NatsEventTransport` is the emitter's
-:class:`~kvmesh.storage.emitter.EventTransport` over a JetStream stream
+:class:`~kvmesh.storage.events.emitter.EventTransport` over a JetStream stream
 instead of a gRPC call to the coordinator (DESIGN §4, "Transports"). The
 coordinator reads the stream at its own pace and keeps its read position in
 its checkpoint (:mod:`kvmesh.coordinator.nats_source`), so events published
@@ -33,7 +33,7 @@ duplicate window recognised it. Publishes are pipelined and PubAcks are
 delivered in seq order only, so the emitter's cumulative ack ("seq N and
 everything before it") stays true. A publish error, a PubAck missing for
 ``ack_timeout_s`` or the connection dropping ends the session with a
-:class:`~kvmesh.storage.emitter.TransportError`; the emitter reconnects with
+:class:`~kvmesh.storage.events.emitter.TransportError`; the emitter reconnects with
 backoff and resends every unacked batch (the duplicate window and, beyond it,
 the coordinator's seq dedup absorb repeats).
 
@@ -90,8 +90,8 @@ from kvmesh.common.nats_names import (
     nats_error_text,
     subject_token,
 )
-from kvmesh.storage.coordinator_link import execute_command, result_to_proto
-from kvmesh.storage.emitter import CommandResult, SessionListener, TransportError
+from kvmesh.storage.events.coordinator_link import execute_command, result_to_proto
+from kvmesh.storage.events.emitter import CommandResult, SessionListener, TransportError
 
 logger = logging.getLogger(__name__)
 
@@ -654,7 +654,7 @@ async def _close_client(nc: NatsClient) -> None:
 
 
 class NatsEventTransport:
-    """The emitter's :class:`~kvmesh.storage.emitter.EventTransport` over NATS JetStream.
+    """The emitter's :class:`~kvmesh.storage.events.emitter.EventTransport` over NATS JetStream.
 
     ``url`` is the NATS server (``nats://host:4222``; a comma-separated list
     for a cluster); ``stream`` the stream's name or full

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.common.errors import InvalidArgument
-from kvmesh.storage.l2.base import L2Adapter
+from kvmesh.storage.core.l2.base import L2Adapter
 
 logger = logging.getLogger(__name__)
 
@@ -219,32 +219,32 @@ def parse_l2_config(
 
 
 def _build_memory(kwargs: dict[str, Any]) -> L2Adapter:
-    from kvmesh.storage.l2.memory import MemoryL2Adapter
+    from kvmesh.storage.core.l2.memory import MemoryL2Adapter
 
     return MemoryL2Adapter(**kwargs)
 
 
 def _build_disk(kwargs: dict[str, Any]) -> L2Adapter:
-    from kvmesh.storage.l2.disk import DiskL2Adapter
+    from kvmesh.storage.core.l2.disk import DiskL2Adapter
 
     return DiskL2Adapter(**kwargs)
 
 
 def _build_redis(kwargs: dict[str, Any]) -> L2Adapter:
-    from kvmesh.storage.l2.redis import RedisL2Adapter
+    from kvmesh.storage.core.l2.redis import RedisL2Adapter
 
     return RedisL2Adapter(**kwargs)
 
 
 def _build_s3(kwargs: dict[str, Any]) -> L2Adapter:
-    from kvmesh.storage.l2.s3 import S3L2Adapter
+    from kvmesh.storage.core.l2.s3 import S3L2Adapter
 
     bucket = kwargs.pop("bucket")
     return S3L2Adapter(bucket, **kwargs)
 
 
 def _build_nixl(kwargs: dict[str, Any]) -> L2Adapter:
-    from kvmesh.storage.l2.nixl import NixlL2Adapter
+    from kvmesh.storage.core.l2.nixl import NixlL2Adapter
 
     return NixlL2Adapter(**kwargs)
 

@@ -4,7 +4,7 @@ Two adapters from the node's cores to the coordinator's contract, over one
 blocking channel (pass the same ``channel`` to both to share it):
 
 * :class:`GrpcEventTransport` is the emitter's
-  :class:`~kvmesh.storage.emitter.EventTransport` over
+  :class:`~kvmesh.storage.events.emitter.EventTransport` over
   ``EventIngestService.StreamEvents``. Each :meth:`~GrpcEventTransport.connect`
   waits (bounded) until the coordinator serves ingest (a ``grpc.health.v1``
   check with ``wait_for_ready`` and a deadline), then opens one bidirectional
@@ -13,7 +13,7 @@ blocking channel (pass the same ``channel`` to both to share it):
   ``command_result``. The node always dials (DESIGN §1): the coordinator
   never needs a node's address to send it commands.
 * :class:`GrpcMembershipClient` is the registrar's
-  :class:`~kvmesh.storage.registrar.MembershipClient` over
+  :class:`~kvmesh.storage.events.registrar.MembershipClient` over
   ``MembershipService``.
 
 Threads of one :class:`GrpcEventSession` (all daemons, all ending when the
@@ -67,7 +67,7 @@ from kvmesh.common.keys import validate_cache_salt, validate_object_key
 from kvmesh.coordinator.client import EventIngestClient
 from kvmesh.coordinator.client import MembershipClient as MembershipRpcClient
 from kvmesh.rpc.server import DEFAULT_MAX_MESSAGE_BYTES
-from kvmesh.storage.emitter import (
+from kvmesh.storage.events.emitter import (
     CommandResult,
     DeleteKeysCommand,
     NodeCommand,
@@ -76,7 +76,7 @@ from kvmesh.storage.emitter import (
     SessionListener,
     TransportError,
 )
-from kvmesh.storage.registrar import Registration
+from kvmesh.storage.events.registrar import Registration
 
 logger = logging.getLogger(__name__)
 
@@ -498,7 +498,7 @@ class GrpcEventSession:
 
 
 class GrpcEventTransport:
-    """The emitter's :class:`~kvmesh.storage.emitter.EventTransport` over gRPC.
+    """The emitter's :class:`~kvmesh.storage.events.emitter.EventTransport` over gRPC.
 
     ``target`` is the coordinator's ``host:port`` (or ``unix:path``); pass
     ``channel`` to share one channel with the membership client (then the
@@ -624,7 +624,7 @@ class GrpcEventTransport:
 
 
 class GrpcMembershipClient:
-    """The registrar's :class:`~kvmesh.storage.registrar.MembershipClient` over gRPC.
+    """The registrar's :class:`~kvmesh.storage.events.registrar.MembershipClient` over gRPC.
 
     Registers with this node's ``incarnation`` and endpoints (gateway,
     storage and metrics addresses, for operators and later peer fetches).

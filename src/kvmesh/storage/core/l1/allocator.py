@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from kvmesh.storage.l1.objects import ALIGNMENT, align_up
+from kvmesh.storage.core.l1.objects import ALIGNMENT, align_up
 
 
 class ExtentAllocator:

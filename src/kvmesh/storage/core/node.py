@@ -1,7 +1,7 @@
 """StorageNode: what a storage RPC does, as plain Python over the storage core.
 
-It joins the :class:`~kvmesh.storage.manager.StorageManager` (L1, L2,
-controllers), the :class:`~kvmesh.storage.transfer.TransferEngine` (the
+It joins the :class:`~kvmesh.storage.core.manager.StorageManager` (L1, L2,
+controllers), the :class:`~kvmesh.storage.core.transfer.TransferEngine` (the
 engines' mapped KV memory) and the request-level bookkeeping the contract
 promises: prefetch ids whose completed result is delivered once, engine-driven
 transactions, per-chunk release of lookup locks, and the coordinator's node
@@ -45,10 +45,10 @@ from kvmesh.common.keys import (
     validate_object_keys,
 )
 from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
-from kvmesh.storage.controllers.prefetch import PrefetchHandle, PrefetchResult
-from kvmesh.storage.l1.manager import L1Result
-from kvmesh.storage.manager import L1_BACKEND, StorageManager
-from kvmesh.storage.transfer import KVHandle, KVLayout, TransferEngine, chunk_nbytes
+from kvmesh.storage.core.controllers.prefetch import PrefetchHandle, PrefetchResult
+from kvmesh.storage.core.l1.manager import L1Result
+from kvmesh.storage.core.manager import L1_BACKEND, StorageManager
+from kvmesh.storage.core.transfer import KVHandle, KVLayout, TransferEngine, chunk_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -562,7 +562,7 @@ class StorageNode:
 
     def handle_command(self, command: Any) -> int:
         """Execute a coordinator command (the emitter's CommandHandler protocol)."""
-        from kvmesh.storage.emitter import (
+        from kvmesh.storage.events.emitter import (
             DeleteKeysCommand,
             QuotaChangedCommand,
             ResyncCommand,
