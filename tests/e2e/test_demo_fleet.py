@@ -6,6 +6,8 @@ In a module of its own: fleets on one host must not overlap.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -17,11 +19,9 @@ def test_kvmesh_demo_starts_and_stops_its_own_fleet(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     require_fleet_services()
-
-    def engine_files() -> set[str]:
-        return {f for f in os.listdir("/dev/shm") if f.startswith("kvmesh-engine-")}
-
-    before = engine_files()
+    # The engine's KV file goes to a directory of this test's own, so the check below
+    # sees only what this demo made (other processes on the host may be using /dev/shm).
+    engine_dir = tempfile.mkdtemp(prefix="kvmesh-test-demo-", dir="/dev/shm")
 
     argv = [
         "demo",
@@ -32,10 +32,16 @@ def test_kvmesh_demo_starts_and_stops_its_own_fleet(
         "--l1-size",
         "64MiB",
         "--no-progress",
+        "--engine-dir",
+        engine_dir,
     ]
-    assert main(argv) == 0
+    try:
+        assert main(argv) == 0
+        left = os.listdir(engine_dir)
+    finally:
+        shutil.rmtree(engine_dir, ignore_errors=True)
 
     out = capsys.readouterr().out
     assert "(local fleet)" in out
     assert out.count("logits bit-identical: yes") == 2
-    assert engine_files() <= before
+    assert left == []

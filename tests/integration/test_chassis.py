@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -28,7 +29,15 @@ from kvmesh.gateway.client import GatewayClient
 from kvmesh.gateway.config import GatewayConfig
 from kvmesh.rpc.interceptors import error_info
 from kvmesh.rpc.server import Server
-from tests.harness import ServerThread, free_port, kvmesh_cli, server_thread, spawn_cli, wait_for
+from tests.harness import (
+    REPO_ROOT,
+    ServerThread,
+    free_port,
+    kvmesh_cli,
+    server_thread,
+    spawn_cli,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -297,3 +306,67 @@ def test_flags_beat_environment_beat_yaml(tmp_path: Path) -> None:
     )
     assert (config.chunk_size, config.session_ttl_seconds, config.max_tokens) == (64, 7.0, 16384)
     assert os.environ.get("KVMESH_GATEWAY_MAX_TOKENS") is None
+
+
+def test_traces_cross_grpc_from_the_typed_clients() -> None:
+    # Own interpreter: a tracer provider is process-wide and would trace every later test.
+    # The typed clients send bytes through the traced channels (no serializers): the
+    # instrumentation must still link the server's span to the client's, sync and asyncio.
+    script = """
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.gateway.app import GatewayApp
+from kvmesh.gateway.client import GatewayClient
+from kvmesh.gateway.config import GatewayConfig
+from kvmesh.rpc.client import AsyncClient, CallPolicy
+from tests.harness import server_thread
+
+class AsyncGateway(AsyncClient):
+    SERVICE = "kvmesh.gateway.v1.GatewayService"
+    POLICIES = {"Ping": CallPolicy(timeout=5.0, idempotent=True)}
+
+with server_thread() as thread:
+    server = thread.start(GatewayConfig(port=0, storage_target="127.0.0.1:1"), GatewayApp)
+    client = GatewayClient(server.target)
+    with trace.get_tracer("test").start_as_current_span("engine-step") as root:
+        client.get_chunk_size(gateway_pb2.GetChunkSizeRequest())
+    client.close()
+
+    async def ping():
+        aclient = AsyncGateway(server.target)
+        with trace.get_tracer("test").start_as_current_span("gateway-step") as aroot:
+            ping = gateway_pb2.PingRequest()
+            await aclient._call("Ping", ping, gateway_pb2.PingResponse, None, False)
+        await aclient.close()
+        return aroot
+
+    aroot = thread.run(ping())
+finished = exporter.get_finished_spans()
+for name, parent in (("GetChunkSize", root), ("Ping", aroot)):
+    path = "/kvmesh.gateway.v1.GatewayService/" + name
+    spans = [s for s in finished if s.name == path]
+    server_span = [s for s in spans if s.kind.name == "SERVER"]
+    client_span = [s for s in spans if s.kind.name == "CLIENT"]
+    assert server_span and client_span, sorted(s.name for s in finished)
+    tid = parent.get_span_context().trace_id
+    assert server_span[0].context.trace_id == tid == client_span[0].context.trace_id
+    assert server_span[0].parent.span_id == client_span[0].context.span_id
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")

@@ -1,67 +1,56 @@
-"""The local lane over real unix sockets: contract parity, bad frames, deadlines, crashes.
+"""The local lane over real unix sockets: contract parity, bad frames, the socket path, crashes.
 
 Every GatewayService flow also runs over the lane (the ``lane`` arrangement
 of tests/integration/gateway). Here: what is the lane's own — its framing,
-its errors, its connection handling — against real servers, raw sockets and
-a real ``kvmesh gateway`` process killed with SIGKILL.
+its errors, its socket — against real servers, raw sockets and a real
+``kvmesh gateway`` process killed with SIGKILL. Connections and deadlines
+are in tests/integration/rpc/test_lane_connections.py, the asyncio client in
+tests/integration/rpc/test_lane_async.py, and the frame parser alone in
+tests/unit/rpc/test_lane_framing.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 from google.rpc import status_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.common.config import ConfigError
 from kvmesh.gateway.app import GatewayApp
 from kvmesh.gateway.client import GatewayClient
 from kvmesh.gateway.config import GatewayConfig
-from kvmesh.rpc.client import create_aio_channel
-from kvmesh.rpc.interceptors import error_info
-from kvmesh.rpc.lane import (
-    AsyncLaneChannel,
-    HandlerCollector,
-    LaneChannel,
-    LaneServer,
-)
+from kvmesh.rpc.errors import RpcError, error_info
+from kvmesh.rpc.lane.client import AsyncLaneTransport, LaneTransport
 from kvmesh.rpc.server import Server
 from tests.harness import REPO_ROOT, ServerThread, free_port, server_thread, spawn_cli, wait_for
-
-GATEWAY = "/kvmesh.gateway.v1.GatewayService/"
-HELLO = struct.Struct("<8sI")
-REQUEST = struct.Struct("<IIIHH")
-RESPONSE = struct.Struct("<IIB3x")
+from tests.integration.rpc.lane_support import (
+    CHECK,
+    GATEWAY,
+    HELLO,
+    REQUEST,
+    frame,
+    read_reply,
+    recv_exact,
+    socket_dir,
+)
 
 
 @pytest.fixture
 def sock_dir() -> Iterator[Path]:
-    """A short directory for sockets (unix socket paths are limited to ~107 bytes)."""
-    path = Path("/tmp") / f"kvmesh-lane-{uuid.uuid4().hex[:10]}"
-    path.mkdir()
-    try:
+    with socket_dir() as path:
         yield path
-    finally:
-        for child in path.iterdir():
-            child.unlink()
-        path.rmdir()
 
 
 @pytest.fixture
@@ -93,27 +82,6 @@ def raw_connect(server: Server) -> socket.socket:
     assert magic == b"KVMLANE1"
     assert limit == 64 * 1024
     return sock
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionResetError("closed")
-        data += chunk
-    return data
-
-
-def frame(call_id: int, method: str, payload: bytes, *, declared: int | None = None) -> bytes:
-    m = method.encode()
-    size = len(payload) if declared is None else declared
-    return REQUEST.pack(size, call_id, 0, len(m), 0) + m + payload
-
-
-def read_reply(sock: socket.socket) -> tuple[int, int, bytes]:
-    size, call_id, code = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
-    return call_id, code, recv_exact(sock, size)
 
 
 # -- contract parity ---------------------------------------------------------------------
@@ -183,18 +151,13 @@ def test_streaming_rpcs_and_unknown_methods_are_unimplemented(
 ) -> None:
     _, server = gateway
     assert server.lane is not None
-    channel = LaneChannel(str(server.lane.path))
-    try:
-        stub = health_pb2_grpc.HealthStub(channel)  # type: ignore[arg-type]
-        with pytest.raises(grpc.RpcError) as err:
-            stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        with pytest.raises(grpc.RpcError) as err:
-            stub.Watch(health_pb2.HealthCheckRequest(), timeout=5)
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert "streaming" in err.value.details()
-    finally:
-        channel.close()
+    request = health_pb2.HealthCheckRequest().SerializeToString()
+    with LaneTransport(str(server.lane.path)) as lane:
+        for method in (CHECK, "/grpc.health.v1.Health/Watch", GATEWAY + "NoSuchMethod"):
+            with pytest.raises(RpcError) as err:
+                lane.call(method, request, timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert "streaming" in err.value.details()
 
 
 # -- bad frames --------------------------------------------------------------------------
@@ -223,13 +186,15 @@ def test_made_up_method_names_do_not_grow_the_servers_method_table(
 ) -> None:
     _, server = gateway
     assert server.lane is not None
+    unary = [m.name for m in gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].methods]
+    assert sorted(server.lane.methods) == sorted(GATEWAY + name for name in unary)
     with raw_connect(server) as sock:
         for i in range(200):
             sock.sendall(frame(i + 1, f"{GATEWAY}Made{i}", b""))
             assert read_reply(sock)[:2] == (i + 1, grpc.StatusCode.UNIMPLEMENTED.value[0])
         sock.sendall(frame(999, GATEWAY + "Ping", b""))
         assert read_reply(sock)[:2] == (999, 0)
-    assert list(server.lane._methods) == [GATEWAY + "Ping"]
+    assert sorted(server.lane.methods) == sorted(GATEWAY + name for name in unary)
 
 
 def test_an_oversized_frame_is_refused_and_its_connection_closed(
@@ -250,12 +215,20 @@ def test_an_oversized_frame_is_refused_and_its_connection_closed(
         client.close()
 
 
-def test_a_non_ascii_method_closes_the_connection(gateway: tuple[ServerThread, Server]) -> None:
+def test_a_non_ascii_method_is_invalid_argument_and_the_connection_lives(
+    gateway: tuple[ServerThread, Server],
+) -> None:
     _, server = gateway
     with raw_connect(server) as sock:
         method = "/é".encode()
         sock.sendall(REQUEST.pack(0, 1, 0, len(method), 0) + method)
-        assert sock.recv(1) == b""
+        call_id, code, body = read_reply(sock)
+        assert (call_id, code) == (1, grpc.StatusCode.INVALID_ARGUMENT.value[0])
+        status = status_pb2.Status.FromString(body)
+        assert "not ASCII" in status.message
+        assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        sock.sendall(frame(2, GATEWAY + "GetChunkSize", b""))
+        assert read_reply(sock)[:2] == (2, 0)
 
 
 def test_frames_split_and_batched_arbitrarily_are_all_answered(
@@ -335,203 +308,7 @@ def test_lane_and_grpc_unix_socket_must_differ(sock_dir: Path) -> None:
         config.validate()
 
 
-# -- connections, deadlines, crashes -----------------------------------------------------
-
-
-class _SlowHealth(health_pb2_grpc.HealthServicer):
-    """Check sleeps for the number of milliseconds named in ``service``."""
-
-    def __init__(self) -> None:
-        self.cancelled = threading.Event()
-        self.finished: list[str] = []
-
-    async def Check(self, request: Any, context: Any) -> Any:  # noqa: N802 - the RPC's name
-        try:
-            await asyncio.sleep(int(request.service or "0") / 1000.0)
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
-        self.finished.append(request.service)
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
-
-
-@pytest.fixture
-def slow_lane(sock_dir: Path) -> Iterator[tuple[ServerThread, LaneServer, _SlowHealth]]:
-    servicer = _SlowHealth()
-    handlers = HandlerCollector()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, handlers)  # type: ignore[arg-type]
-    lane = LaneServer(
-        str(sock_dir / "slow.sock"), handlers, intercept=None, max_message_bytes=1 << 20
-    )
-    with server_thread() as thread:
-        thread.run(lane.start())
-        try:
-            yield thread, lane, servicer
-        finally:
-            thread.run(lane.stop(0.5))
-
-
-def _check(channel: LaneChannel, delay_ms: int, timeout: float = 10.0) -> Any:
-    stub = health_pb2_grpc.HealthStub(channel)  # type: ignore[arg-type]
-    return stub.Check(health_pb2.HealthCheckRequest(service=str(delay_ms)), timeout=timeout)
-
-
-def test_a_passed_deadline_is_deadline_exceeded_and_cancels_the_handler(
-    slow_lane: tuple[ServerThread, LaneServer, _SlowHealth],
-) -> None:
-    _, lane, servicer = slow_lane
-    channel = LaneChannel(str(lane.path))
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            _check(channel, 5000, timeout=0.2)
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        # The client dropped the connection; the server cancelled the call.
-        assert servicer.cancelled.wait(5)
-        assert "5000" not in servicer.finished
-        assert _check(channel, 0).status == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        channel.close()
-
-
-def test_calls_on_one_connection_are_answered_out_of_order_by_call_id(
-    slow_lane: tuple[ServerThread, LaneServer, _SlowHealth],
-) -> None:
-    _, lane, _ = slow_lane
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(10)
-        sock.connect(str(lane.path))
-        recv_exact(sock, HELLO.size)
-        slow = health_pb2.HealthCheckRequest(service="300").SerializeToString()
-        fast = health_pb2.HealthCheckRequest(service="0").SerializeToString()
-        method = "/grpc.health.v1.Health/Check"
-        sock.sendall(frame(1, method, slow) + frame(2, method, fast))
-        first, second = read_reply(sock), read_reply(sock)
-    assert (first[0], first[1]) == (2, 0)
-    assert (second[0], second[1]) == (1, 0)
-
-
-def test_threads_share_one_channel(
-    slow_lane: tuple[ServerThread, LaneServer, _SlowHealth],
-) -> None:
-    _, lane, servicer = slow_lane
-    channel = LaneChannel(str(lane.path))
-    failures: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            for _ in range(25):
-                assert _check(channel, 1).status == health_pb2.HealthCheckResponse.SERVING
-        except BaseException as exc:  # reported below
-            failures.append(exc)
-
-    threads = [threading.Thread(target=work) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    channel.close()
-    assert failures == []
-    assert len(servicer.finished) == 200
-
-
-def test_a_forked_child_opens_its_own_connection(
-    slow_lane: tuple[ServerThread, LaneServer, _SlowHealth],
-) -> None:
-    _, lane, _ = slow_lane
-    channel = LaneChannel(str(lane.path))
-    try:
-        _check(channel, 0)  # the parent now holds an idle connection
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child reports through its exit status
-            try:
-                ok = all(_check(channel, 0).status == 1 for _ in range(20))
-                os._exit(0 if ok else 1)
-            except BaseException:
-                os._exit(2)
-        for _ in range(20):
-            assert _check(channel, 0).status == health_pb2.HealthCheckResponse.SERVING
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        channel.close()
-
-
-def test_no_server_is_unavailable_and_wait_for_ready_waits_for_one(sock_dir: Path) -> None:
-    path = sock_dir / "later.sock"
-    channel = LaneChannel(str(path))
-    stub = health_pb2_grpc.HealthStub(channel)  # type: ignore[arg-type]
-    request = health_pb2.HealthCheckRequest(service="0")
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            stub.Check(request, timeout=5)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        with pytest.raises(grpc.RpcError) as err:
-            stub.Check(request, timeout=0.3, wait_for_ready=True)
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-
-        handlers = HandlerCollector()
-        health_pb2_grpc.add_HealthServicer_to_server(_SlowHealth(), handlers)  # type: ignore[arg-type]
-        lane = LaneServer(str(path), handlers, intercept=None, max_message_bytes=1 << 20)
-        with server_thread() as thread:
-            result: list[Any] = []
-            waiter = threading.Thread(
-                target=lambda: result.append(stub.Check(request, timeout=10, wait_for_ready=True))
-            )
-            waiter.start()
-            time.sleep(0.3)
-            thread.run(lane.start())
-            waiter.join(10)
-            thread.run(lane.stop(0.5))
-        assert result
-        assert result[0].status == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        channel.close()
-
-
-def test_a_socket_that_is_not_a_lane_is_unavailable(sock_dir: Path) -> None:
-    path = sock_dir / "other.sock"
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(str(path))
-    listener.listen(1)
-
-    def speak_something_else() -> None:
-        conn, _ = listener.accept()
-        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
-        conn.close()
-
-    server = threading.Thread(target=speak_something_else)
-    server.start()
-    channel = LaneChannel(str(path))
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            _check(channel, 0, timeout=5)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "lane version 1" in err.value.details()
-    finally:
-        channel.close()
-        server.join(5)
-        listener.close()
-
-
-def test_stop_lets_a_call_in_flight_finish(sock_dir: Path) -> None:
-    servicer = _SlowHealth()
-    handlers = HandlerCollector()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, handlers)  # type: ignore[arg-type]
-    lane = LaneServer(str(sock_dir / "g.sock"), handlers, intercept=None, max_message_bytes=4096)
-    channel = LaneChannel(str(lane.path))
-    with server_thread() as thread:
-        thread.run(lane.start())
-        result: list[Any] = []
-        caller = threading.Thread(target=lambda: result.append(_check(channel, 300)))
-        caller.start()
-        wait_for(lambda: bool(lane._connections))
-        time.sleep(0.05)
-        thread.run(lane.stop(5.0))
-        caller.join(10)
-    channel.close()
-    assert result
-    assert result[0].status == health_pb2.HealthCheckResponse.SERVING
-    assert not lane.path.exists()
+# -- processes: crashes, signals, traces -------------------------------------------------
 
 
 def spawn_gateway(lane_path: Path, ready: Path) -> subprocess.Popen[str]:
@@ -634,203 +411,22 @@ print("ok")
     assert done.stdout.strip().endswith("ok")
 
 
-# -- the asyncio client (a service calling another on its host) ---------------------------
-
-
-def _astub(channel: AsyncLaneChannel) -> Any:
-    return health_pb2_grpc.HealthStub(channel)  # type: ignore[arg-type]
-
-
-def test_async_calls_share_one_connection_and_are_paired_by_call_id(
-    slow_lane: tuple[ServerThread, LaneServer, _SlowHealth],
-) -> None:
-    _, lane, servicer = slow_lane
-
-    async def scenario() -> list[str]:
-        async with AsyncLaneChannel(str(lane.path)) as channel:
-            stub = _astub(channel)
-            delays = [200, 0, 100, 0, 50]
-            replies = await asyncio.gather(
-                *(
-                    stub.Check(health_pb2.HealthCheckRequest(service=str(d)), timeout=10)
-                    for d in delays
-                )
-            )
-            assert all(r.status == health_pb2.HealthCheckResponse.SERVING for r in replies)
-            assert len(lane._connections) == 1
-            return list(servicer.finished)
-
-    finished = asyncio.run(scenario())
-    # Answered as they finished, not as they were sent.
-    assert finished.index("0") < finished.index("50") < finished.index("100")
-    assert finished.index("100") < finished.index("200")
-
-
-def test_an_async_deadline_cancels_only_that_call_on_the_server(
-    slow_lane: tuple[ServerThread, LaneServer, _SlowHealth],
-) -> None:
-    _, lane, servicer = slow_lane
-
-    async def scenario() -> None:
-        async with AsyncLaneChannel(str(lane.path)) as channel:
-            stub = _astub(channel)
-            survivor = asyncio.ensure_future(
-                stub.Check(health_pb2.HealthCheckRequest(service="400"), timeout=10)
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Check(health_pb2.HealthCheckRequest(service="5000"), timeout=0.2)
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert (await survivor).status == health_pb2.HealthCheckResponse.SERVING
-
-    asyncio.run(scenario())
-    assert servicer.cancelled.wait(5)
-    assert "5000" not in servicer.finished
-    assert "400" in servicer.finished
-
-
-def test_a_cancelled_async_caller_cancels_its_call_on_the_server(
-    slow_lane: tuple[ServerThread, LaneServer, _SlowHealth],
-) -> None:
-    _, lane, servicer = slow_lane
-
-    async def scenario() -> None:
-        async with AsyncLaneChannel(str(lane.path)) as channel:
-            call = asyncio.ensure_future(
-                _astub(channel).Check(health_pb2.HealthCheckRequest(service="5000"), timeout=10)
-            )
-            await asyncio.sleep(0.2)
-            call.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await call
-
-    asyncio.run(scenario())
-    assert servicer.cancelled.wait(5)
-
-
-def test_async_calls_in_flight_fail_unavailable_when_the_server_goes(sock_dir: Path) -> None:
-    servicer = _SlowHealth()
-    handlers = HandlerCollector()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, handlers)  # type: ignore[arg-type]
-    lane = LaneServer(str(sock_dir / "gone.sock"), handlers, intercept=None, max_message_bytes=4096)
-    with server_thread() as thread:
-        thread.run(lane.start())
-
-        async def scenario() -> None:
-            async with AsyncLaneChannel(str(lane.path)) as channel:
-                stub = _astub(channel)
-                call = asyncio.ensure_future(
-                    stub.Check(health_pb2.HealthCheckRequest(service="5000"), timeout=10)
-                )
-                await asyncio.sleep(0.2)
-                await asyncio.wrap_future(
-                    asyncio.run_coroutine_threadsafe(lane.stop(0.0), thread.loop)
-                )
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call
-                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await stub.Check(health_pb2.HealthCheckRequest(service="0"), timeout=2)
-                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-
-        asyncio.run(scenario())
-
-
 def test_async_errors_carry_the_error_info_like_grpc(gateway: tuple[ServerThread, Server]) -> None:
     _, server = gateway
     assert server.lane is not None
-    lane_target = server.lane.target
+    path = str(server.lane.path)
 
     async def scenario() -> None:
-        channel = create_aio_channel(lane_target)
-        try:
-            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.QueryPrefetchStatus(
-                    gateway_pb2.QueryPrefetchStatusRequest(request_id="nobody"), timeout=5
-                )
+        async with AsyncLaneTransport(path) as lane:
+            unknown = gateway_pb2.QueryPrefetchStatusRequest(request_id="nobody")
+            with pytest.raises(grpc.RpcError) as err:
+                await lane.call(GATEWAY + "QueryPrefetchStatus", unknown.SerializeToString(), 5)
+            assert isinstance(err.value, RpcError)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
             info = error_info(err.value)
             assert info is not None
             assert info.reason == "UNKNOWN_REQUEST"
-            size = await stub.GetChunkSize(gateway_pb2.GetChunkSizeRequest(), timeout=5)
-            assert size.chunk_size == 16
-        finally:
-            await channel.close()
+            body = await lane.call(GATEWAY + "GetChunkSize", b"", 5)
+            assert gateway_pb2.GetChunkSizeResponse.FromString(body).chunk_size == 16
 
     asyncio.run(scenario())
-
-
-def test_async_wait_for_ready_waits_for_the_server(sock_dir: Path) -> None:
-    path = sock_dir / "late.sock"
-    handlers = HandlerCollector()
-    health_pb2_grpc.add_HealthServicer_to_server(_SlowHealth(), handlers)  # type: ignore[arg-type]
-    lane = LaneServer(str(path), handlers, intercept=None, max_message_bytes=4096)
-    with server_thread() as thread:
-
-        async def scenario() -> None:
-            async with AsyncLaneChannel(str(path)) as channel:
-                stub = _astub(channel)
-                request = health_pb2.HealthCheckRequest(service="0")
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await stub.Check(request, timeout=2)
-                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-                waiting = asyncio.ensure_future(
-                    stub.Check(request, timeout=10, wait_for_ready=True)
-                )
-                await asyncio.sleep(0.3)
-                assert not waiting.done()
-                await asyncio.wrap_future(
-                    asyncio.run_coroutine_threadsafe(lane.start(), thread.loop)
-                )
-                assert (await waiting).status == health_pb2.HealthCheckResponse.SERVING
-
-        asyncio.run(scenario())
-        thread.run(lane.stop(0.5))
-
-
-# -- calls start at once; a call that waits keeps its context ----------------------------
-
-_REQUEST_VAR: contextvars.ContextVar[str] = contextvars.ContextVar("request", default="")
-
-
-class _ContextHealth(health_pb2_grpc.HealthServicer):
-    """Sets a context variable, waits, resets it: what a tracing span does around a wait."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, str]] = []
-
-    async def Check(self, request: Any, context: Any) -> Any:  # noqa: N802 - the RPC's name
-        token = _REQUEST_VAR.set(request.service)
-        if request.service.startswith("wait"):
-            await asyncio.sleep(0.01)
-        self.seen.append((request.service, _REQUEST_VAR.get()))
-        _REQUEST_VAR.reset(token)  # raises ValueError in any other context
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
-
-
-def test_calls_that_wait_keep_their_own_context_and_quick_ones_leave_none_behind(
-    sock_dir: Path,
-) -> None:
-    servicer = _ContextHealth()
-    handlers = HandlerCollector()
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, handlers)  # type: ignore[arg-type]
-    lane = LaneServer(str(sock_dir / "ctx.sock"), handlers, intercept=None, max_message_bytes=4096)
-    method = "/grpc.health.v1.Health/Check"
-    with server_thread() as thread:
-        thread.run(lane.start())
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.settimeout(10)
-            sock.connect(str(lane.path))
-            recv_exact(sock, HELLO.size)
-            names = ["wait-a", "quick-b", "wait-c", "quick-d"]
-            frames = [
-                frame(i, method, health_pb2.HealthCheckRequest(service=name).SerializeToString())
-                for i, name in enumerate(names, start=1)
-            ]
-            sock.sendall(b"".join(frames))  # one read: all four start from one callback
-            replies = sorted(read_reply(sock)[:2] for _ in names)
-        thread.run(lane.stop(1.0))
-    assert replies == [(1, 0), (2, 0), (3, 0), (4, 0)]  # every reset found its own token
-    assert sorted(servicer.seen) == sorted((n, n) for n in names)
-    # The quick calls ran before the waiting ones finished, and nothing leaked between them.
-    assert [n for n, _ in servicer.seen[:2]] == ["quick-b", "quick-d"]

@@ -39,31 +39,31 @@ SERVICES = {
     "kvmesh.coordinator.v1.EventIngestService": (
         "kvmesh/coordinator/v1/ingest.proto",
         "kvmesh.api.coordinator.v1.ingest_pb2",
-        "kvmesh.coordinator.servicer:EventIngestServicer",
+        "kvmesh.coordinator.servicers.ingest:EventIngestServicer",
         "kvmesh.coordinator.client:EventIngestClient",
     ),
     "kvmesh.coordinator.v1.DirectoryService": (
         "kvmesh/coordinator/v1/directory.proto",
         "kvmesh.api.coordinator.v1.directory_pb2",
-        "kvmesh.coordinator.servicer:DirectoryServicer",
+        "kvmesh.coordinator.servicers.directory:DirectoryServicer",
         "kvmesh.coordinator.client:DirectoryClient",
     ),
     "kvmesh.coordinator.v1.MembershipService": (
         "kvmesh/coordinator/v1/membership.proto",
         "kvmesh.api.coordinator.v1.membership_pb2",
-        "kvmesh.coordinator.servicer:MembershipServicer",
+        "kvmesh.coordinator.servicers.membership:MembershipServicer",
         "kvmesh.coordinator.client:MembershipClient",
     ),
     "kvmesh.coordinator.v1.PolicyService": (
         "kvmesh/coordinator/v1/policy.proto",
         "kvmesh.api.coordinator.v1.policy_pb2",
-        "kvmesh.coordinator.servicer:PolicyServicer",
+        "kvmesh.coordinator.servicers.policy:PolicyServicer",
         "kvmesh.coordinator.client:PolicyClient",
     ),
     "kvmesh.coordinator.v1.AdminService": (
         "kvmesh/coordinator/v1/admin.proto",
         "kvmesh.api.coordinator.v1.admin_pb2",
-        "kvmesh.coordinator.servicer:AdminServicer",
+        "kvmesh.coordinator.servicers.admin:AdminServicer",
         "kvmesh.coordinator.client:AdminClient",
     ),
 }

@@ -96,8 +96,8 @@ from kvmesh.bench.coordinator_core import Emitter
 from kvmesh.common.convert import batch_to_proto, key_to_proto
 from kvmesh.common.events import Tier
 from kvmesh.common.keys import ObjectKey, worker_kv_rank
-from kvmesh.coordinator.servicer import BATCH_GROUPS_METADATA
-from kvmesh.storage.events.emitter import DEFAULT_MAX_IN_FLIGHT_BATCHES
+from kvmesh.coordinator.servicers.ingest import BATCH_GROUPS_METADATA
+from kvmesh.storage.events.config import DEFAULT_MAX_IN_FLIGHT_BATCHES
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ What runs, by ``--arrangement`` (the headline is the first that runs):
 
 - ``node-lane``: storage and gateway in one ``kvmesh node`` process (the
   gateway calls storage in-process), the engine's client on the node's
-  local lane (``lane:<socket>``, src/kvmesh/rpc/lane.py) — how an engine on
+  local lane (``lane:<socket>``, src/kvmesh/rpc/lane/) — how an engine on
   the node's host is meant to connect;
 - ``node``: the same process, the engine's client on gRPC (TCP loopback);
 - ``processes-lane``: ``kvmesh storage`` and ``kvmesh gateway`` in their

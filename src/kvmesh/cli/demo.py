@@ -123,14 +123,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "fleet's processes, more threads spin against each other and prefill gets slower)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of weights and prompts (default: 0)")
-    model = p.add_argument_group("model")
-    model.add_argument("--layers", type=int, default=defaults.num_layers)
-    model.add_argument("--hidden-size", type=int, default=defaults.hidden_size)
-    model.add_argument("--heads", type=int, default=defaults.num_heads)
-    model.add_argument("--kv-heads", type=int, default=defaults.num_kv_heads)
-    model.add_argument("--head-dim", type=int, default=defaults.head_dim)
-    model.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size)
-    model.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
+    p.add_argument(
+        "--engine-dir",
+        metavar="DIR",
+        default="/dev/shm",
+        help="directory of the engine's KV shared-memory file; it must lie inside the storage "
+        "node's --allowed-memory-dir (default: /dev/shm)",
+    )
+    model = p.add_argument_group("model (random weights, seeded)")
+    model.add_argument(
+        "--layers",
+        type=int,
+        default=defaults.num_layers,
+        help="decoder layers (default: %(default)s)",
+    )
+    model.add_argument(
+        "--hidden-size", type=int, default=defaults.hidden_size, help="(default: %(default)s)"
+    )
+    model.add_argument(
+        "--heads",
+        type=int,
+        default=defaults.num_heads,
+        help="attention heads (default: %(default)s)",
+    )
+    model.add_argument(
+        "--kv-heads",
+        type=int,
+        default=defaults.num_kv_heads,
+        help="KV heads (default: %(default)s)",
+    )
+    model.add_argument(
+        "--head-dim", type=int, default=defaults.head_dim, help="(default: %(default)s)"
+    )
+    model.add_argument(
+        "--intermediate-size",
+        type=int,
+        default=defaults.intermediate_size,
+        help="MLP width (default: %(default)s)",
+    )
+    model.add_argument(
+        "--vocab-size", type=int, default=defaults.vocab_size, help="(default: %(default)s)"
+    )
     fleet = p.add_argument_group("local fleet (without --gateway)")
     fleet.add_argument("--l1-size", default="1GiB", help="L1 memory of the node (default: 1GiB)")
     fleet.add_argument(
@@ -206,7 +239,11 @@ def _run(
     # the cold one: its KV can only have come from kvmesh.
     num_blocks = 2 * blocks_needed(n + DECODE_TOKENS, BLOCK_SIZE) + 1
     config = EngineConfig(
-        model=model, num_blocks=num_blocks, prefill_chunk_size=chunk, gateway=gateway
+        model=model,
+        num_blocks=num_blocks,
+        prefill_chunk_size=chunk,
+        gateway=gateway,
+        shm_dir=args.engine_dir,
     )
 
     def run(engine: Engine, label: str, tokens: list[int], use_salt: str) -> RequestOutput:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.metadata
 import json
 import logging
 import sys
@@ -160,12 +161,20 @@ def run_demo(argv: Sequence[str]) -> int:
 DEFERRED: dict[str, Callable[[Sequence[str]], int]] = {"bench": run_bench, "demo": run_demo}
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("kvmesh")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> OneLineParser:
     """The whole command line."""
     parser = OneLineParser(
         prog="kvmesh",
         description="kvmesh: a KV-cache layer for LLM inference (gateway, storage, coordinator).",
     )
+    parser.add_argument("--version", action="version", version=f"kvmesh {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for command in SERVICES:
         p = sub.add_parser(command.name, help=command.help, description=command.help)

@@ -1,4 +1,7 @@
-"""The coordinator as a service: core, five servicers, node streams, timers, metrics."""
+"""The coordinator as a service: core, five servicers, node streams, timers, metrics.
+
+The top of the coordinator's layers: core ← wire ← servicers / sources ← app.
+"""
 
 from __future__ import annotations
 
@@ -21,19 +24,18 @@ from kvmesh.common.events import Tier
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.core.coordinator import Coordinator
 from kvmesh.coordinator.core.settings import CoordinatorSettings
-from kvmesh.coordinator.servicer import (
-    AdminServicer,
-    DirectoryServicer,
-    EventIngestServicer,
-    MembershipServicer,
-    NodeStreams,
-    PolicyServicer,
-)
+from kvmesh.coordinator.servicers.admin import AdminServicer
+from kvmesh.coordinator.servicers.directory import DirectoryServicer
+from kvmesh.coordinator.servicers.ingest import EventIngestServicer, NodeStreams
+from kvmesh.coordinator.servicers.membership import MembershipServicer
+from kvmesh.coordinator.servicers.policy import PolicyServicer
+from kvmesh.coordinator.sources.dispatch import PreferStreamDispatcher
+from kvmesh.coordinator.sources.settings import NATS_SERIES, NatsSourceSettings
 from kvmesh.rpc.metrics import Series, StatsCollector
 from kvmesh.rpc.server import ServiceBinding
 
-if TYPE_CHECKING:
-    from kvmesh.coordinator.nats_source import NatsEventSource
+if TYPE_CHECKING:  # nats-py is optional: the source is imported only with --nats-url
+    from kvmesh.coordinator.sources.jetstream import NatsEventSource
 
 logger = logging.getLogger(__name__)
 
@@ -169,11 +171,7 @@ class CoordinatorApp:
         self.nats: NatsEventSource | None = None
         if config.nats_url:
             # nats-py is an optional dependency (the "nats" extra).
-            from kvmesh.coordinator.nats_source import (
-                NatsEventSource,
-                NatsSourceSettings,
-                PreferStreamDispatcher,
-            )
+            from kvmesh.coordinator.sources.jetstream import NatsEventSource
 
             # Built before load_state: it registers its stream position as a checkpoint section.
             self.nats = NatsEventSource(
@@ -228,8 +226,6 @@ class CoordinatorApp:
             StatsCollector(lambda: _stats(self.core, self.streams), _SERIES)
         ]
         if self.nats is not None:
-            from kvmesh.coordinator.nats_source import NATS_SERIES
-
             collectors.append(StatsCollector(self.nats.metrics, NATS_SERIES))
         return collectors
 

@@ -13,29 +13,30 @@ import grpc
 
 from kvmesh.api.coordinator.v1 import (
     admin_pb2,
-    admin_pb2_grpc,
     directory_pb2,
-    directory_pb2_grpc,
     ingest_pb2,
     ingest_pb2_grpc,
     membership_pb2,
-    membership_pb2_grpc,
     policy_pb2,
-    policy_pb2_grpc,
 )
 from kvmesh.rpc.client import CallPolicy, SyncClient
+from kvmesh.rpc.errors import RpcError
 
 
 class EventIngestClient(SyncClient):
     """Typed client of ``kvmesh.coordinator.v1.EventIngestService``."""
 
+    SERVICE = "kvmesh.coordinator.v1.EventIngestService"
     POLICIES: Mapping[str, CallPolicy] = {
         "StreamEvents": CallPolicy(timeout=2.0, idempotent=False),
         "IngestBatches": CallPolicy(timeout=10.0, idempotent=True),
     }
 
     def _bind(self) -> None:
-        self._stub = ingest_pb2_grpc.EventIngestServiceStub(self.channel)
+        # A bidirectional stream goes over the gRPC channel itself, not the unary transport.
+        self._stream_stub = (
+            None if self.channel is None else ingest_pb2_grpc.EventIngestServiceStub(self.channel)
+        )
 
     def stream_events(
         self,
@@ -54,9 +55,16 @@ class EventIngestClient(SyncClient):
         caller reconnects and resends unacked batches. ``requests`` is
         consumed on a gRPC thread until it ends; the returned object iterates
         the responses and is a ``grpc.Call`` whose ``cancel()`` ends the
-        stream.
+        stream. It needs a gRPC target: a local lane answers UNIMPLEMENTED.
         """
-        return self._stub.StreamEvents(requests, metadata=metadata, wait_for_ready=wait_for_ready)
+        if self._stream_stub is None:
+            raise RpcError(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "StreamEvents is a streaming RPC; the local lane serves unary RPCs only",
+            )
+        return self._stream_stub.StreamEvents(
+            requests, metadata=metadata, wait_for_ready=wait_for_ready
+        )
 
     def ingest_batches(
         self,
@@ -68,7 +76,6 @@ class EventIngestClient(SyncClient):
         """``IngestBatches``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "IngestBatches",
-            self._stub.IngestBatches,
             request,
             ingest_pb2.IngestBatchesResponse,
             timeout,
@@ -79,15 +86,13 @@ class EventIngestClient(SyncClient):
 class DirectoryClient(SyncClient):
     """Typed client of ``kvmesh.coordinator.v1.DirectoryService``."""
 
+    SERVICE = "kvmesh.coordinator.v1.DirectoryService"
     POLICIES: Mapping[str, CallPolicy] = {
         "Lookup": CallPolicy(timeout=2.0, idempotent=True),
         "ListKeys": CallPolicy(timeout=10.0, idempotent=True),
         "GetStats": CallPolicy(timeout=2.0, idempotent=True),
         "ListIngestCursors": CallPolicy(timeout=2.0, idempotent=True),
     }
-
-    def _bind(self) -> None:
-        self._stub = directory_pb2_grpc.DirectoryServiceStub(self.channel)
 
     def lookup(
         self,
@@ -99,7 +104,6 @@ class DirectoryClient(SyncClient):
         """``Lookup``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "Lookup",
-            self._stub.Lookup,
             request,
             directory_pb2.LookupResponse,
             timeout,
@@ -116,7 +120,6 @@ class DirectoryClient(SyncClient):
         """``ListKeys``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "ListKeys",
-            self._stub.ListKeys,
             request,
             directory_pb2.ListKeysResponse,
             timeout,
@@ -133,7 +136,6 @@ class DirectoryClient(SyncClient):
         """``GetStats``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "GetStats",
-            self._stub.GetStats,
             request,
             directory_pb2.GetStatsResponse,
             timeout,
@@ -150,7 +152,6 @@ class DirectoryClient(SyncClient):
         """``ListIngestCursors``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "ListIngestCursors",
-            self._stub.ListIngestCursors,
             request,
             directory_pb2.ListIngestCursorsResponse,
             timeout,
@@ -161,15 +162,13 @@ class DirectoryClient(SyncClient):
 class MembershipClient(SyncClient):
     """Typed client of ``kvmesh.coordinator.v1.MembershipService``."""
 
+    SERVICE = "kvmesh.coordinator.v1.MembershipService"
     POLICIES: Mapping[str, CallPolicy] = {
         "RegisterInstance": CallPolicy(timeout=5.0, idempotent=True),
         "Heartbeat": CallPolicy(timeout=5.0, idempotent=True),
         "DeregisterInstance": CallPolicy(timeout=5.0, idempotent=True),
         "ListInstances": CallPolicy(timeout=5.0, idempotent=True),
     }
-
-    def _bind(self) -> None:
-        self._stub = membership_pb2_grpc.MembershipServiceStub(self.channel)
 
     def register_instance(
         self,
@@ -181,7 +180,6 @@ class MembershipClient(SyncClient):
         """``RegisterInstance``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "RegisterInstance",
-            self._stub.RegisterInstance,
             request,
             membership_pb2.RegisterInstanceResponse,
             timeout,
@@ -198,7 +196,6 @@ class MembershipClient(SyncClient):
         """``Heartbeat``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "Heartbeat",
-            self._stub.Heartbeat,
             request,
             membership_pb2.HeartbeatResponse,
             timeout,
@@ -215,7 +212,6 @@ class MembershipClient(SyncClient):
         """``DeregisterInstance``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "DeregisterInstance",
-            self._stub.DeregisterInstance,
             request,
             membership_pb2.DeregisterInstanceResponse,
             timeout,
@@ -232,7 +228,6 @@ class MembershipClient(SyncClient):
         """``ListInstances``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "ListInstances",
-            self._stub.ListInstances,
             request,
             membership_pb2.ListInstancesResponse,
             timeout,
@@ -243,6 +238,7 @@ class MembershipClient(SyncClient):
 class PolicyClient(SyncClient):
     """Typed client of ``kvmesh.coordinator.v1.PolicyService``."""
 
+    SERVICE = "kvmesh.coordinator.v1.PolicyService"
     POLICIES: Mapping[str, CallPolicy] = {
         "SetQuota": CallPolicy(timeout=5.0, idempotent=True),
         "GetQuota": CallPolicy(timeout=5.0, idempotent=True),
@@ -258,9 +254,6 @@ class PolicyClient(SyncClient):
         "DeleteKeys": CallPolicy(timeout=10.0, idempotent=False),
     }
 
-    def _bind(self) -> None:
-        self._stub = policy_pb2_grpc.PolicyServiceStub(self.channel)
-
     def set_quota(
         self,
         request: policy_pb2.SetQuotaRequest,
@@ -271,7 +264,6 @@ class PolicyClient(SyncClient):
         """``SetQuota``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "SetQuota",
-            self._stub.SetQuota,
             request,
             policy_pb2.SetQuotaResponse,
             timeout,
@@ -288,7 +280,6 @@ class PolicyClient(SyncClient):
         """``GetQuota``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "GetQuota",
-            self._stub.GetQuota,
             request,
             policy_pb2.GetQuotaResponse,
             timeout,
@@ -305,7 +296,6 @@ class PolicyClient(SyncClient):
         """``DeleteQuota``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "DeleteQuota",
-            self._stub.DeleteQuota,
             request,
             policy_pb2.DeleteQuotaResponse,
             timeout,
@@ -322,7 +312,6 @@ class PolicyClient(SyncClient):
         """``ListQuotas``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "ListQuotas",
-            self._stub.ListQuotas,
             request,
             policy_pb2.ListQuotasResponse,
             timeout,
@@ -339,7 +328,6 @@ class PolicyClient(SyncClient):
         """``SetDefaultQuota``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "SetDefaultQuota",
-            self._stub.SetDefaultQuota,
             request,
             policy_pb2.SetDefaultQuotaResponse,
             timeout,
@@ -356,7 +344,6 @@ class PolicyClient(SyncClient):
         """``GetDefaultQuota``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "GetDefaultQuota",
-            self._stub.GetDefaultQuota,
             request,
             policy_pb2.GetDefaultQuotaResponse,
             timeout,
@@ -373,7 +360,6 @@ class PolicyClient(SyncClient):
         """``PinKeys``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "PinKeys",
-            self._stub.PinKeys,
             request,
             policy_pb2.PinKeysResponse,
             timeout,
@@ -390,7 +376,6 @@ class PolicyClient(SyncClient):
         """``UnpinKeys``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "UnpinKeys",
-            self._stub.UnpinKeys,
             request,
             policy_pb2.UnpinKeysResponse,
             timeout,
@@ -407,7 +392,6 @@ class PolicyClient(SyncClient):
         """``ListPins``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "ListPins",
-            self._stub.ListPins,
             request,
             policy_pb2.ListPinsResponse,
             timeout,
@@ -424,7 +408,6 @@ class PolicyClient(SyncClient):
         """``GetUsage``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "GetUsage",
-            self._stub.GetUsage,
             request,
             policy_pb2.GetUsageResponse,
             timeout,
@@ -441,7 +424,6 @@ class PolicyClient(SyncClient):
         """``RunEviction``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "RunEviction",
-            self._stub.RunEviction,
             request,
             policy_pb2.RunEvictionResponse,
             timeout,
@@ -458,7 +440,6 @@ class PolicyClient(SyncClient):
         """``DeleteKeys``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "DeleteKeys",
-            self._stub.DeleteKeys,
             request,
             policy_pb2.DeleteKeysResponse,
             timeout,
@@ -469,13 +450,11 @@ class PolicyClient(SyncClient):
 class AdminClient(SyncClient):
     """Typed client of ``kvmesh.coordinator.v1.AdminService``."""
 
+    SERVICE = "kvmesh.coordinator.v1.AdminService"
     POLICIES: Mapping[str, CallPolicy] = {
         "Checkpoint": CallPolicy(timeout=60.0, idempotent=False),
         "GetStatus": CallPolicy(timeout=5.0, idempotent=True),
     }
-
-    def _bind(self) -> None:
-        self._stub = admin_pb2_grpc.AdminServiceStub(self.channel)
 
     def checkpoint(
         self,
@@ -487,7 +466,6 @@ class AdminClient(SyncClient):
         """``Checkpoint``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "Checkpoint",
-            self._stub.Checkpoint,
             request,
             admin_pb2.CheckpointResponse,
             timeout,
@@ -504,7 +482,6 @@ class AdminClient(SyncClient):
         """``GetStatus``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "GetStatus",
-            self._stub.GetStatus,
             request,
             admin_pb2.GetStatusResponse,
             timeout,

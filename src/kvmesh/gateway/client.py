@@ -7,6 +7,7 @@ matches the "Deadline:" line of the RPC's comment.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -16,6 +17,7 @@ from kvmesh.rpc.client import CallPolicy, SyncClient
 class GatewayClient(SyncClient):
     """Typed client of ``kvmesh.gateway.v1.GatewayService``."""
 
+    SERVICE = "kvmesh.gateway.v1.GatewayService"
     POLICIES: Mapping[str, CallPolicy] = {
         "RegisterKVCache": CallPolicy(timeout=30.0, idempotent=True),
         "UnregisterKVCache": CallPolicy(timeout=10.0, idempotent=True),
@@ -38,8 +40,16 @@ class GatewayClient(SyncClient):
         "CommitRetrieve": CallPolicy(timeout=10.0, idempotent=False),
     }
 
-    def _bind(self) -> None:
-        self._stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
+    @functools.cached_property
+    def _stub(self) -> gateway_pb2_grpc.GatewayServiceStub:
+        """The generated stub over the gRPC channel (gRPC targets only).
+
+        For what the typed methods do not offer, such as a call's future to
+        cancel it mid-flight; the typed methods go through the transport.
+        """
+        if self.channel is None:
+            raise ValueError(f"{self.target} is a local lane: it has no gRPC stub")
+        return gateway_pb2_grpc.GatewayServiceStub(self.channel)
 
     def register_kv_cache(
         self,
@@ -51,7 +61,6 @@ class GatewayClient(SyncClient):
         """``RegisterKVCache``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "RegisterKVCache",
-            self._stub.RegisterKVCache,
             request,
             gateway_pb2.RegisterKVCacheResponse,
             timeout,
@@ -68,7 +77,6 @@ class GatewayClient(SyncClient):
         """``UnregisterKVCache``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "UnregisterKVCache",
-            self._stub.UnregisterKVCache,
             request,
             gateway_pb2.UnregisterKVCacheResponse,
             timeout,
@@ -85,7 +93,6 @@ class GatewayClient(SyncClient):
         """``Lookup``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "Lookup",
-            self._stub.Lookup,
             request,
             gateway_pb2.LookupResponse,
             timeout,
@@ -102,7 +109,6 @@ class GatewayClient(SyncClient):
         """``QueryPrefetchStatus``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "QueryPrefetchStatus",
-            self._stub.QueryPrefetchStatus,
             request,
             gateway_pb2.QueryPrefetchStatusResponse,
             timeout,
@@ -119,7 +125,6 @@ class GatewayClient(SyncClient):
         """``WaitPrefetchStatus``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "WaitPrefetchStatus",
-            self._stub.WaitPrefetchStatus,
             request,
             gateway_pb2.WaitPrefetchStatusResponse,
             timeout,
@@ -136,7 +141,6 @@ class GatewayClient(SyncClient):
         """``FreeLookupLocks``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "FreeLookupLocks",
-            self._stub.FreeLookupLocks,
             request,
             gateway_pb2.FreeLookupLocksResponse,
             timeout,
@@ -153,7 +157,6 @@ class GatewayClient(SyncClient):
         """``EndSession``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "EndSession",
-            self._stub.EndSession,
             request,
             gateway_pb2.EndSessionResponse,
             timeout,
@@ -168,9 +171,7 @@ class GatewayClient(SyncClient):
         wait_for_ready: bool = False,
     ) -> gateway_pb2.StoreResponse:
         """``Store``: see its comment in the .proto for semantics and errors."""
-        return self._call(
-            "Store", self._stub.Store, request, gateway_pb2.StoreResponse, timeout, wait_for_ready
-        )
+        return self._call("Store", request, gateway_pb2.StoreResponse, timeout, wait_for_ready)
 
     def retrieve(
         self,
@@ -182,7 +183,6 @@ class GatewayClient(SyncClient):
         """``Retrieve``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "Retrieve",
-            self._stub.Retrieve,
             request,
             gateway_pb2.RetrieveResponse,
             timeout,
@@ -197,9 +197,7 @@ class GatewayClient(SyncClient):
         wait_for_ready: bool = False,
     ) -> gateway_pb2.ClearResponse:
         """``Clear``: see its comment in the .proto for semantics and errors."""
-        return self._call(
-            "Clear", self._stub.Clear, request, gateway_pb2.ClearResponse, timeout, wait_for_ready
-        )
+        return self._call("Clear", request, gateway_pb2.ClearResponse, timeout, wait_for_ready)
 
     def get_chunk_size(
         self,
@@ -211,7 +209,6 @@ class GatewayClient(SyncClient):
         """``GetChunkSize``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "GetChunkSize",
-            self._stub.GetChunkSize,
             request,
             gateway_pb2.GetChunkSizeResponse,
             timeout,
@@ -226,9 +223,7 @@ class GatewayClient(SyncClient):
         wait_for_ready: bool = False,
     ) -> gateway_pb2.PingResponse:
         """``Ping``: see its comment in the .proto for semantics and errors."""
-        return self._call(
-            "Ping", self._stub.Ping, request, gateway_pb2.PingResponse, timeout, wait_for_ready
-        )
+        return self._call("Ping", request, gateway_pb2.PingResponse, timeout, wait_for_ready)
 
     def report_block_allocation(
         self,
@@ -240,7 +235,6 @@ class GatewayClient(SyncClient):
         """``ReportBlockAllocation``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "ReportBlockAllocation",
-            self._stub.ReportBlockAllocation,
             request,
             gateway_pb2.ReportBlockAllocationResponse,
             timeout,
@@ -257,7 +251,6 @@ class GatewayClient(SyncClient):
         """``RegisterEngineContext``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "RegisterEngineContext",
-            self._stub.RegisterEngineContext,
             request,
             gateway_pb2.RegisterEngineContextResponse,
             timeout,
@@ -274,7 +267,6 @@ class GatewayClient(SyncClient):
         """``UnregisterEngineContext``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "UnregisterEngineContext",
-            self._stub.UnregisterEngineContext,
             request,
             gateway_pb2.UnregisterEngineContextResponse,
             timeout,
@@ -291,7 +283,6 @@ class GatewayClient(SyncClient):
         """``PrepareStore``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "PrepareStore",
-            self._stub.PrepareStore,
             request,
             gateway_pb2.PrepareStoreResponse,
             timeout,
@@ -308,7 +299,6 @@ class GatewayClient(SyncClient):
         """``CommitStore``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "CommitStore",
-            self._stub.CommitStore,
             request,
             gateway_pb2.CommitStoreResponse,
             timeout,
@@ -325,7 +315,6 @@ class GatewayClient(SyncClient):
         """``PrepareRetrieve``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "PrepareRetrieve",
-            self._stub.PrepareRetrieve,
             request,
             gateway_pb2.PrepareRetrieveResponse,
             timeout,
@@ -342,7 +331,6 @@ class GatewayClient(SyncClient):
         """``CommitRetrieve``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "CommitRetrieve",
-            self._stub.CommitRetrieve,
             request,
             gateway_pb2.CommitRetrieveResponse,
             timeout,

@@ -16,7 +16,7 @@ import grpc
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
-from kvmesh.gateway.core import KeyGridSpec, KeyRow, PreparedSlots, StorageRejected
+from kvmesh.gateway.core.node_storage import KeyGridSpec, KeyRow, PreparedSlots, StorageRejected
 from kvmesh.storage.client import StorageClient
 
 # Codes with which storage refuses RetrieveChunks / CommitRetrieve before it
@@ -34,9 +34,12 @@ _REFUSED = frozenset(
 )
 
 
-def _refused(exc: grpc.aio.AioRpcError) -> BaseException:
+def _refused(exc: grpc.RpcError) -> BaseException:
     """``StorageRejected`` wrapping ``exc`` when storage refused the call, else ``exc``."""
-    return StorageRejected(exc) if exc.code() in _REFUSED else exc
+    # Typed clients raise a grpc.RpcError with code() (gRPC's AioRpcError or kvmesh's
+    # RpcError, whichever transport carried the call): catch the base class.
+    code = getattr(exc, "code", None)
+    return StorageRejected(exc) if callable(code) and code() in _REFUSED else exc
 
 
 def _row(row: KeyRow) -> common_pb2.ChunkKeys:
@@ -152,7 +155,7 @@ class GrpcNodeStorage:
                     release_lookup_locks=release_mask,
                 )
             )
-        except grpc.aio.AioRpcError as exc:
+        except grpc.RpcError as exc:
             raise _refused(exc) from None
         return response.retrieved_chunks
 
@@ -199,6 +202,6 @@ class GrpcNodeStorage:
                     transaction_id=transaction_id, release_lookup_locks=release_mask
                 )
             )
-        except grpc.aio.AioRpcError as exc:
+        except grpc.RpcError as exc:
             raise _refused(exc) from None
         return response.released_chunks

@@ -20,7 +20,7 @@ from kvmesh.common.errors import (
 )
 from kvmesh.common.keys import ObjectKey
 from kvmesh.common.node_types import PrefetchState, StoreOutcome
-from kvmesh.gateway.core import KeyGridSpec, KeyRow, PreparedSlots, StorageRejected
+from kvmesh.gateway.core.node_storage import KeyGridSpec, KeyRow, PreparedSlots, StorageRejected
 from kvmesh.storage.core.node import StorageNode
 from kvmesh.storage.servicer import handle_from_proto, layout_from_proto
 

@@ -1,4 +1,4 @@
-"""The typed-client base: channels, deadlines on every call, safe retries.
+"""The typed-client base: a transport per client, deadlines on every call, safe retries.
 
 Every RPC has a :class:`CallPolicy` — its default deadline and whether it is
 idempotent. A call without an explicit timeout gets the policy's deadline, so
@@ -7,9 +7,17 @@ and only on UNAVAILABLE (the request never reached a handler, or the server
 is restarting), with short exponential backoff that never outlives the
 call's own deadline.
 
+A client serializes the request, hands the bytes to its transport
+(src/kvmesh/rpc/transport.py: gRPC for ``host:port`` and ``unix:path``, the
+local lane for ``lane:path``) and parses the response. A failed call raises
+:class:`~kvmesh.rpc.errors.RpcError` — a ``grpc.RpcError`` with ``code()``,
+``details()`` and the server's ErrorInfo — whichever transport carried it.
+
 Each service's client module subclasses :class:`SyncClient` or
-:class:`AsyncClient` and writes one typed method per RPC; a test checks that
-every RPC in the stubs has one.
+:class:`AsyncClient`, names its ``SERVICE`` and writes one typed method per
+RPC; a test checks that every RPC in the stubs has one. Importing a client
+loads no server module, no Prometheus and no YAML (a vLLM connector imports
+one); a test checks that too.
 """
 
 from __future__ import annotations
@@ -19,15 +27,35 @@ import random
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, ClassVar, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
-from kvmesh.common.telemetry import tracing_enabled
-from kvmesh.rpc.lane import AsyncLaneChannel, LaneChannel, lane_path
-from kvmesh.rpc.server import DEFAULT_MAX_MESSAGE_BYTES
+from kvmesh.rpc.errors import RpcError
+from kvmesh.rpc.transport import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    AsyncGrpcTransport,
+    AsyncTransport,
+    GrpcTransport,
+    Transport,
+    connect,
+    connect_async,
+    create_aio_channel,
+    create_channel,
+)
 
-Resp = TypeVar("Resp")
+__all__ = [
+    "AsyncClient",
+    "CallPolicy",
+    "RpcError",
+    "SyncClient",
+    # Re-exported: callers made channels through this module before the transports moved.
+    "create_aio_channel",
+    "create_channel",
+]
+
+Resp = TypeVar("Resp", bound=Message)
 
 UNAVAILABLE_RETRIES = 3
 _BACKOFF_BASE_S = 0.05
@@ -42,58 +70,6 @@ class CallPolicy:
     idempotent: bool
 
 
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
-    """Channel arguments of every kvmesh client."""
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        # Fail fast while a server restarts; our own retry loop paces reconnects.
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 2_000),
-    ]
-
-
-def create_channel(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
-    """A blocking channel to ``target``; traced if enabled.
-
-    ``host:port`` and ``unix:path`` are gRPC; ``lane:path`` is the local lane
-    (src/kvmesh/rpc/lane.py), which the server limits to its own
-    max_message_bytes.
-    """
-    path = lane_path(target)
-    if path is not None:
-        lane: Any = LaneChannel(path)
-        return cast(grpc.Channel, lane)
-    channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
-    if tracing_enabled():
-        from opentelemetry.instrumentation.grpc import client_interceptor, grpcext
-
-        # The instrumentation's interceptor has its own channel wrapper (it is not a
-        # grpc.*ClientInterceptor, so grpc.intercept_channel refuses it).
-        channel = grpcext.intercept_channel(channel, client_interceptor())
-    return channel
-
-
-def create_aio_channel(
-    target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-) -> grpc.aio.Channel:
-    """An asyncio channel to ``target`` (``lane:path`` too), traced when tracing is on."""
-    path = lane_path(target)
-    if path is not None:
-        lane: Any = AsyncLaneChannel(path)
-        return cast(grpc.aio.Channel, lane)
-    interceptors = None
-    if tracing_enabled():
-        from opentelemetry.instrumentation.grpc import aio_client_interceptors
-
-        interceptors = aio_client_interceptors()
-    return grpc.aio.insecure_channel(
-        target, options=channel_options(max_message_bytes), interceptors=interceptors
-    )
-
-
 def _budget(policy: CallPolicy, request: Any, timeout: float | None) -> float:
     """The call's deadline in seconds: explicit, else the policy's plus any server-side wait."""
     if timeout is not None:
@@ -102,16 +78,13 @@ def _budget(policy: CallPolicy, request: Any, timeout: float | None) -> float:
     return policy.timeout + wait_ms / 1000.0
 
 
-def _retry_pause(
-    policy: CallPolicy, exc: grpc.RpcError, attempt: int, deadline: float
-) -> float | None:
+def _retry_pause(policy: CallPolicy, exc: RpcError, attempt: int, deadline: float) -> float | None:
     """Seconds to wait before retrying a failed call, or None to give up.
 
     Only idempotent calls are retried, only on UNAVAILABLE, a few times, and
     never past the call's own deadline.
     """
-    code = exc.code() if callable(getattr(exc, "code", None)) else None
-    if not policy.idempotent or code != grpc.StatusCode.UNAVAILABLE:
+    if not policy.idempotent or exc.code() != grpc.StatusCode.UNAVAILABLE:
         return None
     if attempt >= UNAVAILABLE_RETRIES:
         return None
@@ -124,9 +97,29 @@ def _backoff(attempt: int) -> float:
     return delay * (0.5 + random.random() / 2)
 
 
-class SyncClient:
-    """Base of blocking typed clients."""
+def _parse(response_type: type[Resp], body: bytes, path: str) -> Resp:
+    try:
+        return response_type.FromString(body)
+    except DecodeError as exc:
+        raise RpcError(
+            grpc.StatusCode.INTERNAL, f"the response of {path} does not parse: {exc}"
+        ) from None
 
+
+def _paths(cls: type[Any]) -> dict[str, str]:
+    return {rpc: f"/{cls.SERVICE}/{rpc}" for rpc in cls.POLICIES}
+
+
+class SyncClient:
+    """Base of blocking typed clients.
+
+    ``channel`` shares a gRPC channel (or a transport) among clients; the
+    client then does not close it. ``self.channel`` is the gRPC channel,
+    None on a lane (streaming RPCs need it).
+    """
+
+    #: Full name of the service, e.g. ``kvmesh.gateway.v1.GatewayService``.
+    SERVICE: ClassVar[str] = ""
     #: RPC name → policy; subclasses fill it for every RPC of their service.
     POLICIES: Mapping[str, CallPolicy] = {}
 
@@ -134,21 +127,32 @@ class SyncClient:
         self,
         target: str,
         *,
-        channel: grpc.Channel | None = None,
+        channel: grpc.Channel | Transport | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.target = target
-        self._owns_channel = channel is None
-        self.channel = channel or create_channel(target, max_message_bytes)
+        self._owns_transport = channel is None
+        transport: Transport
+        if channel is None:
+            transport = connect(target, max_message_bytes)
+        elif isinstance(channel, grpc.Channel):
+            transport = GrpcTransport(channel)
+        else:
+            transport = channel
+        self.transport = transport
+        self.channel: grpc.Channel | None = (
+            transport.channel if isinstance(transport, GrpcTransport) else None
+        )
+        self._path = _paths(type(self))
         self._bind()
 
     def _bind(self) -> None:
-        """Create the stub(s) over ``self.channel``."""
+        """Set up what the subclass needs besides the transport (a streaming stub)."""
 
     def close(self) -> None:
-        """Close the channel (if this client created it)."""
-        if self._owns_channel:
-            self.channel.close()
+        """Close the transport (if this client created it)."""
+        if self._owns_transport:
+            self.transport.close()
 
     def __enter__(self: Any) -> Any:
         return self
@@ -159,79 +163,91 @@ class SyncClient:
     def _call(
         self,
         rpc: str,
-        method: Any,
-        request: Any,
+        request: Message,
         response_type: type[Resp],
         timeout: float | None,
         wait_for_ready: bool,
     ) -> Resp:
         policy = self.POLICIES[rpc]
-        budget = _budget(policy, request, timeout)
-        deadline = time.monotonic() + budget
+        path = self._path[rpc]
+        payload = request.SerializeToString()
+        deadline = time.monotonic() + _budget(policy, request, timeout)
         attempt = 0
         while True:
             remaining = deadline - time.monotonic()
             try:
-                response: Resp = method(
-                    request, timeout=max(remaining, 0.001), wait_for_ready=wait_for_ready
-                )
-                return response
-            except grpc.RpcError as exc:
+                body = self.transport.call(path, payload, max(remaining, 0.001), wait_for_ready)
+            except RpcError as exc:
                 pause = _retry_pause(policy, exc, attempt, deadline)
                 if pause is None:
                     raise
                 time.sleep(pause)
                 attempt += 1
+                continue
+            return _parse(response_type, body, path)
 
 
 class AsyncClient:
-    """Base of asyncio typed clients."""
+    """Base of asyncio typed clients (see :class:`SyncClient`)."""
 
+    SERVICE: ClassVar[str] = ""
     POLICIES: Mapping[str, CallPolicy] = {}
 
     def __init__(
         self,
         target: str,
         *,
-        channel: grpc.aio.Channel | None = None,
+        channel: grpc.aio.Channel | AsyncTransport | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.target = target
-        self._owns_channel = channel is None
-        self.channel = channel or create_aio_channel(target, max_message_bytes)
+        self._owns_transport = channel is None
+        transport: AsyncTransport
+        if channel is None:
+            transport = connect_async(target, max_message_bytes)
+        elif isinstance(channel, grpc.aio.Channel):
+            transport = AsyncGrpcTransport(channel)
+        else:
+            transport = channel
+        self.transport = transport
+        self.channel: grpc.aio.Channel | None = (
+            transport.channel if isinstance(transport, AsyncGrpcTransport) else None
+        )
+        self._path = _paths(type(self))
         self._bind()
 
     def _bind(self) -> None:
-        """Create the stub(s) over ``self.channel``."""
+        """Set up what the subclass needs besides the transport."""
 
     async def close(self) -> None:
-        """Close the channel (if this client created it)."""
-        if self._owns_channel:
-            await self.channel.close()
+        """Close the transport (if this client created it)."""
+        if self._owns_transport:
+            await self.transport.close()
 
     async def _call(
         self,
         rpc: str,
-        method: Any,
-        request: Any,
+        request: Message,
         response_type: type[Resp],
         timeout: float | None,
         wait_for_ready: bool,
     ) -> Resp:
         policy = self.POLICIES[rpc]
-        budget = _budget(policy, request, timeout)
-        deadline = time.monotonic() + budget
+        path = self._path[rpc]
+        payload = request.SerializeToString()
+        deadline = time.monotonic() + _budget(policy, request, timeout)
         attempt = 0
         while True:
             remaining = deadline - time.monotonic()
             try:
-                response: Resp = await method(
-                    request, timeout=max(remaining, 0.001), wait_for_ready=wait_for_ready
+                body = await self.transport.call(
+                    path, payload, max(remaining, 0.001), wait_for_ready
                 )
-                return response
-            except grpc.aio.AioRpcError as exc:
+            except RpcError as exc:
                 pause = _retry_pause(policy, exc, attempt, deadline)
                 if pause is None:
                     raise
                 await asyncio.sleep(pause)
                 attempt += 1
+                continue
+            return _parse(response_type, body, path)

@@ -13,7 +13,9 @@ ErrorInfo, so the engine sees "block id 9000 is out of range" rather than an
 opaque INTERNAL.
 
 Both jobs live in one interceptor because each interceptor layer costs a few
-microseconds per call and lookups must stay well under a millisecond.
+microseconds per call and lookups must stay well under a millisecond. The
+mapping itself, :func:`error_status`, is shared with the local lane
+(src/kvmesh/rpc/lane/server.py), which answers with the same statuses.
 """
 
 from __future__ import annotations
@@ -25,16 +27,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from google.protobuf import any_pb2
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import error_details_pb2
 
 from kvmesh.common.errors import ERROR_DOMAIN, KvmeshError
 from kvmesh.common.telemetry import current_trace_id
+from kvmesh.rpc.errors import STATUS_DETAILS_KEY, error_info, status_bytes
 from kvmesh.rpc.metrics import RpcMetrics
 
 logger = logging.getLogger(__name__)
 
-STATUS_DETAILS_KEY = "grpc-status-details-bin"
+# Re-exported: tests and tools read a failed call's ErrorInfo through this module.
+__all__ = [
+    "STATUS_DETAILS_KEY",
+    "ServiceInterceptor",
+    "error_info",
+    "error_status",
+    "status_details",
+]
 
 
 def status_details(code: grpc.StatusCode, error: KvmeshError) -> bytes:
@@ -42,26 +51,7 @@ def status_details(code: grpc.StatusCode, error: KvmeshError) -> bytes:
     info = error_details_pb2.ErrorInfo(
         reason=error.reason, domain=ERROR_DOMAIN, metadata=error.metadata
     )
-    detail = any_pb2.Any()
-    detail.Pack(info)
-    status = status_pb2.Status(code=code.value[0], message=error.message, details=[detail])
-    serialized: bytes = status.SerializeToString()
-    return serialized
-
-
-def error_info(rpc_error: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
-    """The ErrorInfo detail of a failed call, if the server attached one."""
-    trailing = getattr(rpc_error, "trailing_metadata", None)
-    if not callable(trailing):
-        return None
-    for key, value in trailing() or ():
-        if key == STATUS_DETAILS_KEY:
-            status = status_pb2.Status.FromString(value)
-            for detail in status.details:
-                info = error_details_pb2.ErrorInfo()
-                if detail.Unpack(info):
-                    return info
-    return None
+    return status_bytes(code, error.message, info)
 
 
 def _code_name(context: grpc.aio.ServicerContext[Any, Any]) -> str:
@@ -135,7 +125,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                answer = _error_status(exc, full)
+                answer = _grpc_answer(exc, full)
                 code = answer[0].name
                 await self._answer(context, method, answer, start)
             finally:
@@ -162,7 +152,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                answer = _error_status(exc, full)
+                answer = _grpc_answer(exc, full)
                 code = answer[0].name
                 await self._answer(context, method, answer, start)
             finally:
@@ -188,17 +178,18 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         await context.abort(code, details, trailing_metadata=trailing)
 
 
-def _error_status(
-    exc: Exception, method: str
-) -> tuple[grpc.StatusCode, str, tuple[tuple[str, bytes], ...]]:
-    """The status that answers a handler's exception: code, details, trailing metadata.
+def error_status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str, bytes]:
+    """The status that answers a handler's exception: code, message, serialized Status.
 
     Ours map to their code with an ErrorInfo; a failed downstream call is
     relayed as it was; anything else is INTERNAL, logged with the trace id.
+    The serialized ``google.rpc.Status`` is b"" when there are no details to
+    send. Both transports answer with this (gRPC here, the lane in
+    src/kvmesh/rpc/lane/server.py).
     """
     if isinstance(exc, KvmeshError):
         code = grpc.StatusCode[exc.code]
-        return code, exc.message, ((STATUS_DETAILS_KEY, status_details(code, exc)),)
+        return code, exc.message, status_details(code, exc)
     if isinstance(exc, grpc.RpcError):
         # A failed call this handler made (e.g. gateway → storage): its code and details.
         failed: Any = exc
@@ -206,12 +197,20 @@ def _error_status(
         details = failed.details() if callable(getattr(failed, "details", None)) else str(exc)
         trailing = getattr(failed, "trailing_metadata", None)
         metadata: Any = trailing() if callable(trailing) else ()
-        kept = tuple((key, value) for key, value in (metadata or ()) if key == STATUS_DETAILS_KEY)
+        kept = next((value for key, value in (metadata or ()) if key == STATUS_DETAILS_KEY), b"")
         return code, details or code.name, kept
     trace_id = current_trace_id()
     logger.error("unhandled error in %s (trace_id=%s)", method, trace_id, exc_info=exc)
     return (
         grpc.StatusCode.INTERNAL,
         f"internal error in {method}; see the server log (trace_id={trace_id})",
-        (),
+        b"",
     )
+
+
+def _grpc_answer(
+    exc: Exception, method: str
+) -> tuple[grpc.StatusCode, str, tuple[tuple[str, bytes], ...]]:
+    """:func:`error_status` as gRPC sends it: the details in trailing metadata."""
+    code, details, status = error_status(exc, method)
+    return code, details, ((STATUS_DETAILS_KEY, status),) if status else ()

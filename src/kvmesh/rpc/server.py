@@ -6,9 +6,12 @@ A service is a :class:`ServiceApp`: its servicers (as :class:`ServiceBinding`),
 the Prometheus collectors that export its core's stats, and optional
 start/stop hooks for background work. ``create_server`` adds what every
 server has — ``grpc.health.v1`` and reflection, the tracing interceptor (when
-tracing is on) and the error-mapping/metrics interceptor, a ``/metrics``
-endpoint — binds TCP or a unix socket and reports the bound address.
-``run_service`` is the process entry point: it runs until SIGTERM/SIGINT,
+tracing is on) and the error-mapping/metrics interceptor, the one decode path
+that answers a request that does not parse with INVALID_ARGUMENT
+(src/kvmesh/rpc/handlers.py), a ``/metrics`` endpoint and, when configured,
+the local lane (src/kvmesh/rpc/lane/) — binds TCP or a unix socket and
+reports the bound address.
+``run_until_signalled`` is the process entry point: it runs until SIGTERM/SIGINT,
 then flips health to NOT_SERVING, stops with a grace period and runs the
 app's stop hook.
 """
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -38,15 +42,18 @@ from prometheus_client.registry import Collector
 
 from kvmesh.common.config import ConfigError, setting
 from kvmesh.common.telemetry import configure_tracing, shutdown_tracing, tracing_enabled
+from kvmesh.rpc.handlers import HandlerRegistry
 from kvmesh.rpc.interceptors import ServiceInterceptor
-from kvmesh.rpc.lane import HandlerCollector, LaneServer, claim_unix_socket
+from kvmesh.rpc.lane.server import LaneMethod, LaneServer, claim_unix_socket, unary_methods
 from kvmesh.rpc.metrics import MetricsServer, RpcMetrics
+from kvmesh.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES as _DEFAULT_MAX_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
 REFLECTION_SERVICE = "grpc.reflection.v1alpha.ServerReflection"
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Defined in src/kvmesh/rpc/transport.py (clients need it without the server); kept here too.
+DEFAULT_MAX_MESSAGE_BYTES = _DEFAULT_MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,7 +102,13 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class ServiceBinding:
-    """One gRPC service of an app: its full name and how to add its servicer."""
+    """One gRPC service of an app: its full name and how to add its servicer.
+
+    ``add_to_server`` is called with the server's
+    :class:`~kvmesh.rpc.handlers.HandlerRegistry`, which offers the two
+    registration methods of ``grpc.aio.Server`` that generated
+    ``add_*Servicer_to_server`` functions use.
+    """
 
     name: str
     add_to_server: Callable[[grpc.aio.Server], None]
@@ -269,18 +282,19 @@ def create_server(
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
         interceptors.append(aio_server_interceptor())
-    service_interceptor = ServiceInterceptor(RpcMetrics(registry, app.name))
-    interceptors.append(service_interceptor)
+    rpc_metrics = RpcMetrics(registry, app.name)
+    interceptors.append(ServiceInterceptor(rpc_metrics))
     server = grpc.aio.server(
         interceptors=interceptors, options=server_options(settings.max_message_bytes)
     )
     bindings = list(app.bindings())
-    handlers = HandlerCollector()
+    # Handlers go through the registry: it gives gRPC the decode path that answers a
+    # request that does not parse with INVALID_ARGUMENT, and keeps them for the lane.
+    handlers = HandlerRegistry(server)
     for binding in bindings:
-        binding.add_to_server(server)
         binding.add_to_server(handlers)  # type: ignore[arg-type]
     health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, handlers)
     names = [b.name for b in bindings]
     reflection.enable_server_reflection([*names, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
     for collector in app.collectors():
@@ -299,8 +313,8 @@ def create_server(
     if settings.lane_socket:
         lane = LaneServer(
             settings.lane_socket,
-            handlers,
-            intercept=service_interceptor.intercept_service,
+            _lane_methods(names, handlers),
+            metrics=rpc_metrics,
             max_message_bytes=settings.max_message_bytes,
         )
         try:
@@ -310,6 +324,24 @@ def create_server(
                 metrics.close()
             raise
     return Server(app, server, address, port, health, names, registry, metrics, settings, lane)
+
+
+def _lane_methods(services: Sequence[str], handlers: HandlerRegistry) -> dict[str, LaneMethod]:
+    """The lane's method table: each unary method of the services, from its descriptor."""
+    pool = descriptor_pool.Default()
+    table: dict[str, LaneMethod] = {}
+    for service in services:
+        try:
+            descriptor = pool.FindServiceByName(service)
+        except KeyError:
+            raise ValueError(f"service {service} is not in the Protobuf descriptor pool") from None
+
+        def servicer_method(rpc: str, service: str = service) -> Any:
+            handler = handlers.handler(f"/{service}/{rpc}")
+            return None if handler is None else handler.unary_unary
+
+        table.update(unary_methods(descriptor, servicer_method))
+    return table
 
 
 def write_ready_file(path: str, endpoints: dict[str, Any]) -> None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
+from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.rpc.client import AsyncClient, CallPolicy
 
 
 class StorageClient(AsyncClient):
     """Typed asyncio client of ``kvmesh.storage.v1.StorageService``."""
 
+    SERVICE = "kvmesh.storage.v1.StorageService"
     POLICIES: Mapping[str, CallPolicy] = {
         "RegisterEngineMemory": CallPolicy(timeout=30.0, idempotent=True),
         "UnregisterEngineMemory": CallPolicy(timeout=10.0, idempotent=True),
@@ -40,9 +41,6 @@ class StorageClient(AsyncClient):
         "CommitRetrieve": CallPolicy(timeout=10.0, idempotent=True),
     }
 
-    def _bind(self) -> None:
-        self._stub = storage_pb2_grpc.StorageServiceStub(self.channel)
-
     async def register_engine_memory(
         self,
         request: storage_pb2.RegisterEngineMemoryRequest,
@@ -53,7 +51,6 @@ class StorageClient(AsyncClient):
         """``RegisterEngineMemory``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "RegisterEngineMemory",
-            self._stub.RegisterEngineMemory,
             request,
             storage_pb2.RegisterEngineMemoryResponse,
             timeout,
@@ -70,7 +67,6 @@ class StorageClient(AsyncClient):
         """``UnregisterEngineMemory``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "UnregisterEngineMemory",
-            self._stub.UnregisterEngineMemory,
             request,
             storage_pb2.UnregisterEngineMemoryResponse,
             timeout,
@@ -87,7 +83,6 @@ class StorageClient(AsyncClient):
         """``StoreChunks``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "StoreChunks",
-            self._stub.StoreChunks,
             request,
             storage_pb2.StoreChunksResponse,
             timeout,
@@ -104,7 +99,6 @@ class StorageClient(AsyncClient):
         """``LookupAndLock``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "LookupAndLock",
-            self._stub.LookupAndLock,
             request,
             storage_pb2.LookupAndLockResponse,
             timeout,
@@ -121,7 +115,6 @@ class StorageClient(AsyncClient):
         """``GetPrefetchStatus``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "GetPrefetchStatus",
-            self._stub.GetPrefetchStatus,
             request,
             storage_pb2.GetPrefetchStatusResponse,
             timeout,
@@ -138,7 +131,6 @@ class StorageClient(AsyncClient):
         """``ReleasePrefetch``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "ReleasePrefetch",
-            self._stub.ReleasePrefetch,
             request,
             storage_pb2.ReleasePrefetchResponse,
             timeout,
@@ -155,7 +147,6 @@ class StorageClient(AsyncClient):
         """``RetrieveChunks``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "RetrieveChunks",
-            self._stub.RetrieveChunks,
             request,
             storage_pb2.RetrieveChunksResponse,
             timeout,
@@ -172,7 +163,6 @@ class StorageClient(AsyncClient):
         """``ReleaseLocks``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "ReleaseLocks",
-            self._stub.ReleaseLocks,
             request,
             storage_pb2.ReleaseLocksResponse,
             timeout,
@@ -189,7 +179,6 @@ class StorageClient(AsyncClient):
         """``TouchKeys``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "TouchKeys",
-            self._stub.TouchKeys,
             request,
             storage_pb2.TouchKeysResponse,
             timeout,
@@ -206,7 +195,6 @@ class StorageClient(AsyncClient):
         """``DeleteKeys``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "DeleteKeys",
-            self._stub.DeleteKeys,
             request,
             storage_pb2.DeleteKeysResponse,
             timeout,
@@ -222,7 +210,7 @@ class StorageClient(AsyncClient):
     ) -> storage_pb2.ClearResponse:
         """``Clear``: see its comment in the .proto for semantics and errors."""
         return await self._call(
-            "Clear", self._stub.Clear, request, storage_pb2.ClearResponse, timeout, wait_for_ready
+            "Clear", request, storage_pb2.ClearResponse, timeout, wait_for_ready
         )
 
     async def get_status(
@@ -235,7 +223,6 @@ class StorageClient(AsyncClient):
         """``GetStatus``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "GetStatus",
-            self._stub.GetStatus,
             request,
             storage_pb2.GetStatusResponse,
             timeout,
@@ -252,7 +239,6 @@ class StorageClient(AsyncClient):
         """``ListObjects``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "ListObjects",
-            self._stub.ListObjects,
             request,
             storage_pb2.ListObjectsResponse,
             timeout,
@@ -269,7 +255,6 @@ class StorageClient(AsyncClient):
         """``SetQuota``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "SetQuota",
-            self._stub.SetQuota,
             request,
             storage_pb2.SetQuotaResponse,
             timeout,
@@ -286,7 +271,6 @@ class StorageClient(AsyncClient):
         """``GetQuota``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "GetQuota",
-            self._stub.GetQuota,
             request,
             storage_pb2.GetQuotaResponse,
             timeout,
@@ -303,7 +287,6 @@ class StorageClient(AsyncClient):
         """``DeleteQuota``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "DeleteQuota",
-            self._stub.DeleteQuota,
             request,
             storage_pb2.DeleteQuotaResponse,
             timeout,
@@ -320,7 +303,6 @@ class StorageClient(AsyncClient):
         """``ListQuotas``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "ListQuotas",
-            self._stub.ListQuotas,
             request,
             storage_pb2.ListQuotasResponse,
             timeout,
@@ -337,7 +319,6 @@ class StorageClient(AsyncClient):
         """``PrepareStore``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "PrepareStore",
-            self._stub.PrepareStore,
             request,
             storage_pb2.PrepareStoreResponse,
             timeout,
@@ -354,7 +335,6 @@ class StorageClient(AsyncClient):
         """``CommitStore``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "CommitStore",
-            self._stub.CommitStore,
             request,
             storage_pb2.CommitStoreResponse,
             timeout,
@@ -371,7 +351,6 @@ class StorageClient(AsyncClient):
         """``PrepareRetrieve``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "PrepareRetrieve",
-            self._stub.PrepareRetrieve,
             request,
             storage_pb2.PrepareRetrieveResponse,
             timeout,
@@ -388,7 +367,6 @@ class StorageClient(AsyncClient):
         """``CommitRetrieve``: see its comment in the .proto for semantics and errors."""
         return await self._call(
             "CommitRetrieve",
-            self._stub.CommitRetrieve,
             request,
             storage_pb2.CommitRetrieveResponse,
             timeout,

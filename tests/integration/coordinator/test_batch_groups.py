@@ -18,7 +18,7 @@ import pytest
 
 from kvmesh.api.coordinator.v1 import ingest_pb2, ingest_pb2_grpc
 from kvmesh.api.events.v1 import events_pb2
-from kvmesh.coordinator.servicer import BATCH_GROUPS_METADATA, MAX_GROUP_BATCHES
+from kvmesh.coordinator.servicers.ingest import BATCH_GROUPS_METADATA, MAX_GROUP_BATCHES
 from tests.integration.coordinator.support import (
     ADMITTED,
     DUPLICATE,

@@ -13,7 +13,7 @@ import pytest
 
 from kvmesh.api.coordinator.v1 import ingest_pb2
 from kvmesh.common.events import IngestResult
-from kvmesh.storage.events.coordinator_link import GrpcEventTransport
+from kvmesh.storage.events.grpc_transport import GrpcEventTransport
 from tests.integration.coordinator.support import Coord
 from tests.integration.coordinator_link.support import RecordingListener, store_batch
 

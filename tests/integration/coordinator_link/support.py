@@ -7,14 +7,14 @@ import threading
 from kvmesh.common.errors import KvmeshError
 from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, IngestResult, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.events.emitter import (
-    CacheEventEmitter,
-    CommandResult,
+from kvmesh.storage.core.ports import (
     DeleteKeysCommand,
     NodeCommand,
     QuotaChangedCommand,
     ResyncCommand,
 )
+from kvmesh.storage.events.emitter import CacheEventEmitter
+from kvmesh.storage.events.transport import CommandResult
 
 MODEL = "org/model-7b"
 
@@ -84,7 +84,7 @@ class FakeNode:
     def __init__(self) -> None:
         self.emitter: CacheEventEmitter | None = None
         self.l2: dict[ObjectKey, int] = {}
-        self.quotas: dict[tuple[str, Tier], int] = {}
+        self.quotas: dict[tuple[str, Tier], int | None] = {}
         self.fail_with: KvmeshError | None = None
         self.handled: list[NodeCommand] = []
 

@@ -32,17 +32,13 @@ from kvmesh.common.events import (
     validate_batch,
 )
 from kvmesh.common.keys import MAX_CACHE_SALT_CHARS, ObjectKey
-from kvmesh.storage.events.coordinator_link import (
+from kvmesh.storage.core.ports import DeleteKeysCommand, QuotaChangedCommand, ResyncCommand
+from kvmesh.storage.events.codec import (
     UnsupportedCommand,
     command_from_proto,
     result_to_proto,
 )
-from kvmesh.storage.events.emitter import (
-    CommandResult,
-    DeleteKeysCommand,
-    QuotaChangedCommand,
-    ResyncCommand,
-)
+from kvmesh.storage.events.transport import CommandResult
 from tests.integration.coordinator_link.support import key
 
 SEEDS = range(20)

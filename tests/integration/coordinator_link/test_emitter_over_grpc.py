@@ -19,13 +19,10 @@ from kvmesh.api.coordinator.v1 import ingest_pb2
 from kvmesh.common.convert import key_to_proto
 from kvmesh.common.errors import NotFound
 from kvmesh.common.events import CacheEventEntry, EventType, Tier
-from kvmesh.storage.events.coordinator_link import GrpcEventTransport
-from kvmesh.storage.events.emitter import (
-    CacheEventEmitter,
-    DeleteKeysCommand,
-    EmitterConfig,
-    QuotaChangedCommand,
-)
+from kvmesh.storage.core.ports import DeleteKeysCommand, QuotaChangedCommand
+from kvmesh.storage.events.config import EmitterConfig
+from kvmesh.storage.events.emitter import CacheEventEmitter
+from kvmesh.storage.events.grpc_transport import GrpcEventTransport
 from tests.harness import wait_for
 from tests.integration.coordinator_link.fake_coordinator import CoordinatorHandle, FakeCoordinator
 from tests.integration.coordinator_link.support import FakeNode, key, key_id

@@ -1,14 +1,16 @@
 """GrpcEventTransport / GrpcEventSession against a real gRPC server, without the emitter.
 
-These pin the session contract of src/kvmesh/storage/events/emitter.py: acks in stream
-order on the reader thread, commands on a separate thread with their results
-written up the stream, ``on_closed`` exactly once for a stream that ends by
-itself and never for one the owner closed, TransportError for an absent
-coordinator, and no thread outliving its session.
+These pin the session contract of src/kvmesh/storage/events/transport.py: acks
+in stream order on the reader thread, commands on a separate thread (one that
+exists only while commands wait) with their results written up the stream,
+``on_closed`` exactly once for a stream that ends by itself and never for one
+the owner closed, TransportError for an absent coordinator, and no thread
+outliving its session.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -19,9 +21,10 @@ from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.coordinator.v1 import ingest_pb2
 from kvmesh.api.events.v1 import events_pb2
 from kvmesh.common.events import CacheEventEntry, IngestResult, Tier
-from kvmesh.storage.events.coordinator_link import GrpcEventTransport
-from kvmesh.storage.events.emitter import QuotaChangedCommand, TransportError
-from tests.harness import free_port
+from kvmesh.storage.core.ports import QuotaChangedCommand
+from kvmesh.storage.events.grpc_transport import GrpcEventTransport
+from kvmesh.storage.events.transport import TransportError
+from tests.harness import free_port, wait_for
 from tests.integration.coordinator_link.fake_coordinator import CoordinatorHandle
 from tests.integration.coordinator_link.support import (
     RecordingListener,
@@ -30,6 +33,10 @@ from tests.integration.coordinator_link.support import (
 )
 
 NODE = "node-a"
+
+
+def command_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == f"event-stream-commands-{NODE}"]
 
 
 @pytest.fixture
@@ -90,6 +97,8 @@ def test_commands_run_off_the_reader_thread_and_results_go_up_the_stream(
     listener = RecordingListener()
     session = transport.connect(NODE, 1, listener)
     coordinator.state.wait_for(lambda: coordinator.state.connected(NODE))
+    # An idle session runs no command thread; one starts when a command arrives.
+    assert command_threads() == []
     command = ingest_pb2.NodeCommand(
         command_id="q-1",
         set_quota=ingest_pb2.SetQuotaCommand(
@@ -101,6 +110,7 @@ def test_commands_run_off_the_reader_thread_and_results_go_up_the_stream(
     assert (result.code, result.affected) == ("OK", 1)
     assert listener.commands == [QuotaChangedCommand("q-1", "tenant", Tier.L2, 1 << 30)]
     assert listener.threads == {f"command:event-stream-commands-{NODE}"}
+    wait_for(lambda: command_threads() == [])  # and ends once the queue is empty
     session.close()
 
 

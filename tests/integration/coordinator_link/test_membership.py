@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvmesh.common.errors import InvalidArgument, NotFound, Unavailable
-from kvmesh.storage.events.coordinator_link import GrpcMembershipClient
+from kvmesh.storage.events.grpc_membership import GrpcMembershipClient
 from kvmesh.storage.events.registrar import Registrar, Registration
 from tests.harness import free_port, wait_for
 from tests.integration.coordinator_link.fake_coordinator import CoordinatorHandle

@@ -4,10 +4,21 @@ Every test gets its own directory under /dev/shm (the node's L1 segments in
 ``l1/``, engine KV files in ``engine/``, which is also the node's allowed
 directory) and its own instance id and data directory; all of it is removed
 afterwards, also when the test fails.
+
+Transport arrangements. A stack is deployed in one of four arrangements (see
+:func:`arrangement`). A test runs under the default one, storage and gateway
+as two servers over gRPC (``kvmesh storage`` + ``kvmesh gateway``, as
+docker-compose deploys them), unless it is marked ``@pytest.mark.transports``:
+then it runs under all four. Mark a test whose outcome can depend on the
+transport or on the gateway's storage link: cancellation, deadlines, errors
+relayed or turned into status codes, parked waits, and the few tests that
+together make every NodeStorage call once. ``KVMESH_GATEWAY_ARRANGEMENTS=all``
+runs every test under all four (after a change to a link or a transport).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
@@ -61,14 +72,35 @@ def thread() -> Iterator[ServerThread]:
 StackFactory = Callable[..., Stack]
 
 
-@pytest.fixture(params=["separate", "node", "lane", "separate-lane"])
+ARRANGEMENTS = ("separate", "node", "lane", "separate-lane")
+#: What users run by default: two servers, every hop over gRPC.
+DEFAULT_ARRANGEMENT = "separate"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "transports: transport-sensitive; run under every gateway/storage arrangement",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize ``arrangement`` over every arrangement for tests marked ``transports``."""
+    if "arrangement" not in metafunc.fixturenames:
+        return
+    every = os.environ.get("KVMESH_GATEWAY_ARRANGEMENTS") == "all"
+    if every or metafunc.definition.get_closest_marker("transports") is not None:
+        metafunc.parametrize("arrangement", ARRANGEMENTS, indirect=True)
+
+
+@pytest.fixture
 def arrangement(request: pytest.FixtureRequest) -> str:
     """Gateway and storage as two servers (gRPC link), or one ``kvmesh node`` (in-process
     link); ``lane`` is that node with the engine's client on the local lane instead of gRPC,
     ``separate-lane`` the two servers with the lane on both hops (engine -> gateway ->
-    storage).
+    storage). :data:`DEFAULT_ARRANGEMENT` unless the test is marked ``transports``.
     """
-    return str(request.param)
+    return str(getattr(request, "param", DEFAULT_ARRANGEMENT))
 
 
 @pytest.fixture

@@ -8,6 +8,11 @@ unchanged). Then it checks that the engine's memory is byte-for-byte
 unchanged, that L1 holds the same keys with the same bytes, and that the
 held lookup's locks are exactly as they were: ending its session releases
 both, and nothing stays locked.
+
+Most refusals are the gateway core's own, the same whatever the transport:
+they run under the default arrangement. Those marked ``transports`` run under
+all four: storage's errors relayed through the link, ErrorInfo details, a
+storage node that is down, and waits refused well inside the caller's deadline.
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ UNKNOWN_REQUEST = {
 }
 
 
+@pytest.mark.transports  # ErrorInfo through each transport
 @pytest.mark.parametrize("method", UNKNOWN_REQUEST)
 def test_an_unknown_request_id_is_not_found(base: Baseline, method: str) -> None:
     error = base.stack.error(method, UNKNOWN_REQUEST[method])
@@ -194,6 +200,7 @@ def test_a_range_of_another_model_than_the_engines_is_invalid(base: Baseline) ->
 # -- engines --------------------------------------------------------------------------------
 
 
+@pytest.mark.transports  # ErrorInfo through each transport
 @pytest.mark.parametrize("method", ["store", "retrieve"])
 def test_the_data_path_of_an_unregistered_engine_is_failed_precondition(
     base: Baseline, method: str
@@ -296,6 +303,7 @@ BAD_LAYOUTS: dict[str, tuple[dict[str, Any], str, str]] = {
 }
 
 
+@pytest.mark.transports  # storage's error relayed
 @pytest.mark.parametrize("case", BAD_LAYOUTS)
 def test_a_bad_layout_is_invalid_with_storages_message_relayed(base: Baseline, case: str) -> None:
     overrides, field, text = BAD_LAYOUTS[case]
@@ -340,6 +348,7 @@ def test_too_few_block_ids_is_invalid(base: Baseline, method: str) -> None:
     base.assert_intact()
 
 
+@pytest.mark.transports  # storage's refusal relayed
 @pytest.mark.parametrize("method", ["store", "retrieve"])
 def test_a_block_id_out_of_range_is_invalid_with_storages_message_relayed(
     base: Baseline, method: str
@@ -386,7 +395,6 @@ LOOKUP_CASES: dict[str, dict[str, Any]] = {
     "model_name_with_at": {"model_name": "m@x"},
     "world_size_0": {"world_size": 0},
     "too_many_readers": {"num_kv_readers": 129},
-    "wait_above_the_maximum": {"wait_timeout_ms": 60_001},
 }
 
 
@@ -399,8 +407,19 @@ def test_a_bad_lookup_is_invalid(base: Baseline, case: str) -> None:
         "token_ids": base.tokens,
     }
     fields.update(LOOKUP_CASES[case])
+    error = base.stack.error("lookup", gateway_pb2.LookupRequest(**fields))
+    assert code_of(error) == "INVALID_ARGUMENT"
+    base.assert_intact()
+
+
+@pytest.mark.transports  # refused before the deadline
+def test_a_lookup_wait_above_the_gateways_maximum_is_invalid(base: Baseline) -> None:
+    request = gateway_pb2.LookupRequest(
+        request_id="other", model_name=MODEL, world_size=1, token_ids=base.tokens,
+        wait_timeout_ms=60_001,
+    )  # fmt: skip
     # A long wait needs a deadline above it, or the client's own deadline answers first.
-    error = base.stack.error("lookup", gateway_pb2.LookupRequest(**fields), timeout=5.0)
+    error = base.stack.error("lookup", request, timeout=5.0)
     assert code_of(error) == "INVALID_ARGUMENT"
     base.assert_intact()
 
@@ -417,6 +436,7 @@ def test_a_prompt_over_the_gateways_token_limit_is_invalid(
     assert stack.locked() == 0
 
 
+@pytest.mark.transports  # refused before the deadline
 def test_a_wait_above_the_gateways_maximum_is_invalid(base: Baseline) -> None:
     request = gateway_pb2.WaitPrefetchStatusRequest(request_id="held", timeout_ms=60_001)
     error = base.stack.error("wait_prefetch_status", request, timeout=5.0)
@@ -434,6 +454,7 @@ def test_a_block_allocation_without_request_id_is_invalid(base: Baseline) -> Non
     base.assert_intact()
 
 
+@pytest.mark.transports  # storage's error relayed
 @pytest.mark.parametrize("method", ["commit_store", "commit_retrieve"])
 def test_a_commit_of_an_unknown_transaction_is_not_found(
     make_stack: StackFactory, method: str
@@ -459,6 +480,7 @@ def test_a_commit_of_an_unknown_transaction_is_not_found(
 # -- storage down ---------------------------------------------------------------------------
 
 
+@pytest.mark.transports  # storage unreachable
 def test_a_gateway_whose_storage_is_not_listening_answers_unavailable(
     make_stack: StackFactory, engine: Engine
 ) -> None:
@@ -473,6 +495,7 @@ def test_a_gateway_whose_storage_is_not_listening_answers_unavailable(
     assert dead.client.get_chunk_size(gateway_pb2.GetChunkSizeRequest()).chunk_size == CHUNK
 
 
+@pytest.mark.transports  # storage unreachable
 @pytest.mark.parametrize("method", ["lookup", "store", "retrieve", "end_session", "clear"])
 def test_calls_that_need_a_stopped_storage_node_answer_unavailable(
     base: Baseline, thread: ServerThread, method: str

@@ -147,6 +147,7 @@ def test_unregister_engine_context_is_idempotent_and_ends_its_data_path(ctx: Sta
     assert code_of(error) == "FAILED_PRECONDITION"
 
 
+@pytest.mark.transports  # link: prepare/commit
 def test_prepare_store_write_commit_then_prepare_retrieve_reads_the_same_bytes(
     ctx: Stack,
 ) -> None:

@@ -8,6 +8,9 @@
 - clients that go away: a session left idle (its locks expire with the
   gateway's session TTL), a Lookup cancelled while it waits, and the normal
   EndSession.
+
+The flows that hinge on the transport (waits, cancellation, a prefetch that
+outlives its call) are marked ``transports`` and run under every arrangement.
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ def test_lookup_prefetch_retrieve_with_a_partial_l2_hit(
     assert stack.node.l2_hashes() == {*hashes[:3], hashes[4]}
 
 
+@pytest.mark.transports  # parked waits that time out
 def test_wait_prefetch_status_times_out_while_l2_loads_then_completes(
     make_stack: StackFactory, engine: Engine
 ) -> None:
@@ -139,6 +143,7 @@ def test_wait_prefetch_status_times_out_while_l2_loads_then_completes(
     wait_for(lambda: stack.locked() == 0 and stack.l1() == set())
 
 
+@pytest.mark.transports  # a parked wait
 def test_a_parked_wait_does_not_hold_up_other_rpcs(
     make_stack: StackFactory, engine: Engine
 ) -> None:
@@ -164,7 +169,8 @@ def test_a_parked_wait_does_not_hold_up_other_rpcs(
     waiter.start()
     try:
         # The wait is parked once it holds the request's session (a peek at the core).
-        session = stack.app.core._sessions["slow"]
+        session = stack.app.core.sessions.get("slow")
+        assert session is not None
         wait_for(session.lock.locked)
         # While the wait is parked: other RPCs (and other requests' lookups) are answered,
         # and a query of the same request answers with what is known, without waiting.
@@ -299,6 +305,7 @@ def test_end_session_releases_the_locks_at_once_in_the_normal_case(
     assert stack.locked() == 0
 
 
+@pytest.mark.transports  # cancellation
 def test_a_lookup_cancelled_while_it_waits_leaves_no_lock_behind(
     make_stack: StackFactory, engine: Engine
 ) -> None:
@@ -327,6 +334,7 @@ def test_a_lookup_cancelled_while_it_waits_leaves_no_lock_behind(
     wait_for(lambda: stack.node.status().active_prefetches == 0, timeout=5.0)
 
 
+@pytest.mark.transports  # a prefetch outliving its call
 def test_end_session_during_an_l2_prefetch_gives_its_locks_back_when_it_finishes(
     make_stack: StackFactory, engine: Engine
 ) -> None:

@@ -5,9 +5,15 @@ engine block size 16) and talks to the gateway with the typed
 ``GatewayClient``; what the gateway did is checked behind it on the storage
 node (L1 keys and bytes, read locks, refused deletes) and in the engine's
 shared-memory KV file, byte for byte.
+
+Tests marked ``transports`` run under every arrangement (see conftest): a
+wait against the caller's deadline, and the ones that take each storage
+link through its calls.
 """
 
 from __future__ import annotations
+
+import pytest
 
 from kvmesh.api.gateway.v1 import gateway_pb2
 from tests.integration.gateway.conftest import StackFactory
@@ -26,6 +32,7 @@ from tests.integration.gateway.support import (
 # -- registration -------------------------------------------------------------------------
 
 
+@pytest.mark.transports  # storage's answer relayed
 def test_register_reports_chunk_size_and_storage_instance_and_is_idempotent(
     stack: Stack, engine: Engine
 ) -> None:
@@ -75,6 +82,7 @@ def test_register_after_a_gateway_restart_finds_the_engine_already_mapped(
     assert second.store(engine, "r", tokens, 0, CHUNK, blocks([0])).stored_chunks == 1
 
 
+@pytest.mark.transports  # link: unregister_engine
 def test_unregister_unmaps_the_engine_and_is_idempotent(ready: Stack, engine: Engine) -> None:
     request = gateway_pb2.UnregisterKVCacheRequest(engine_id=engine.engine_id)
     assert ready.client.unregister_kv_cache(request).existed
@@ -126,6 +134,7 @@ def test_store_of_a_later_range_uses_the_tokens_the_session_already_has(
     assert ready.l1_bytes(hashes_of(tokens)) == [engine.chunk(blocks([c])) for c in range(2)]
 
 
+@pytest.mark.transports  # link: the data path
 def test_retrieve_writes_exact_bytes_into_the_engines_blocks_and_uses_the_lookup_locks(
     ready: Stack, engine: Engine
 ) -> None:
@@ -267,6 +276,7 @@ def test_query_prefetch_status_is_repeatable_until_the_session_ends(
     assert code_of(ready.error("query_prefetch_status", request)) == "NOT_FOUND"
 
 
+@pytest.mark.transports  # a wait longer than the deadline
 def test_wait_prefetch_status_of_a_completed_lookup_answers_at_once(
     ready: Stack, engine: Engine
 ) -> None:
@@ -325,6 +335,7 @@ def test_end_session_of_an_unknown_request_succeeds_with_existed_false(stack: St
 # -- clear, chunk size, ping, block allocations -------------------------------------------
 
 
+@pytest.mark.transports  # link: clear
 def test_clear_drops_unlocked_objects_and_with_force_locked_ones_too(
     ready: Stack, engine: Engine
 ) -> None:

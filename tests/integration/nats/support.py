@@ -17,7 +17,8 @@ from nats.aio.msg import Msg
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.events.v1 import events_pb2
-from kvmesh.storage.events.nats_link import DEFAULT_STREAM, MSG_ID_HEADER
+from kvmesh.common.nats_names import DEFAULT_STREAM
+from kvmesh.storage.events.jetstream import MSG_ID_HEADER
 from tests.harness import ServerThread, wait_for
 from tests.integration.coordinator.support import Clients, eventually
 from tests.integration.storage.support import Node

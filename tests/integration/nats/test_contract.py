@@ -9,6 +9,13 @@ import pytest
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import Tier
 from kvmesh.common.keys import ObjectKey
+from kvmesh.common.nats_names import (
+    commands_subject,
+    events_subject,
+    instance_from_token,
+    message_id,
+    subject_token,
+)
 from kvmesh.coordinator.core.coordinator import Coordinator
 from kvmesh.coordinator.core.persistence import (
     PersistenceType,
@@ -16,21 +23,11 @@ from kvmesh.coordinator.core.persistence import (
     load_checkpoint,
     save_checkpoint,
 )
-from kvmesh.coordinator.nats_source import (
-    POSITION_SECTION,
-    NatsEventSource,
-    NatsSourceSettings,
-    NatsStreamPosition,
-    PreferStreamDispatcher,
-)
-from kvmesh.storage.events.nats_link import (
-    StreamSettings,
-    commands_subject,
-    events_subject,
-    instance_from_token,
-    message_id,
-    subject_token,
-)
+from kvmesh.coordinator.sources.dispatch import PreferStreamDispatcher
+from kvmesh.coordinator.sources.jetstream import NatsEventSource
+from kvmesh.coordinator.sources.position import POSITION_SECTION, NatsStreamPosition
+from kvmesh.coordinator.sources.settings import NatsSourceSettings
+from kvmesh.storage.events.jetstream import StreamSettings
 
 
 @pytest.mark.parametrize(

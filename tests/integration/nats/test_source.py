@@ -18,15 +18,14 @@ import pytest
 
 from kvmesh.api.coordinator.v1 import ingest_pb2
 from kvmesh.common.events import CacheEventBatch, IngestResult
-from kvmesh.coordinator.nats_source import NatsEventSource
-from kvmesh.storage.events.nats_link import (
+from kvmesh.common.nats_names import (
     DEFAULT_STREAM,
-    StreamSettings,
     commands_subject,
-    ensure_stream,
     events_subject,
     message_id,
 )
+from kvmesh.coordinator.sources.jetstream import NatsEventSource
+from kvmesh.storage.events.jetstream import StreamSettings, ensure_stream
 from tests.integration.coordinator.support import L2, Coord, batch, pkey, stores
 from tests.integration.nats.conftest import Fleet
 from tests.integration.nats.support import RawNats, wait_true
@@ -153,17 +152,17 @@ def test_a_batch_whose_ingest_raises_is_logged_and_skipped_and_the_stream_goes_o
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """§10.3 #28 (LMCache Kafka: a record whose consumer raises is skipped, offset recorded)."""
-    caplog.set_level(logging.ERROR, logger="kvmesh.coordinator.nats_source")
+    caplog.set_level(logging.ERROR, logger="kvmesh.coordinator.sources")
     coord = fleet.coordinator()
     source = source_of(coord)
-    real_ingest = source._ingest
+    real_ingest = source._applier._ingest
 
     def flaky(b: CacheEventBatch) -> IngestResult:
         if b.seq == 2:
             raise RuntimeError("injected")
         return real_ingest(b)
 
-    monkeypatch.setattr(source, "_ingest", flaky)
+    monkeypatch.setattr(source._applier, "_ingest", flaky)
     subject = events_subject("raw-e")
     for seq in (1, 2):
         raw.publish(
@@ -188,7 +187,7 @@ def test_the_source_logs_a_lost_connection_and_reads_on_after_nats_restarts(
     fleet: Fleet, nats: ServerProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
     """§10.3 #28 (LMCache Kafka: a consumer error is logged and polling continues)."""
-    caplog.set_level(logging.WARNING, logger="kvmesh.coordinator.nats_source")
+    caplog.set_level(logging.WARNING, logger="kvmesh.coordinator.sources")
     coord = fleet.coordinator()
     source = source_of(coord)
     subject = events_subject("raw-f")

@@ -28,19 +28,12 @@ from kvmesh.common.events import (
     Tier,
 )
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.events.emitter import (
-    CacheEventEmitter,
-    CommandResult,
-    DeleteKeysCommand,
-    EmitterConfig,
-    NodeCommand,
-    TransportError,
-)
-from kvmesh.storage.events.nats_link import (
-    NatsEventTransport,
-    command_results_subject,
-    commands_subject,
-)
+from kvmesh.common.nats_names import command_results_subject, commands_subject
+from kvmesh.storage.core.ports import DeleteKeysCommand, NodeCommand
+from kvmesh.storage.events.config import EmitterConfig
+from kvmesh.storage.events.emitter import CacheEventEmitter
+from kvmesh.storage.events.nats_transport import NatsEventTransport
+from kvmesh.storage.events.transport import CommandResult, TransportError
 from tests.harness import free_port
 from tests.integration.coordinator.support import pkey
 from tests.integration.nats.conftest import Fleet

@@ -191,9 +191,9 @@ class Node:
         """Call ``StorageClient.<method>(request)`` on the server's loop; its response."""
         return self.thread.run(getattr(self.client, method)(request, **kwargs))
 
-    def error(self, method: str, request: Any) -> grpc.aio.AioRpcError:
+    def error(self, method: str, request: Any) -> grpc.RpcError:
         """The gRPC error ``method`` fails with (the test fails if the call succeeds)."""
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        with pytest.raises(grpc.RpcError) as info:
             self.call(method, request)
         return info.value
 

@@ -19,9 +19,9 @@ from kvmesh.common.convert import UniformEntries
 from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
 from kvmesh.common.keys import ObjectKey
 from kvmesh.coordinator.core import Coordinator, CoordinatorSettings
-from kvmesh.coordinator.core.directory import KeyDirectory
-from kvmesh.coordinator.core.eviction import IsolatedLRU
+from kvmesh.coordinator.core.directory import writes
 from kvmesh.coordinator.core.keyspace import EncodedBatch
+from kvmesh.coordinator.core.lru import IsolatedLRU
 
 SPACES = [("m/a", 0, 0, ""), ("m/a", 0, 1, "t1"), ("m/b", 0x01000100, 0, "t2")]
 
@@ -78,7 +78,7 @@ def _traffic(seed: int, steps: int) -> list[tuple[str, Any]]:
 def _run(traffic: list[tuple[str, Any]], bulk: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
     with monkeypatch.context() as m:
         if not bulk:
-            m.setattr(KeyDirectory, "_store_new_keys", lambda *_a: False)
+            m.setattr(writes, "store_new_keys", lambda *_a: False)
 
             def per_key(self: IsolatedLRU, encoded: EncodedBatch) -> None:
                 self.on_keys_created(encoded.cks, encoded.sids)
@@ -109,7 +109,7 @@ def _run(traffic: list[tuple[str, Any]], bulk: bool, monkeypatch: pytest.MonkeyP
             core.fleet_usage(),
             {s: core.lru.order(s) for s in core.lru.tracked_salts()},
             {s: core.lru.count(s) for s in core.lru.tracked_salts()},
-            sorted(core.directory._bindings.items()),
+            sorted(core.directory._st.bindings.by_hash.items()),
         )
 
 

@@ -419,7 +419,7 @@ def test_checkpoint_releases_copy_on_write_after_writing(tmp_path: Path) -> None
     """kvmesh: once written, the capture is dropped and shards stop being copied on write."""
     c = populated(tmp_path)
     assert c.checkpoint_now().ok is True
-    assert not any(c.directory._frozen)
+    assert not any(c.directory._st.store.frozen)
     assert all(not b.frozen for b in c.lru._salts.values())
 
 

@@ -18,8 +18,9 @@ import pytest
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.events.emitter import CacheEventEmitter, EmitterConfig, LoopbackTransport
-from tests.unit.emitter.fakes import FakeGate, entry, key, key_id
+from kvmesh.storage.events.config import EmitterConfig
+from kvmesh.storage.events.emitter import CacheEventEmitter
+from tests.unit.emitter.fakes import FakeGate, LoopbackTransport, entry, key, key_id
 
 GIB = 1 << 30
 TS = 1_700_000_123.5

@@ -10,18 +10,24 @@ import pytest
 from kvmesh.common.errors import NotFound, Unavailable
 from kvmesh.common.events import CacheEventEntry, EventType, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.events.emitter import (
-    CacheEventEmitter,
+from kvmesh.storage.core.ports import (
     CommandHandler,
     DeleteKeysCommand,
-    EmitterConfig,
-    LoopbackTransport,
     NodeCommand,
     QuotaChangedCommand,
     ResyncCommand,
-    TransportError,
 )
-from tests.unit.emitter.fakes import DEADLINE_S, FakeGate, key, key_id, wait_until
+from kvmesh.storage.events.config import EmitterConfig
+from kvmesh.storage.events.emitter import CacheEventEmitter
+from kvmesh.storage.events.transport import TransportError
+from tests.unit.emitter.fakes import (
+    DEADLINE_S,
+    FakeGate,
+    LoopbackTransport,
+    key,
+    key_id,
+    wait_until,
+)
 
 
 class FakeNode:
@@ -30,7 +36,7 @@ class FakeNode:
     def __init__(self) -> None:
         self.emitter: CacheEventEmitter | None = None
         self.l2: dict[ObjectKey, int] = {}
-        self.quotas: dict[tuple[str, Tier], int] = {}
+        self.quotas: dict[tuple[str, Tier], int | None] = {}
         self.fail_with: Exception | None = None
 
     def handle_command(self, command: NodeCommand) -> int:

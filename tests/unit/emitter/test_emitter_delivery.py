@@ -16,14 +16,20 @@ from typing import Any
 import pytest
 
 from kvmesh.common.events import EventType, IngestResult, Tier
-from kvmesh.storage.events.emitter import (
+from kvmesh.storage.events.config import (
     DEFAULT_MAX_IN_FLIGHT_BATCHES,
-    CacheEventEmitter,
     EmitterConfig,
-    LoopbackTransport,
     ReconnectBackoff,
 )
-from tests.unit.emitter.fakes import DEADLINE_S, FakeGate, entry, key_id, wait_until
+from kvmesh.storage.events.emitter import CacheEventEmitter
+from tests.unit.emitter.fakes import (
+    DEADLINE_S,
+    FakeGate,
+    LoopbackTransport,
+    entry,
+    key_id,
+    wait_until,
+)
 
 INSTANCE = "node-a"
 

@@ -16,16 +16,9 @@ import pytest
 from kvmesh.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from kvmesh.common.hashing import TokenHasher
 from kvmesh.common.keys import ObjectKey, worker_kv_rank
-from kvmesh.gateway.core import (
-    EngineSpec,
-    Gateway,
-    KeyGridSpec,
-    KeyRow,
-    PrefetchState,
-    PreparedSlots,
-    Slot,
-    StoreOutcome,
-)
+from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
+from kvmesh.gateway.core import EngineSpec, Gateway, PromptRangeSpec
+from kvmesh.gateway.core.node_storage import KeyGridSpec, KeyRow, PreparedSlots
 
 CHUNK = 16
 BLOCK = 4
@@ -215,8 +208,6 @@ def run(coro):  # type: ignore[no-untyped-def]
 
 
 def store_all(gw: Gateway, toks: np.ndarray, request_id: str = "s", engine_id: str = "e0") -> None:
-    from kvmesh.gateway.core import PromptRangeSpec
-
     end = (toks.size // CHUNK) * CHUNK
     rng = PromptRangeSpec(request_id, MODEL, 1, "", toks, 0, end)
     run(gw.store(engine_id, rng, list(range(end // BLOCK))))
@@ -336,8 +327,6 @@ def test_free_then_retrieve_then_end_release_each_lock_exactly_once() -> None:
     # The scheduler frees the APC-covered first chunk, the worker retrieves 1..3.
     assert run(gw.free_lookup_locks("r", 0, CHUNK)) == 1
     assert run(gw.free_lookup_locks("r", 0, CHUNK)) == 0  # twice is harmless
-    from kvmesh.gateway.core import PromptRangeSpec
-
     rng = PromptRangeSpec("r", MODEL, 1, "", np.zeros(0, np.uint32), CHUNK, 4 * CHUNK)
     got = run(gw.retrieve("e0", rng, list(range(3 * CHUNK // BLOCK)), 0))
     assert got == 3
@@ -351,8 +340,6 @@ def test_retrieve_without_lookup_releases_nothing() -> None:
     register(gw)
     toks = tokens(2 * CHUNK)
     store_all(gw, toks)
-    from kvmesh.gateway.core import PromptRangeSpec
-
     rng = PromptRangeSpec("r2", MODEL, 1, "", toks, 0, 2 * CHUNK)
     assert run(gw.retrieve("e0", rng, list(range(8)), 0)) == 2
     assert storage.retrieve_masks == [[False, False]]
@@ -447,8 +434,6 @@ def test_bad_engine_registration_names_the_field(spec: EngineSpec, field: str) -
 
 def test_store_before_register_is_failed_precondition() -> None:
     gw, _, _ = make()
-    from kvmesh.gateway.core import PromptRangeSpec
-
     rng = PromptRangeSpec("r", MODEL, 1, "", tokens(CHUNK), 0, CHUNK)
     with pytest.raises(FailedPrecondition):
         run(gw.store("e0", rng, list(range(4))))
@@ -468,8 +453,6 @@ def test_bad_store_ranges_are_invalid_argument(
 ) -> None:
     gw, storage, _ = make()
     register(gw)
-    from kvmesh.gateway.core import PromptRangeSpec
-
     rng = PromptRangeSpec("r", MODEL, 1, "", tokens(2 * CHUNK), start, end)
     with pytest.raises(InvalidArgument) as err:
         run(gw.store("e0", rng, list(range(n_blocks))))
@@ -512,8 +495,6 @@ def test_tokens_can_be_omitted_once_the_session_has_them() -> None:
     register(gw)
     toks = tokens(2 * CHUNK)
     run(gw.lookup("r", MODEL, 1, "", toks, 0, 1, 0))
-    from kvmesh.gateway.core import PromptRangeSpec
-
     rng = PromptRangeSpec("r", MODEL, 1, "", np.zeros(0, np.uint32), 0, 2 * CHUNK)
     run(gw.store("e0", rng, list(range(8))))
     assert len(storage.resident) == 2

@@ -348,7 +348,10 @@ def test_a_copy_never_waits_for_the_compiler(fresh_loader: Path) -> None:
 @pytest.mark.slow
 @needs_compiler
 def test_two_processes_compiling_at_once_both_load_one_library(fresh_loader: Path) -> None:
-    code = "from kvmesh.kernels import native; k = native.load(); assert k is not None, native.status()"
+    code = (
+        "from kvmesh.kernels import native; "
+        "k = native.load(); assert k is not None, native.status()"
+    )
     env = {**os.environ, native.ENV_CACHE: str(fresh_loader)}
     procs = [
         subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=env) for _ in range(2)

@@ -12,15 +12,15 @@ from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.controllers.l2tier import L2Tier
 from kvmesh.storage.core.eviction import (
-    ByteLRU,
     EvictionController,
     L2EvictionConfig,
-    PinTable,
     Quota,
     QuotaManager,
 )
 from kvmesh.storage.core.l1.manager import L1Manager, L1Result, RemovalReason
 from kvmesh.storage.core.l1.pool import L1Pool
+from kvmesh.storage.core.lru import ByteLRU
+from kvmesh.storage.core.pins import PinTable
 from tests.unit.storage.helpers import MIB, FakeClock, FakeL2, RecordingSink, make_key
 
 S = L1Result.SUCCESS

@@ -8,17 +8,15 @@ from .broadcaster import CacheEventBroadcaster, CacheEventConsumer
 from .capacity import ServerConfigRegistry
 from .coordinator import Coordinator, CoordinatorStatus
 from .directory import KeyDirectory
-from .eviction import (
-    DeleteDispatcher,
-    FleetEvictionController,
-    IsolatedLRU,
-    PinTable,
-    QuotaManager,
-)
-from .gate import Cursor, EventGate, QuiesceLock, QuiesceTimeout
+from .eviction import DeleteDispatcher, FleetEvictionController
+from .gate import Cursor, EventGate
 from .keyspace import KeySpaces
+from .lru import IsolatedLRU
 from .membership import InstanceRegistry, evict_stale
 from .persistence import DurableComponent, MetadataStore, PersistenceType
+from .pins import PinTable
+from .quiesce import QuiesceLock, QuiesceTimeout
+from .quotas import QuotaManager
 from .settings import CoordinatorSettings
 from .usage import CacheUsageManager, UsageDelta
 

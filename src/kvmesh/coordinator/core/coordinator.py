@@ -24,11 +24,17 @@ Wiring (fixed, no plug-in discovery):
   armed for one heartbeat period.
 * Timers (daemon threads, sleep first): health sweep, periodic checkpoint,
   eviction cycle, sweep of large fences. ``stop()`` stops them, then writes
-  a final checkpoint.
+  a final checkpoint. Loading, saving and the timers are run by
+  :class:`~.runtime.CoreRuntime`; the memory and quota read models are in
+  :mod:`.reports`.
 
 Deletes (fleet eviction and the operator's ``delete_keys``) leave through the
-``DeleteDispatcher`` the servicer wires in with :meth:`Coordinator.set_delete_dispatcher`
+``DeleteDispatcher`` the app wires in with :meth:`Coordinator.set_delete_dispatcher`
 (the nodes' command streams); their effects arrive later as DELETE events.
+
+This module is over 500 lines on purpose: it is the core's one facade, one
+short typed method per servicer call, and splitting it would only scatter
+that API; the parts with a job of their own live in the modules above.
 
 Per-entry validation belongs at the servicer edge; :meth:`Coordinator.ingest`
 validates (the safe default) and :meth:`Coordinator.ingest_validated` is the
@@ -38,8 +44,6 @@ fast path for batches the servicer already checked.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -47,31 +51,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvmesh.common.errors import FailedPrecondition, NotFound, Unavailable
+from kvmesh.common.errors import NotFound, Unavailable
 from kvmesh.common.events import CacheEventBatch, IngestResult, Tier, validate_batch
 from kvmesh.common.hashing import TokenHasher
 from kvmesh.common.keys import ObjectKey
 
+from . import reports
 from .broadcaster import CacheEventBroadcaster
 from .capacity import ServerConfigRegistry
 from .directory import DEFAULT_LIST_LIMIT, KeyDirectory
-from .eviction import (
-    DeleteDispatcher,
-    FleetEvictionController,
-    IsolatedLRU,
-    PinTable,
-    QuotaManager,
-)
-from .gate import EventGate, QuiesceLock
+from .eviction import DeleteDispatcher, FleetEvictionController
+from .gate import EventGate
 from .keyspace import KeySpaces
+from .lru import IsolatedLRU
 from .membership import InstanceRegistry, evict_stale
-from .persistence import (
-    DurableComponent,
-    LoadReport,
-    MetadataStore,
-    load_checkpoint,
-    save_checkpoint,
-)
+from .persistence import DurableComponent, LoadReport, MetadataStore
+from .pins import PinTable
+from .quiesce import QuiesceLock
+from .quotas import QuotaManager
+from .runtime import CoreRuntime
 from .scheduler import PeriodicTask
 from .settings import CoordinatorSettings
 from .tokens import resolve_token_keys
@@ -90,7 +88,6 @@ from .types import (
     InstanceMemoryStatus,
     KeyInfo,
     KeyPage,
-    ModuleMemoryStatus,
     PinPage,
     PinResult,
     QuotaListing,
@@ -146,8 +143,6 @@ class Coordinator:
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = s = settings if settings is not None else CoordinatorSettings()
-        self._clock = clock
-        self._wall = wall_clock
         self.hasher = TokenHasher(s.chunk_size)
         self.spaces = KeySpaces()
         self.usage = CacheUsageManager()
@@ -192,15 +187,24 @@ class Coordinator:
             self.capacity,
             self.lru,
         ]
-        self._lifecycle = threading.Lock()
-        self._tasks: list[PeriodicTask] = []
-        self._started = False
-        self._loaded = False
-        self._stopped = False
-        self._last_checkpoint: CheckpointResult | None = None
-        self._last_checkpoint_time: float | None = None
-        self._last_load: LoadReport | None = None
-        self._started_at: float | None = None
+        self.runtime = CoreRuntime(
+            s,
+            quiesce=self.quiesce,
+            metadata=self.metadata,
+            checkpoint_components=self.checkpoint_components,
+            eviction=self.eviction,
+            wall_clock=wall_clock,
+            timers=[
+                ("health-sweep", s.health_check_interval, self.sweep_stale_instances),
+                (
+                    "checkpoint",
+                    s.checkpoint_interval if s.checkpoint_path else 0.0,
+                    self.checkpoint_now,
+                ),
+                ("eviction", s.eviction_check_interval, self.run_eviction),
+                ("fence-sweep", s.fence_sweep_interval, self.sweep_fences),
+            ],
+        )
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -210,53 +214,11 @@ class Coordinator:
 
     def load_state(self) -> LoadReport | None:
         """Load metadata, then the checkpoint, once; None without a checkpoint path."""
-        with self._lifecycle:
-            if self._loaded:
-                return self._last_load
-            self._loaded = True
-            self.metadata.load()
-            if self.settings.checkpoint_path:
-                self._last_load = load_checkpoint(
-                    self.settings.checkpoint_path, self.checkpoint_components
-                )
-                if self._last_load.restored:
-                    self._last_checkpoint_time = self._file_mtime(self.settings.checkpoint_path)
-            self.eviction.arm_readiness()
-            return self._last_load
+        return self.runtime.load_state()
 
     def start(self) -> None:
         """Load state if not done yet, arm the eviction readiness gate, start the timers."""
-        self.load_state()
-        with self._lifecycle:
-            if self._started:
-                return
-            if self._stopped:
-                raise FailedPrecondition("a stopped coordinator cannot be restarted")
-            self._started = True
-            self._started_at = self._wall()
-            self.eviction.arm_readiness()
-            s = self.settings
-            if s.health_check_interval > 0:
-                self._tasks.append(
-                    PeriodicTask(
-                        "health-sweep", s.health_check_interval, self.sweep_stale_instances
-                    )
-                )
-            if s.checkpoint_path and s.checkpoint_interval > 0:
-                self._tasks.append(
-                    PeriodicTask("checkpoint", s.checkpoint_interval, self._periodic_checkpoint)
-                )
-            if s.eviction_check_interval > 0:
-                self._tasks.append(
-                    PeriodicTask("eviction", s.eviction_check_interval, self.run_eviction)
-                )
-            if s.fence_sweep_interval > 0:
-                self._tasks.append(
-                    PeriodicTask("fence-sweep", s.fence_sweep_interval, self.sweep_fences)
-                )
-            for task in self._tasks:
-                task.start()
-        logger.info("Coordinator started (%d timers)", len(self._tasks))
+        self.runtime.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the timers, then write the final checkpoint (when a path is set). Idempotent.
@@ -264,29 +226,12 @@ class Coordinator:
         A coordinator whose state was never loaded writes no checkpoint: its
         empty state would overwrite the good one on disk.
         """
-        with self._lifecycle:
-            if self._stopped:
-                return
-            self._stopped = True
-            tasks, self._tasks = self._tasks, []
-            loaded = self._loaded
-        for task in tasks:
-            task.stop(timeout)
-        if self.settings.checkpoint_path and loaded:
-            self._record_checkpoint(
-                save_checkpoint(
-                    self.settings.checkpoint_path,
-                    self.quiesce,
-                    self.checkpoint_components,
-                    self.settings.quiesce_timeout,
-                )
-            )
-        logger.info("Coordinator stopped")
+        self.runtime.stop(timeout)
 
     @property
     def timers(self) -> tuple[PeriodicTask, ...]:
         """Running periodic tasks."""
-        return tuple(self._tasks)
+        return self.runtime.timers
 
     def sweep_fences(self, max_slices: int = 64) -> int:
         """Sweep records of large fences in slices of 1024 keys; returns the keys left.
@@ -301,38 +246,12 @@ class Coordinator:
             left = self.directory.reclaim_fenced(_SWEEP_SLICE)
         return left
 
-    def _periodic_checkpoint(self) -> None:
-        self.checkpoint_now()
-
     def checkpoint_now(self, timeout: float | None = None) -> CheckpointResult:
         """Capture under quiesce and write the checkpoint now; failures are in the result.
 
         Raises FailedPrecondition when no checkpoint path is configured.
         """
-        path = self.settings.checkpoint_path
-        if not path:
-            raise FailedPrecondition("no checkpoint path is configured")
-        return self._record_checkpoint(
-            save_checkpoint(
-                path,
-                self.quiesce,
-                self.checkpoint_components,
-                self.settings.quiesce_timeout if timeout is None else timeout,
-            )
-        )
-
-    def _record_checkpoint(self, result: CheckpointResult) -> CheckpointResult:
-        self._last_checkpoint = result
-        if result.ok:
-            self._last_checkpoint_time = self._wall()
-        return result
-
-    @staticmethod
-    def _file_mtime(path: str) -> float | None:
-        try:
-            return os.path.getmtime(path)
-        except OSError:
-            return None
+        return self.runtime.checkpoint_now(timeout)
 
     # -- ingest ----------------------------------------------------------------
 
@@ -419,9 +338,10 @@ class Coordinator:
     def status(self) -> CoordinatorStatus:
         """Everything an operator's status view shows."""
         cursors = self.gate.cursors()
+        rt = self.runtime
         return CoordinatorStatus(
-            started=self._started and not self._stopped,
-            started_at=self._started_at,
+            started=rt.running,
+            started_at=rt.started_at,
             eviction_ready=self.eviction.is_ready(),
             instances=len(self.registry),
             directory=self.directory.stats(),
@@ -433,10 +353,10 @@ class Coordinator:
             evictions_in_flight=self.eviction.in_flight_count(),
             metadata_save_failures=self.metadata.save_failures,
             checkpoint_path=self.settings.checkpoint_path,
-            last_checkpoint=self._last_checkpoint,
-            last_checkpoint_time=self._last_checkpoint_time,
-            restored=bool(self._last_load is not None and self._last_load.restored),
-            last_load=self._last_load,
+            last_checkpoint=rt.last_checkpoint,
+            last_checkpoint_time=rt.last_checkpoint_time,
+            restored=bool(rt.last_load is not None and rt.last_load.restored),
+            last_load=rt.last_load,
             chunk_size=self.settings.chunk_size,
         )
 
@@ -492,63 +412,18 @@ class Coordinator:
             self.capacity.forget(iid)
         return removed
 
-    # -- usage -----------------------------------------------------------------
-
-    def _module_status(
-        self, tier: Tier, backend: str, shared: bool, used: int, capacity: int
-    ) -> ModuleMemoryStatus:
-        ratio = used / capacity if capacity > 0 else None
-        return ModuleMemoryStatus(tier, backend, shared, used, capacity, ratio)
-
-    def _instance_status(self, instance_id: str) -> InstanceMemoryStatus | None:
-        registered = self.registry.contains(instance_id)
-        declared = self.capacity.get(instance_id)
-        used = self.usage.get_owner_bytes(instance_id)
-        if not registered and not declared and not used:
-            return None
-        caps = {(m.tier, m.backend): m.capacity_bytes for m in declared if not m.shared}
-        modules = tuple(
-            self._module_status(t, b, False, used.get((t, b), 0), caps.get((t, b), 0))
-            for t, b in sorted(set(caps) | set(used))
-        )
-        return InstanceMemoryStatus(instance_id, registered, bool(declared), modules)
+    # -- usage (read models in .reports) -----------------------------------------
 
     def instance_usage(self, instance_id: str) -> InstanceMemoryStatus:
         """Memory view of one node; NotFound if unregistered with no bytes and no declaration."""
-        status = self._instance_status(instance_id)
+        status = reports.instance_status(self.registry, self.capacity, self.usage, instance_id)
         if status is None:
             raise NotFound(f"unknown instance {instance_id}", metadata={"instance_id": instance_id})
         return status
 
     def fleet_usage(self) -> FleetMemoryStatus:
         """Every node that is registered, holds bytes or declared capacity, plus shared pools."""
-        declarations = self.capacity.get_all()
-        ids = (
-            {i.instance_id for i in self.registry.all_instances()}
-            | {o for o in self.usage.owners() if o}
-            | set(declarations)
-        )
-        instances = tuple(
-            st for iid in sorted(ids) if (st := self._instance_status(iid)) is not None
-        )
-        # A shared pool's capacity counts only when every declaring node agrees.
-        shared_caps: dict[tuple[Tier, str], set[int]] = {}
-        for mods in declarations.values():
-            for m in mods:
-                if m.shared:
-                    shared_caps.setdefault((m.tier, m.backend), set()).add(m.capacity_bytes)
-        shared_used = self.usage.get_owner_bytes("")
-        shared = tuple(
-            self._module_status(
-                t,
-                b,
-                True,
-                shared_used.get((t, b), 0),
-                next(iter(caps)) if len(caps := shared_caps.get((t, b), set())) == 1 else 0,
-            )
-            for t, b in sorted(set(shared_caps) | set(shared_used))
-        )
-        return FleetMemoryStatus(instances, shared)
+        return reports.fleet_status(self.registry, self.capacity, self.usage)
 
     def usage_by_salt(self, tier: Tier) -> dict[str, int]:
         """Bytes per salt on ``tier``."""
@@ -556,23 +431,11 @@ class Coordinator:
 
     def quota_status(self, cache_salt: str, tier: Tier = Tier.L2) -> QuotaStatus:
         """Quota (L2 only) and usage of one salt."""
-        used = self.usage.get_salt_bytes(tier, cache_salt)
-        if tier != Tier.L2:
-            return QuotaStatus(cache_salt, tier, None, False, used)
-        exists = self.quotas.has_quota(cache_salt)
-        limit = self.quotas.get_limit_bytes(cache_salt) if exists else None
-        return QuotaStatus(cache_salt, tier, limit, exists, used)
+        return reports.quota_status(self.usage, self.quotas, cache_salt, tier)
 
     def list_quota_status(self, tier: Tier = Tier.L2) -> QuotaListing:
         """Status of every salt with usage on ``tier`` or (L2) a quota, sorted by salt."""
-        salts = set(self.usage.get_bytes_by_salt(tier))
-        if tier == Tier.L2:
-            salts |= set(self.quotas.list_quotas())
-        return QuotaListing(
-            tier,
-            self.usage.get_total_bytes(tier),
-            tuple(self.quota_status(s, tier) for s in sorted(salts)),
-        )
+        return reports.quota_listing(self.usage, self.quotas, tier)
 
     # -- quotas (metadata: saved before returning) ------------------------------
 

@@ -37,14 +37,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Protocol, runtime_checkable
+from typing import IO, Protocol, runtime_checkable
 
 import msgpack  # type: ignore[import-untyped]  # ships no type information
 
+from .quiesce import QuiesceLock
 from .types import CheckpointResult
-
-if TYPE_CHECKING:
-    from .gate import QuiesceLock
 
 logger = logging.getLogger(__name__)
 

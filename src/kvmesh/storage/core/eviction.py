@@ -23,214 +23,24 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.keys import ObjectKey, validate_cache_salt
+from kvmesh.storage.core.controllers.l2tier import L2Tier
 from kvmesh.storage.core.l1.manager import L1Manager, RemovalReason
 from kvmesh.storage.core.l1.pool import L1Pool
 from kvmesh.storage.core.l2.base import L2Unavailable
-
-if TYPE_CHECKING:
-    from kvmesh.storage.core.controllers.l2tier import L2Tier
+from kvmesh.storage.core.lru import DEFAULT_BATCH_KEYS, ByteLRU
+from kvmesh.storage.core.pins import PinTable
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PERIOD_S = 1.0
 DEFAULT_TRIGGER_WATERMARK = 0.8
 DEFAULT_TARGET_WATERMARK = 0.7
-DEFAULT_BATCH_KEYS = 64
-
-
-# -- recency bookkeeping ---------------------------------------------------
-
-
-class ByteLRU:
-    """Keys with their sizes in recency order, globally and per cache_salt. Thread-safe.
-
-    Used as the L1 eviction policy's state and as each L2 adapter's index.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._all: OrderedDict[ObjectKey, int] = OrderedDict()
-        self._by_salt: dict[str, OrderedDict[ObjectKey, int]] = {}
-        self._salt_bytes: dict[str, int] = {}
-        self._total = 0
-
-    def add(self, keys: Iterable[ObjectKey], sizes: Iterable[int]) -> None:
-        """Insert keys (or refresh them) as most recently used."""
-        with self._lock:
-            for key, size in zip(keys, sizes, strict=True):
-                self._discard_locked(key)
-                self._all[key] = size
-                self._by_salt.setdefault(key.cache_salt, OrderedDict())[key] = size
-                self._salt_bytes[key.cache_salt] = self._salt_bytes.get(key.cache_salt, 0) + size
-                self._total += size
-
-    def remove(self, keys: Iterable[ObjectKey]) -> int:
-        """Forget keys; returns the bytes they accounted for."""
-        with self._lock:
-            return sum(self._discard_locked(k) for k in keys)
-
-    def items(self) -> list[tuple[ObjectKey, int]]:
-        """Every key with its size, least recently used first (a snapshot)."""
-        with self._lock:
-            return list(self._all.items())
-
-    def touch(self, keys: Iterable[ObjectKey]) -> None:
-        """Move known keys to the most recently used end."""
-        with self._lock:
-            for key in keys:
-                if key in self._all:
-                    self._all.move_to_end(key)
-                    self._by_salt[key.cache_salt].move_to_end(key)
-
-    def oldest(
-        self,
-        need_bytes: int,
-        *,
-        salt: str | None = None,
-        skip: Iterable[ObjectKey] = (),
-        max_keys: int = DEFAULT_BATCH_KEYS,
-    ) -> list[tuple[ObjectKey, int]]:
-        """Least recently used keys (of one salt, or all) adding up to ``need_bytes``.
-
-        At least one key when any is left; never more than ``max_keys``.
-        """
-        skipped = set(skip)
-        out: list[tuple[ObjectKey, int]] = []
-        total = 0
-        with self._lock:
-            order = self._all if salt is None else self._by_salt.get(salt, OrderedDict())
-            for key, size in order.items():
-                if key in skipped:
-                    continue
-                out.append((key, size))
-                total += size
-                if total >= need_bytes or len(out) >= max_keys:
-                    break
-        return out
-
-    def size_of(self, key: ObjectKey) -> int | None:
-        """Recorded size of a key, or None."""
-        with self._lock:
-            return self._all.get(key)
-
-    def __contains__(self, key: object) -> bool:
-        with self._lock:
-            return key in self._all
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._all)
-
-    @property
-    def total_bytes(self) -> int:
-        """Sum of all recorded sizes."""
-        with self._lock:
-            return self._total
-
-    def salt_bytes(self, salt: str) -> int:
-        """Sum of one salt's recorded sizes."""
-        with self._lock:
-            return self._salt_bytes.get(salt, 0)
-
-    def bytes_by_salt(self) -> dict[str, int]:
-        """Recorded bytes per salt."""
-        with self._lock:
-            return dict(self._salt_bytes)
-
-    def keys(self) -> list[ObjectKey]:
-        """Snapshot, least recently used first."""
-        with self._lock:
-            return list(self._all)
-
-    def _discard_locked(self, key: ObjectKey) -> int:
-        size = self._all.pop(key, None)
-        if size is None:
-            return 0
-        salt = key.cache_salt
-        per = self._by_salt[salt]
-        del per[key]
-        left = self._salt_bytes[salt] - size
-        if per:
-            self._salt_bytes[salt] = left
-        else:
-            del self._by_salt[salt]
-            del self._salt_bytes[salt]
-        self._total -= size
-        return size
-
-
-class PinTable:
-    """Keys of L2 adapters that must not be deleted now (a prefetch is loading them).
-
-    Deleters claim keys first: a claimed key cannot be pinned, a pinned key
-    cannot be claimed, so a key that a prefetch saw present is still there
-    when it loads it. Thread-safe.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pins: dict[tuple[str, ObjectKey], int] = {}
-        self._deleting: set[tuple[str, ObjectKey]] = set()
-
-    def pin(self, tier: str, keys: Sequence[ObjectKey]) -> list[bool]:
-        """Pin each key; False for a key being deleted right now (treat it as missing)."""
-        out: list[bool] = []
-        with self._lock:
-            for key in keys:
-                slot = (tier, key)
-                if slot in self._deleting:
-                    out.append(False)
-                    continue
-                self._pins[slot] = self._pins.get(slot, 0) + 1
-                out.append(True)
-        return out
-
-    def unpin(self, tier: str, keys: Iterable[ObjectKey]) -> None:
-        """Release one pin per key."""
-        with self._lock:
-            for key in keys:
-                slot = (tier, key)
-                count = self._pins.get(slot, 0) - 1
-                if count > 0:
-                    self._pins[slot] = count
-                else:
-                    self._pins.pop(slot, None)
-
-    def claim_for_delete(self, tier: str, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
-        """Mark the unpinned keys as being deleted and return them."""
-        claimed: list[ObjectKey] = []
-        with self._lock:
-            for key in keys:
-                slot = (tier, key)
-                if slot in self._pins or slot in self._deleting:
-                    continue
-                self._deleting.add(slot)
-                claimed.append(key)
-        return claimed
-
-    def release_delete(self, tier: str, keys: Iterable[ObjectKey]) -> None:
-        """End a deletion claimed with :meth:`claim_for_delete`."""
-        with self._lock:
-            for key in keys:
-                self._deleting.discard((tier, key))
-
-    def is_pinned(self, tier: str, key: ObjectKey) -> bool:
-        """Whether a prefetch holds the key."""
-        with self._lock:
-            return (tier, key) in self._pins
-
-    @property
-    def pinned_count(self) -> int:
-        """Distinct pinned (adapter, key) pairs."""
-        with self._lock:
-            return len(self._pins)
 
 
 # -- quotas ----------------------------------------------------------------

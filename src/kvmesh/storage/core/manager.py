@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument
 from kvmesh.common.events import EventType, Tier
@@ -44,7 +44,6 @@ from kvmesh.storage.core.eviction import (
     DEFAULT_TRIGGER_WATERMARK,
     EvictionController,
     L2EvictionConfig,
-    PinTable,
     Quota,
     QuotaManager,
 )
@@ -59,48 +58,13 @@ from kvmesh.storage.core.l1.manager import (
 from kvmesh.storage.core.l1.objects import L1Object
 from kvmesh.storage.core.l1.pool import DEFAULT_SEGMENT_BYTES, DEFAULT_SHM_DIR, L1Pool
 from kvmesh.storage.core.l2.base import L2Adapter, L2Unavailable
+from kvmesh.storage.core.pins import PinTable
+from kvmesh.storage.core.ports import CapacityModule, EventSink
 
 logger = logging.getLogger(__name__)
 
 #: Backend name of the DRAM L1 in cache events (LMCache's ``L1BackendType.dram``).
 L1_BACKEND = "dram"
-
-
-class CapacityModule(NamedTuple):
-    """One storage compartment's declared capacity (0 = undeclared)."""
-
-    tier: Tier
-    backend: str
-    capacity_bytes: int
-    shared: bool = False
-
-
-class EventSink(Protocol):
-    """Receives placement changes in order; the cache-event emitter batches and sequences them.
-
-    Called from many threads, sometimes under the L1 lock: implementations
-    must be thread-safe, quick (append to a buffer) and must never call back
-    into the storage manager.
-    """
-
-    def record(
-        self,
-        event_type: EventType,
-        tier: Tier,
-        backend: str,
-        shared: bool,
-        entries: Sequence[tuple[ObjectKey, int]],
-    ) -> None:
-        """Record one run of same-kind changes; entries are ``(key, size_bytes)``.
-
-        ``size_bytes`` is meaningful for STORE only (0 otherwise). ACCESS on
-        L1 uses backend ``""``, as in LMCache.
-        """
-        ...
-
-    def record_capacity(self, modules: Sequence[CapacityModule]) -> None:
-        """Declare the node's whole storage topology (replaces any earlier declaration)."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)

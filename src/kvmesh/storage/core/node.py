@@ -6,8 +6,17 @@ engines' mapped KV memory) and the request-level bookkeeping the contract
 promises: prefetch ids whose completed result is delivered once, engine-driven
 transactions, per-chunk release of lookup locks, and the coordinator's node
 commands (delete keys, set a quota, resync). The servicer converts protobuf
-at the edge; copies run on worker threads (torch releases the GIL), so the
-event loop keeps serving other RPCs meanwhile.
+at the edge.
+
+Threads (see the storage app's docstring for the whole process): every
+method runs on the event loop, except the copies, which run on the copy
+executor the app hands in (torch and the native kernel release the GIL), so
+the loop keeps serving other RPCs meanwhile. A wait for a prefetch
+(``wait_ms``) parks no thread at all: it awaits an asyncio future that the
+prefetch controller's done callback resolves from its worker through
+``loop.call_soon_threadsafe``, so any number of parked waits never delays a
+store or a retrieve. An abandoned prefetch (released, or its lookup's caller
+gone) gives its locks back from a done callback too.
 
 Locking rules on the data path:
 - a store reserves L1 objects, gathers into them, then publishes them; a
@@ -20,15 +29,19 @@ Locking rules on the data path:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvmesh.common.errors import (
     AlreadyExists,
@@ -57,10 +70,19 @@ MAX_CHUNK_BYTES = 1 << 31
 PREPARE_TAG = "engine-driven"
 _COMMITTED_KEPT = 4096
 
+T = TypeVar("T")
+
+
+def default_copy_threads() -> int:
+    """Size of the copy executor: a thread per core, 2 to 8 (copies are memory-bound)."""
+    return max(2, min(8, os.cpu_count() or 2))
+
 
 @dataclass(slots=True)
 class _Prefetch:
     handle: PrefetchHandle
+    # Resolved on the event loop when the prefetch finishes; made by its first waiter.
+    done: asyncio.Future[None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +101,9 @@ class StorageNode:
         *,
         max_chunks_per_request: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        copy_executor: Executor | None = None,
     ) -> None:
+        """``copy_executor`` runs the gathers and scatters (the app sizes it); None = own."""
         self.manager = manager
         self._clock = clock
         self._txn_deadlines: dict[str, float] = {}
@@ -93,7 +117,11 @@ class StorageNode:
         # Recently committed transactions, so a retried commit is harmless (idempotent).
         self._committed: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._owns_copies = copy_executor is None
+        self._copies = copy_executor or ThreadPoolExecutor(
+            max_workers=default_copy_threads(), thread_name_prefix="kvmesh-transfer"
+        )
+        self.waiting = 0  # prefetch waits parked right now (loop thread only)
 
     # ----------------------------------------------------------------- engines
 
@@ -191,12 +219,14 @@ class StorageNode:
         if todo:
             chosen = [keys[i] for i in todo]
             try:
-                await asyncio.to_thread(
-                    self.transfer.gather_chunks,
-                    engine_id,
-                    [blocks[i] for i in todo],
-                    [chunk_tokens] * len(todo),
-                    [reserved[k].view() for k in chosen],
+                await self._copy(
+                    functools.partial(
+                        self.transfer.gather_chunks,
+                        engine_id,
+                        [blocks[i] for i in todo],
+                        [chunk_tokens] * len(todo),
+                        [reserved[k].view() for k in chosen],
+                    )
                 )
             except BaseException:
                 self.manager.abort_write(chosen)
@@ -213,6 +243,26 @@ class StorageNode:
                 cached = self.manager.l1.contains([key])[0]
                 outcomes.append(StoreOutcome.ALREADY_CACHED if cached else StoreOutcome.NO_MEMORY)
         return outcomes
+
+    async def _copy(self, copy: Callable[[], T]) -> T:
+        """Run a copy on the copy executor; return only once it no longer touches memory.
+
+        A copy cannot be interrupted: a caller cancelled meanwhile still waits
+        for it (then re-raises), so the L1 objects and locks it uses are never
+        given back under it.
+        """
+        future = asyncio.get_running_loop().run_in_executor(self._copies, copy)
+        cancelled = False
+        while not future.done():
+            try:
+                await asyncio.wait([future])
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            if not future.cancelled():
+                future.exception()  # retrieved: nobody is left to report it to
+            raise asyncio.CancelledError
+        return future.result()
 
     # ---------------------------------------------------------------- lookups
 
@@ -280,7 +330,7 @@ class StorageNode:
             )
         result = self.manager.query_prefetch(entry.handle)
         if result is None and wait_ms > 0:
-            await asyncio.to_thread(self.manager.wait_prefetch, entry.handle, wait_ms / 1000.0)
+            await self._wait_done(entry, wait_ms / 1000.0)
             result = self.manager.query_prefetch(entry.handle)
         if result is None:
             return PrefetchState(prefetch_id, False)
@@ -288,28 +338,43 @@ class StorageNode:
             self._prefetches.pop(prefetch_id, None)
         return self._finished(prefetch_id, result)
 
+    async def _wait_done(self, entry: _Prefetch, timeout: float) -> None:
+        """Wait until the prefetch finishes or ``timeout`` seconds pass, parking no thread."""
+        loop = asyncio.get_running_loop()
+        if entry.done is None or entry.done.get_loop() is not loop:
+            done: asyncio.Future[None] = loop.create_future()
+            self.manager.prefetch.add_done_callback(
+                entry.handle, functools.partial(_resolve_threadsafe, loop, done)
+            )
+            entry.done = done
+        self.waiting += 1
+        try:
+            # Shielded: a waiter that times out or goes away leaves the future to the others.
+            await asyncio.wait_for(asyncio.shield(entry.done), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self.waiting -= 1
+
     def release_prefetch(self, prefetch_id: str) -> bool:
-        """Abandon a running prefetch: its locks are released when it finishes."""
+        """Abandon a prefetch: its locks are released as soon as it finishes (now if it has)."""
         with self._lock:
             entry = self._prefetches.pop(prefetch_id, None)
         if entry is None:
             return False
-        result = self.manager.query_prefetch(entry.handle)
-        if result is not None:
-            self.manager.finish_read(result.locked_keys, result.num_kv_readers)
-            return True
-        task = asyncio.get_running_loop().create_task(self._release_when_done(entry.handle))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        # NotFound: its result expired unqueried, and the controller released its locks then.
+        with contextlib.suppress(NotFound):
+            self.manager.prefetch.add_done_callback(entry.handle, self._release_abandoned)
         return True
 
-    async def _release_when_done(self, handle: PrefetchHandle) -> None:
-        while True:
+    def _release_abandoned(self, handle: PrefetchHandle) -> None:
+        """Done callback of an abandoned prefetch (its worker's thread): give the locks back."""
+        try:
             result = self.manager.query_prefetch(handle)
-            if result is not None:
-                self.manager.finish_read(result.locked_keys, result.num_kv_readers)
-                return
-            await asyncio.to_thread(self.manager.wait_prefetch, handle, 1.0)
+        except NotFound:
+            return  # expired meanwhile (locks released by the controller)
+        if result is not None:
+            self.manager.finish_read(result.locked_keys, result.num_kv_readers)
 
     # -------------------------------------------------------------- retrieves
 
@@ -354,13 +419,15 @@ class StorageNode:
                     break
                 usable += 1
             if usable:
-                await asyncio.to_thread(
-                    self.transfer.scatter_chunks,
-                    engine_id,
-                    blocks[:usable],
-                    [chunk_tokens] * usable,
-                    [objects[k].view() for k in keys[:usable]],
-                    skip_first_n_tokens,
+                await self._copy(
+                    functools.partial(
+                        self.transfer.scatter_chunks,
+                        engine_id,
+                        blocks[:usable],
+                        [chunk_tokens] * usable,
+                        [objects[k].view() for k in keys[:usable]],
+                        skip_first_n_tokens,
+                    )
                 )
         finally:
             self.manager.finish_read(locked, 1)
@@ -556,13 +623,26 @@ class StorageNode:
             self.manager.abort_write(keys, tag=PREPARE_TAG)
         if expired:
             logger.warning("%d engine-driven transactions expired uncommitted", len(expired))
+        self._forget_expired_prefetches()
         return len(expired)
+
+    def _forget_expired_prefetches(self) -> None:
+        """Forget prefetch ids whose result expired unqueried (the controller freed its locks)."""
+        self.manager.prefetch.sweep()
+        with self._lock:
+            entries = list(self._prefetches.items())
+        gone = [pid for pid, e in entries if not self.manager.prefetch.known(e.handle)]
+        if gone:
+            with self._lock:
+                for pid in gone:
+                    self._prefetches.pop(pid, None)
+            logger.info("forgot %d prefetches whose results expired unqueried", len(gone))
 
     # -------------------------------------------------------------- commands
 
     def handle_command(self, command: Any) -> int:
         """Execute a coordinator command (the emitter's CommandHandler protocol)."""
-        from kvmesh.storage.events.emitter import (
+        from kvmesh.storage.core.ports import (
             DeleteKeysCommand,
             QuotaChangedCommand,
             ResyncCommand,
@@ -668,10 +748,28 @@ class StorageNode:
         with self._lock:
             data["active_prefetches"] = len(self._prefetches)
             data["open_transactions"] = len(self._store_txns) + len(self._read_txns)
+        data["waiting_calls"] = self.waiting
         data["engines"] = self.transfer.instance_ids()
         return data
 
     def close(self) -> None:
-        """Cancel background releases (the manager and transfer engine close separately)."""
-        for task in list(self._tasks):
-            task.cancel()
+        """Stop the copy executor if the node made it (the app closes the one it passed in).
+
+        Waits for running copies; the manager and transfer engine close separately, after.
+        """
+        if self._owns_copies:
+            self._copies.shutdown(wait=True)
+
+
+def _resolve_threadsafe(
+    loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], _handle: PrefetchHandle
+) -> None:
+    """A prefetch's done callback (on its worker): resolve ``future`` on its own loop."""
+    # RuntimeError: the loop is closed, so nobody is waiting any more.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_set_done, future)
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

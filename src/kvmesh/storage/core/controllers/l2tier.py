@@ -19,16 +19,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.core.eviction import ByteLRU
 from kvmesh.storage.core.l2.base import L2Adapter, L2ObjectCorrupt, L2Unavailable
-
-if TYPE_CHECKING:
-    from kvmesh.storage.core.manager import EventSink
+from kvmesh.storage.core.lru import ByteLRU
+from kvmesh.storage.core.ports import EventSink
 
 logger = logging.getLogger(__name__)
 

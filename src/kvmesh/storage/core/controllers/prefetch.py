@@ -17,7 +17,11 @@ prefix of counting columns is served (reference mp_server §12.3):
    (freed when their last reader is done) under the ``default`` policy,
    ordinary resident ones under ``retain``. An out-of-memory reservation or a
    failed load shortens the prefix; everything after it is released.
-5. The result is kept until it is queried, exactly once.
+5. The result is kept until it is queried, exactly once (or until
+   ``result_ttl_s`` passes unqueried: then its locks are released). Whoever
+   needs to know when it is ready registers ``add_done_callback``; the
+   worker calls it on completion, so no thread ever parks waiting for a
+   prefetch (``wait`` remains for synchronous callers and tests).
 
 A degraded or failing adapter only turns its cells into misses; an
 unexpected error aborts the request into an all-miss result with every lock,
@@ -41,10 +45,10 @@ from typing import Any
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.controllers.l2tier import L2Tier
-from kvmesh.storage.core.eviction import PinTable
 from kvmesh.storage.core.l1.manager import MAX_READ_LOCKS_PER_CALL, L1Manager, L1Result
 from kvmesh.storage.core.l1.objects import L1Object
 from kvmesh.storage.core.l2.base import L2Unavailable
+from kvmesh.storage.core.pins import PinTable
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,9 @@ class PrefetchHandle:
 
     id: int
     request_id: str
+
+
+DoneCallback = Callable[[PrefetchHandle], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +160,7 @@ class PrefetchController:
         self._cond = threading.Condition()
         self._jobs: dict[int, _Job] = {}
         self._results: OrderedDict[int, tuple[float, PrefetchResult]] = OrderedDict()
+        self._callbacks: dict[int, list[DoneCallback]] = {}
         self._closing = False
         self._executor = ThreadPoolExecutor(
             max_workers=max_in_flight, thread_name_prefix="kvmesh-prefetch"
@@ -262,6 +270,41 @@ class PrefetchController:
             "was already returned",
             reason="PREFETCH_NOT_FOUND",
         )
+
+    def add_done_callback(self, handle: PrefetchHandle, fn: DoneCallback) -> None:
+        """Call ``fn(handle)`` once the result is ready; at once (here) when it is already.
+
+        ``fn`` runs on the prefetch worker that finished the request (or on
+        the caller's thread), outside every lock of the controller: it must
+        be quick and thread-safe, e.g. ``loop.call_soon_threadsafe`` or a
+        ``query`` plus ``finish_read``. An exception it raises is logged.
+        Raises NotFound if the handle is unknown or its result was consumed.
+        """
+        with self._cond:
+            if handle.id in self._jobs:
+                self._callbacks.setdefault(handle.id, []).append(fn)
+                return
+            ready = handle.id in self._results
+        if not ready:
+            raise NotFound(
+                f"prefetch {handle.id} of request {handle.request_id!r} is unknown or its result "
+                "was already returned",
+                reason="PREFETCH_NOT_FOUND",
+            )
+        _call_back(fn, handle)
+
+    def known(self, handle: PrefetchHandle) -> bool:
+        """True while the prefetch runs or its result waits to be queried."""
+        with self._cond:
+            return handle.id in self._jobs or handle.id in self._results
+
+    def sweep(self) -> int:
+        """Release results nobody queried within ``result_ttl_s``; how many.
+
+        Also done on every ``submit`` and ``query``; the storage app calls it
+        from its periodic sweep so an idle node releases them too.
+        """
+        return self._sweep_results()
 
     def close(self) -> None:
         """Finish running requests, abort queued ones, join the workers. Idempotent."""
@@ -495,11 +538,20 @@ class PrefetchController:
             locked_keys=locked,
             error=error,
         )
+        self._publish(job.handle, result, completed=True)
+
+    def _publish(self, handle: PrefetchHandle, result: PrefetchResult, completed: bool) -> None:
+        """Make the result queryable, wake ``wait``, then run the done callbacks."""
         with self._cond:
-            self._jobs.pop(job.handle.id, None)
-            self._results[job.handle.id] = (self._clock(), result)
-            self.completed += 1
+            self._jobs.pop(handle.id, None)
+            self._results[handle.id] = (self._clock(), result)
+            if completed:
+                self.completed += 1
+            callbacks = self._callbacks.pop(handle.id, [])
             self._cond.notify_all()
+        # Outside the lock: a callback may query (and so consume) the result.
+        for fn in callbacks:
+            _call_back(fn, handle)
 
     def _abort(self, job: _Job, error: str) -> None:
         with self._cond:
@@ -508,26 +560,24 @@ class PrefetchController:
             self._finish(job, 0, error)
         except Exception:
             logger.exception("cleanup of prefetch %s failed", job.handle.request_id)
-            with self._cond:
-                self._jobs.pop(job.handle.id, None)
-                self._results[job.handle.id] = (
-                    self._clock(),
-                    PrefetchResult(
-                        request_id=job.handle.request_id,
-                        hit_chunks=0,
-                        num_rows=len(job.rows),
-                        num_chunks=job.num_chunks,
-                        num_kv_readers=job.readers,
-                        l1_hit_cells=0,
-                        l2_hit_cells=0,
-                        locked_keys=(),
-                        error=error,
-                    ),
-                )
-                self._cond.notify_all()
+            self._publish(
+                job.handle,
+                PrefetchResult(
+                    request_id=job.handle.request_id,
+                    hit_chunks=0,
+                    num_rows=len(job.rows),
+                    num_chunks=job.num_chunks,
+                    num_kv_readers=job.readers,
+                    l1_hit_cells=0,
+                    l2_hit_cells=0,
+                    locked_keys=(),
+                    error=error,
+                ),
+                completed=False,
+            )
 
-    def _sweep_results(self) -> None:
-        """Drop results nobody queried within the TTL, releasing their locks."""
+    def _sweep_results(self) -> int:
+        """Drop results nobody queried within the TTL, releasing their locks; how many."""
         now = self._clock()
         expired: list[PrefetchResult] = []
         with self._cond:
@@ -546,3 +596,11 @@ class PrefetchController:
             )
             if result.locked_keys:
                 self.l1.finish_read(list(result.locked_keys), result.num_kv_readers)
+        return len(expired)
+
+
+def _call_back(fn: DoneCallback, handle: PrefetchHandle) -> None:
+    try:
+        fn(handle)
+    except Exception:
+        logger.exception("done callback of prefetch %s failed", handle.request_id)

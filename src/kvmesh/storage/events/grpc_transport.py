@@ -1,20 +1,16 @@
-"""The storage node's gRPC link to the coordinator: its event stream and its membership.
+"""The storage node's event stream to the coordinator over gRPC.
 
-Two adapters from the node's cores to the coordinator's contract, over one
-blocking channel (pass the same ``channel`` to both to share it):
-
-* :class:`GrpcEventTransport` is the emitter's
-  :class:`~kvmesh.storage.events.emitter.EventTransport` over
-  ``EventIngestService.StreamEvents``. Each :meth:`~GrpcEventTransport.connect`
-  waits (bounded) until the coordinator serves ingest (a ``grpc.health.v1``
-  check with ``wait_for_ready`` and a deadline), then opens one bidirectional
-  call whose first message is ``open``; batches go up as ``batch``, acks and
-  coordinator commands come down, command results go up as
-  ``command_result``. The node always dials (DESIGN §1): the coordinator
-  never needs a node's address to send it commands.
-* :class:`GrpcMembershipClient` is the registrar's
-  :class:`~kvmesh.storage.events.registrar.MembershipClient` over
-  ``MembershipService``.
+:class:`GrpcEventTransport` is the emitter's
+:class:`~kvmesh.storage.events.transport.EventTransport` over
+``EventIngestService.StreamEvents``. Each :meth:`~GrpcEventTransport.connect`
+waits (bounded) until the coordinator serves ingest (a ``grpc.health.v1``
+check with ``wait_for_ready`` and a deadline), then opens one bidirectional
+call whose first message is ``open``; batches go up as ``batch``, acks and
+coordinator commands come down, command results go up as
+``command_result``. The node always dials (DESIGN §1): the coordinator never
+needs a node's address to send it commands. The registrar's client of
+``MembershipService`` is :mod:`kvmesh.storage.events.grpc_membership` (pass
+the same ``channel`` to both to share it).
 
 Threads of one :class:`GrpcEventSession` (all daemons, all ending when the
 session ends, whether by :meth:`GrpcEventSession.close` or a stream error):
@@ -29,12 +25,14 @@ session ends, whether by :meth:`GrpcEventSession.close` or a stream error):
   several batches in flight;
 * the reader thread reads the initial metadata, then iterates the
   responses: acks — of a group too, one per batch in order — go straight
-  to ``listener.on_ack`` (in stream order), commands to the command thread;
-  when the stream ends it calls ``listener.on_closed`` exactly once (unless
-  the session was closed by its owner, as the contract asks);
-* the command thread runs ``listener.on_command`` one command at a time in
-  arrival order, so a slow delete never stalls acks, and writes each result
-  up the stream.
+  to ``listener.on_ack`` (in stream order), commands to the session's
+  :class:`~kvmesh.storage.events.commands.CommandExecutor`; when the stream
+  ends it calls ``listener.on_closed`` exactly once (unless the session was
+  closed by its owner, as the contract asks);
+* the executor's worker runs ``listener.on_command`` one command at a time
+  in arrival order, so a slow delete never stalls acks, and writes each
+  result up the stream. It runs only while commands are waiting: an idle
+  session has the reader and gRPC's request thread, nothing else.
 """
 
 from __future__ import annotations
@@ -42,52 +40,24 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import replace
+from collections.abc import Iterable, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.api.coordinator.v1 import ingest_pb2, membership_pb2
+from kvmesh.api.coordinator.v1 import ingest_pb2
 from kvmesh.api.events.v1 import events_pb2
-from kvmesh.common.convert import batch_to_proto, key_from_proto, tier_from_proto
-from kvmesh.common.errors import (
-    Aborted,
-    AlreadyExists,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    KvmeshError,
-    NotFound,
-    ResourceExhausted,
-    Unavailable,
-)
-from kvmesh.common.events import CacheEventBatch, IngestResult
-from kvmesh.common.keys import validate_cache_salt, validate_object_key
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.events import CacheEventBatch
 from kvmesh.coordinator.client import EventIngestClient
-from kvmesh.coordinator.client import MembershipClient as MembershipRpcClient
 from kvmesh.rpc.server import DEFAULT_MAX_MESSAGE_BYTES
-from kvmesh.storage.events.emitter import (
-    CommandResult,
-    DeleteKeysCommand,
-    NodeCommand,
-    QuotaChangedCommand,
-    ResyncCommand,
-    SessionListener,
-    TransportError,
-)
-from kvmesh.storage.events.registrar import Registration
+from kvmesh.storage.events.codec import BatchEncoder, ingest_result_from_proto, result_to_proto
+from kvmesh.storage.events.commands import CommandExecutor
+from kvmesh.storage.events.transport import CommandResult, SessionListener, TransportError
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "GrpcEventSession",
-    "GrpcEventTransport",
-    "GrpcMembershipClient",
-    "UnsupportedCommand",
-    "command_from_proto",
-    "result_to_proto",
-]
+__all__ = ["GrpcEventSession", "GrpcEventTransport"]
 
 INGEST_SERVICE = ingest_pb2.DESCRIPTOR.services_by_name["EventIngestService"].full_name
 #: Initial-metadata key by which the coordinator announces batch groups (ingest.proto).
@@ -100,90 +70,8 @@ DEFAULT_MAX_GROUP_BATCHES = 32
 #: Wire bytes per group at most (a bigger batch still goes alone), far below
 #: any message-size limit a coordinator would run with.
 MAX_GROUP_BYTES = 4 * 1024 * 1024
-_UINT32_MAX = 0xFFFFFFFF
-_INGEST_RESULTS: dict[int, IngestResult] = {int(r): r for r in IngestResult}
 #: How long GrpcEventTransport.close waits for each session's threads.
 _JOIN_TIMEOUT_S = 5.0
-
-
-# --------------------------------------------------------------------------------------
-# Commands and results
-# --------------------------------------------------------------------------------------
-
-
-class UnsupportedCommand(KvmeshError):
-    """A command kind this node does not know (a newer coordinator); answered UNIMPLEMENTED."""
-
-    code = "UNIMPLEMENTED"
-    default_reason = "UNSUPPORTED_NODE_COMMAND"
-
-
-def command_from_proto(msg: ingest_pb2.NodeCommand) -> NodeCommand:
-    """The emitter's form of a wire command, validated.
-
-    Raises :class:`InvalidArgument` (naming the field) for a tier other than
-    L1/L2 or an invalid key or salt; :class:`UnsupportedCommand` when no known
-    kind is set. An absent ``limit_bytes`` removes the quota (None).
-    """
-    command_id = msg.command_id
-    kind = msg.WhichOneof("kind")
-    if kind == "delete_keys":
-        delete = msg.delete_keys
-        keys = tuple(key_from_proto(k) for k in delete.keys)
-        for i, key in enumerate(keys):
-            validate_object_key(key, field=f"command.delete_keys.keys[{i}]")
-        return DeleteKeysCommand(
-            command_id=command_id,
-            tier=tier_from_proto(delete.tier, "command.delete_keys.tier"),
-            backend=delete.backend,
-            keys=keys,
-            force=delete.force,
-        )
-    if kind == "resync":
-        return ResyncCommand(
-            command_id=command_id, tier=tier_from_proto(msg.resync.tier, "command.resync.tier")
-        )
-    if kind == "set_quota":
-        quota = msg.set_quota
-        validate_cache_salt(quota.cache_salt, field="command.set_quota.cache_salt")
-        tier = tier_from_proto(quota.tier, "command.set_quota.tier")
-        limit = quota.limit_bytes if quota.HasField("limit_bytes") else None
-        return QuotaChangedCommand(
-            command_id=command_id, cache_salt=quota.cache_salt, tier=tier, quota_bytes=limit
-        )
-    raise UnsupportedCommand(f"command {command_id!r} has no kind this node understands")
-
-
-def execute_command(listener: SessionListener, msg: ingest_pb2.NodeCommand) -> CommandResult:
-    """Run one wire command through the emitter's listener; always returns a result.
-
-    A command that does not convert is answered with its error code; a
-    listener that raises (it must not) is answered INTERNAL, so the
-    coordinator always hears back, whichever transport carried the command.
-    """
-    try:
-        command = command_from_proto(msg)
-    except KvmeshError as exc:
-        logger.warning("rejecting command %s: %s", msg.command_id, exc.message)
-        return CommandResult(command_id=msg.command_id, code=exc.code, message=exc.message)
-    try:
-        return listener.on_command(command)
-    except Exception as exc:
-        logger.exception("on_command failed for %s", msg.command_id)
-        return CommandResult(
-            command_id=msg.command_id, code="INTERNAL", message=f"{type(exc).__name__}: {exc}"
-        )
-
-
-def result_to_proto(result: CommandResult) -> ingest_pb2.CommandResult:
-    """The wire form of a command's result (``affected`` saturates at uint32)."""
-    return ingest_pb2.CommandResult(
-        command_id=result.command_id,
-        code=result.code,
-        message=result.message,
-        affected=min(max(result.affected, 0), _UINT32_MAX),
-        effects_through_seq=result.effects_through_seq,
-    )
 
 
 def _status(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
@@ -191,30 +79,6 @@ def _status(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, grpc.Call):
         return exc.code(), exc.details() or ""
     return grpc.StatusCode.UNKNOWN, str(exc)
-
-
-_ERROR_TYPES: dict[grpc.StatusCode, type[KvmeshError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    grpc.StatusCode.ABORTED: Aborted,
-}
-
-
-def _error_from_rpc(exc: grpc.RpcError, what: str) -> KvmeshError:
-    """The core error for a failed call, so callers never need to import grpc."""
-    code, details = _status(exc)
-    message = f"{what}: {code.name}: {details}"
-    error_type = _ERROR_TYPES.get(code)
-    if error_type is not None:
-        return error_type(message)
-    error = KvmeshError(message)
-    error.code = code.name
-    return error
 
 
 # --------------------------------------------------------------------------------------
@@ -243,22 +107,20 @@ class GrpcEventSession:
         self._lock = threading.Lock()
         self._closing = False  # close() was called
         self._ended = False  # the stream is over, for whatever reason
-        # None is the end-of-stream sentinel in both queues.
-        # Batches (encoded), other requests (command results) and the sentinel.
+        # Batches (encoded), other requests (command results) and the None sentinel.
         self._outbox: queue.SimpleQueue[
             events_pb2.CacheEventBatch | ingest_pb2.StreamEventsRequest | None
         ] = queue.SimpleQueue()
-        self._commands: queue.SimpleQueue[ingest_pb2.NodeCommand | None] = queue.SimpleQueue()
+        self._commands = CommandExecutor(
+            listener, self._send_result, name=f"event-stream-commands-{instance_id}"
+        )
         # Batches per message: 1 until the coordinator announces groups.
         self._group_limit = 1
         self._max_group_batches = transport.max_group_batches
-        self._warned_tokens = False
+        self._encoder = BatchEncoder("the gRPC event stream")
         self._call: grpc._CallIterator[ingest_pb2.StreamEventsResponse] | None = None
         self._reader = threading.Thread(
             target=self._read, name=f"event-stream-reader-{instance_id}", daemon=True
-        )
-        self._commander = threading.Thread(
-            target=self._run_commands, name=f"event-stream-commands-{instance_id}", daemon=True
         )
 
     def _open(self, client: EventIngestClient) -> None:
@@ -276,7 +138,6 @@ class GrpcEventSession:
         if closing:  # the transport closed while we were opening
             call.cancel()
         self._reader.start()
-        self._commander.start()
 
     def _requests(
         self, hello: ingest_pb2.StreamEventsRequest
@@ -331,31 +192,8 @@ class GrpcEventSession:
 
     def send(self, batch: CacheEventBatch) -> None:
         """Queue ``batch`` on the stream (never blocks); TransportError when the stream is over."""
-        if not self._write(self._encode(batch)):
+        if not self._write(self._encoder.to_proto(batch)):
             raise TransportError("the event stream is closed")
-
-    def _encode(self, batch: CacheEventBatch) -> events_pb2.CacheEventBatch:
-        try:
-            return batch_to_proto(batch)
-        except (ValueError, TypeError, OverflowError) as exc:
-            # The emitter would resend an unencodable batch forever. Token ids
-            # are the one optional payload, so drop them rather than wedge.
-            if not self._warned_tokens:
-                self._warned_tokens = True
-                logger.error(
-                    "cache event batch %s does not fit the wire (%s); sending it without token ids",
-                    batch.ident(),
-                    exc,
-                )
-            stripped = replace(
-                batch, entries=tuple(e._replace(token_ids=()) for e in batch.entries)
-            )
-            try:
-                return batch_to_proto(stripped)
-            except (ValueError, TypeError, OverflowError) as again:
-                raise TransportError(
-                    f"cache event batch {batch.ident()} cannot be encoded: {again}"
-                ) from again
 
     def _write(self, request: events_pb2.CacheEventBatch | ingest_pb2.StreamEventsRequest) -> bool:
         with self._lock:
@@ -382,7 +220,7 @@ class GrpcEventSession:
                     for ack in response.acks.acks:
                         self._deliver_ack(ack)
                 elif kind == "command":
-                    self._commands.put(response.command)
+                    self._commands.submit(response.command)
                 else:
                     logger.warning("ignoring an event-stream response with no known kind")
         except grpc.RpcError as exc:
@@ -417,7 +255,7 @@ class GrpcEventSession:
                 "ignoring ack for incarnation %d (ours is %d)", ack.incarnation, self.incarnation
             )
             return
-        result = _INGEST_RESULTS.get(ack.result)
+        result = ingest_result_from_proto(ack.result)
         if result is None:
             logger.warning("ignoring ack for seq %d with unknown result %d", ack.seq, ack.result)
             return
@@ -430,9 +268,9 @@ class GrpcEventSession:
         with self._lock:
             self._ended = True
             closed_by_owner = self._closing
-        # Unblock gRPC's request thread and stop the command thread.
+        # Unblock gRPC's request thread; queued commands could not be answered any more.
         self._outbox.put(None)
-        self._commands.put(None)
+        self._commands.close()
         call = self._call
         if call is not None:
             call.cancel()  # no-op when the call already ended
@@ -446,26 +284,15 @@ class GrpcEventSession:
 
     # ------------------------------------------------------------------ commands
 
-    def _run_commands(self) -> None:
-        while True:
-            command = self._commands.get()
-            if command is None:
-                return
-            if self.closed:
-                # Its result could not reach the coordinator any more.
-                logger.info("event stream ended; not running command %s", command.command_id)
-                continue
-            result = self._execute(command)
-            request = ingest_pb2.StreamEventsRequest(command_result=result_to_proto(result))
-            if not self._write(request):
-                logger.warning(
-                    "event stream ended before the result of command %s (%s) could be sent",
-                    result.command_id,
-                    result.code,
-                )
-
-    def _execute(self, msg: ingest_pb2.NodeCommand) -> CommandResult:
-        return execute_command(self._listener, msg)
+    def _send_result(self, result: CommandResult) -> None:
+        """Write a command's result up the stream (on the command executor's worker)."""
+        request = ingest_pb2.StreamEventsRequest(command_result=result_to_proto(result))
+        if not self._write(request):
+            logger.warning(
+                "event stream ended before the result of command %s (%s) could be sent",
+                result.command_id,
+                result.code,
+            )
 
     # ------------------------------------------------------------------ shutdown
 
@@ -482,7 +309,7 @@ class GrpcEventSession:
             self._closing = True
             call = self._call
         self._outbox.put(None)
-        self._commands.put(None)
+        self._commands.close()
         # Cancel rather than wait for the coordinator to end its side after
         # our half-close: the contract does not say that it will.
         if call is not None:
@@ -490,15 +317,15 @@ class GrpcEventSession:
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the reader and command threads to end; True when both did."""
-        me = threading.current_thread()
-        for thread in (self._reader, self._commander):
-            if thread is not me and thread.ident is not None:
-                thread.join(timeout)
-        return not (self._reader.is_alive() or self._commander.is_alive())
+        reader = self._reader
+        if reader is not threading.current_thread() and reader.ident is not None:
+            reader.join(timeout)
+        commands_done = self._commands.join(timeout)
+        return commands_done and not reader.is_alive()
 
 
 class GrpcEventTransport:
-    """The emitter's :class:`~kvmesh.storage.events.emitter.EventTransport` over gRPC.
+    """The emitter's :class:`~kvmesh.storage.events.transport.EventTransport` over gRPC.
 
     ``target`` is the coordinator's ``host:port`` (or ``unix:path``); pass
     ``channel`` to share one channel with the membership client (then the
@@ -615,94 +442,4 @@ class GrpcEventTransport:
         for session in sessions:
             if not session.join(timeout):
                 logger.warning("event stream threads did not stop within %.1fs", timeout)
-        self._client.close()
-
-
-# --------------------------------------------------------------------------------------
-# Membership
-# --------------------------------------------------------------------------------------
-
-
-class GrpcMembershipClient:
-    """The registrar's :class:`~kvmesh.storage.events.registrar.MembershipClient` over gRPC.
-
-    Registers with this node's ``incarnation`` and endpoints (gateway,
-    storage and metrics addresses, for operators and later peer fetches).
-    Every call has a deadline: ``call_timeout_s``, else each RPC's policy
-    default (5 s). Failures are raised as core errors: NOT_FOUND from a
-    heartbeat is :class:`~kvmesh.common.errors.NotFound` (the registrar
-    registers again), UNAVAILABLE is
-    :class:`~kvmesh.common.errors.Unavailable`, and so on.
-    """
-
-    def __init__(
-        self,
-        target: str,
-        *,
-        incarnation: int,
-        gateway_address: str = "",
-        storage_address: str = "",
-        metrics_address: str = "",
-        channel: grpc.Channel | None = None,
-        call_timeout_s: float | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    ) -> None:
-        if incarnation < 0:
-            raise InvalidArgument("incarnation must be >= 0", field="incarnation")
-        self._incarnation = incarnation
-        self._endpoints = membership_pb2.InstanceEndpoints(
-            gateway_address=gateway_address,
-            storage_address=storage_address,
-            metrics_address=metrics_address,
-        )
-        self._timeout = call_timeout_s
-        self._client = MembershipRpcClient(
-            target, channel=channel, max_message_bytes=max_message_bytes
-        )
-
-    @property
-    def target(self) -> str:
-        """The coordinator address this client dials."""
-        return self._client.target
-
-    def register(self, instance_id: str, metadata: Mapping[str, str]) -> Registration:
-        """``RegisterInstance``; returns the coordinator's answer with its intervals in seconds."""
-        request = membership_pb2.RegisterInstanceRequest(
-            instance_id=instance_id,
-            incarnation=self._incarnation,
-            endpoints=self._endpoints,
-            metadata=dict(metadata),
-        )
-        try:
-            response = self._client.register_instance(request, timeout=self._timeout)
-        except grpc.RpcError as exc:
-            raise _error_from_rpc(exc, "RegisterInstance") from exc
-        return Registration(
-            instance_id=response.instance_id,
-            re_registered=response.re_registered,
-            heartbeat_interval_s=response.heartbeat_interval_ms / 1000.0,
-            instance_timeout_s=response.instance_timeout_ms / 1000.0,
-        )
-
-    def heartbeat(self, instance_id: str) -> None:
-        """``Heartbeat``; raises NotFound when the coordinator forgot this node."""
-        try:
-            self._client.heartbeat(
-                membership_pb2.HeartbeatRequest(instance_id=instance_id), timeout=self._timeout
-            )
-        except grpc.RpcError as exc:
-            raise _error_from_rpc(exc, "Heartbeat") from exc
-
-    def deregister(self, instance_id: str) -> None:
-        """``DeregisterInstance`` (idempotent on the coordinator)."""
-        try:
-            self._client.deregister_instance(
-                membership_pb2.DeregisterInstanceRequest(instance_id=instance_id),
-                timeout=self._timeout,
-            )
-        except grpc.RpcError as exc:
-            raise _error_from_rpc(exc, "DeregisterInstance") from exc
-
-    def close(self) -> None:
-        """Close the channel (when this client created it)."""
         self._client.close()

@@ -4,6 +4,8 @@ A batch carries the W3C traceparent of the request that made its first
 change (see ``kvmesh.events.v1.CacheEventBatch.traceparent``); ingesting it
 in a span of that trace makes one store one trace from the gateway to the
 coordinator, whichever transport (gRPC stream or NATS) carried the batch.
+Both transports call :func:`ingest_traced`, so it lives in the core they
+share rather than in either of them.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from opentelemetry import trace
 
 from kvmesh.common.events import CacheEventBatch, IngestResult
 from kvmesh.common.telemetry import context_from_traceparent
-from kvmesh.coordinator.core.coordinator import Coordinator
+
+from .coordinator import Coordinator
 
 _tracer = trace.get_tracer("kvmesh.coordinator")
 
 
-def ingest(core: Coordinator, batch: CacheEventBatch, transport: str) -> IngestResult:
+def ingest_traced(core: Coordinator, batch: CacheEventBatch, transport: str) -> IngestResult:
     """``core.ingest_validated(batch)``, in the batch's trace when it carries one."""
     parent = context_from_traceparent(batch.traceparent) if batch.traceparent else None
     if parent is None:

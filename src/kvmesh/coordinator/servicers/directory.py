@@ -1,0 +1,82 @@
+"""DirectoryService: read APIs over the directory and the gate's cursors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.api.coordinator.v1 import directory_pb2, directory_pb2_grpc
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.coordinator import wire
+from kvmesh.coordinator.core.coordinator import Coordinator
+
+
+class DirectoryServicer(directory_pb2_grpc.DirectoryServiceServicer):
+    """Read APIs over the directory and the gate's cursors."""
+
+    def __init__(self, core: Coordinator) -> None:
+        self.core = core
+
+    async def Lookup(
+        self, request: directory_pb2.LookupRequest, context: Any
+    ) -> directory_pb2.LookupResponse:
+        which = request.WhichOneof("query")
+        with_tokens = request.include_token_ids
+        if which == "keys":
+            keys = wire.keys_from_proto(request.keys)
+            infos = self.core.lookup(keys, with_tokens=with_tokens)
+            return directory_pb2.LookupResponse(
+                chunks=len(keys), results=[wire.key_placements(i, with_tokens) for i in infos]
+            )
+        if which == "tokens":
+            q = wire.token_query(request.tokens)
+            found = self.core.lookup_tokens(
+                q.model_name, q.world_size, q.cache_salt, q.token_ids, with_tokens=with_tokens
+            )
+            return directory_pb2.LookupResponse(
+                chunks=found.chunks,
+                results=[wire.key_placements(i, with_tokens) for i in found.results],
+                cached_prefix_chunks=found.cached_prefix_chunks,
+            )
+        raise InvalidArgument("set exactly one of keys or tokens", field="query")
+
+    async def ListKeys(
+        self, request: directory_pb2.ListKeysRequest, context: Any
+    ) -> directory_pb2.ListKeysResponse:
+        limit = wire.page_size(request.page_size)
+        page = self.core.list_keys(
+            tier=wire.tier_filter(request.tier),
+            instance_id=request.instance_id,
+            backend=request.backend,
+            limit=limit,
+            page_token=request.page_token,
+        )
+        response = directory_pb2.ListKeysResponse(
+            keys=[wire.key_placements(i, False) for i in page.entries],
+            next_page_token=page.next_page_token,
+        )
+        if page.total is not None:
+            response.total = page.total
+        return response
+
+    async def GetStats(
+        self, request: directory_pb2.GetStatsRequest, context: Any
+    ) -> directory_pb2.GetStatsResponse:
+        stats = self.core.stats()
+        return directory_pb2.GetStatsResponse(
+            num_keys=stats.num_keys,
+            num_placements=stats.num_placements,
+            l1_placements=stats.l1.count,
+            l1_size_bytes=stats.l1.size_bytes,
+            l2_placements=stats.l2.count,
+            l2_size_bytes=stats.l2.size_bytes,
+            l1_keys_by_instance=dict(stats.l1_keys_by_instance),
+            token_bindings=stats.token_bindings,
+        )
+
+    async def ListIngestCursors(
+        self, request: directory_pb2.ListIngestCursorsRequest, context: Any
+    ) -> directory_pb2.ListIngestCursorsResponse:
+        cursors = self.core.cursors()
+        return directory_pb2.ListIngestCursorsResponse(
+            cursors=[wire.ingest_cursor(c) for _, c in sorted(cursors.items())]
+        )

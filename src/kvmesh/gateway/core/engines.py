@@ -1,0 +1,249 @@
+"""The engine registry: who registered which layout, who is alive, who is reaped.
+
+Two kinds of engine register here. An LMCache-driven engine registers its KV
+memory, which storage maps (``register_kv_cache``); an engine-driven context
+only tells its geometry and copies chunk bytes itself through the slots
+storage hands out (``register_engine_context``). Either kind that pinged
+once and then went silent for ``reap_after_s`` is unregistered by the sweep.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvmesh.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from kvmesh.common.keys import validate_model_name
+
+from .node_storage import NodeStorage
+from .types import EngineSpec, GatewayStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RegisteredEngine:
+    """An engine as the gateway knows it."""
+
+    spec: EngineSpec
+    engine_driven: bool
+    chunk_bytes: int
+    chunk_shape: tuple[int, ...]
+    registered_at: float
+    last_seen: float
+    pinged: bool = False
+    fingerprint: object = None
+
+
+class EngineRegistry:
+    """Registered engines by id, and the node instance id storage reported."""
+
+    def __init__(
+        self,
+        storage: NodeStorage,
+        counters: GatewayStats,
+        *,
+        chunk_size: int,
+        reap_after_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.storage = storage
+        self.counters = counters
+        self.chunk_size = chunk_size
+        self.reap_after_s = reap_after_s
+        self._clock = clock
+        self._engines: dict[str, RegisteredEngine] = {}
+        self.storage_instance_id = ""
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def ids(self) -> list[str]:
+        """Registered engines."""
+        return sorted(self._engines)
+
+    # ------------------------------------------------------------ registration
+
+    def _check_block_size(self, block_size: int) -> None:
+        if block_size < 1:
+            raise InvalidArgument("block_size must be >= 1", field="layout.block_size")
+        if self.chunk_size % block_size != 0:
+            raise InvalidArgument(
+                f"the gateway's chunk size {self.chunk_size} is not a multiple of the engine's "
+                f"block size {block_size}; configure chunk_size as a multiple of it",
+                field="layout.block_size",
+                reason="CHUNK_SIZE_MISMATCH",
+            )
+
+    def _check_spec(self, spec: EngineSpec) -> None:
+        if not spec.engine_id:
+            raise InvalidArgument("engine_id must not be empty", field="engine_id")
+        validate_model_name(spec.model_name)
+        if spec.world_size < 1 or spec.world_size > 255:
+            raise InvalidArgument("world_size must be in [1, 255]", field="world_size")
+        if not 0 <= spec.worker_id < spec.world_size:
+            raise InvalidArgument(
+                f"worker_id {spec.worker_id} is outside world_size {spec.world_size}",
+                field="worker_id",
+            )
+        self._check_block_size(spec.block_size)
+
+    async def register_kv_cache(
+        self,
+        spec: EngineSpec,
+        registration: object,
+        fingerprint: object,
+        chunk_bytes: int = 0,
+    ) -> bool:
+        """Register an engine's KV memory (LMCache-driven path); True if already registered.
+
+        ``storage_instance_id`` is learned from the node's answer.
+
+        ``registration`` is forwarded to storage untouched; ``fingerprint``
+        identifies the layout so a re-register with another one is refused.
+        """
+        self._check_spec(spec)
+        existing = self._engines.get(spec.engine_id)
+        if existing is not None and (existing.spec != spec or existing.fingerprint != fingerprint):
+            raise AlreadyExists(
+                f"engine {spec.engine_id!r} is registered with a different layout; "
+                "unregister it first",
+                reason="ENGINE_LAYOUT_MISMATCH",
+                metadata={"engine_id": spec.engine_id},
+            )
+        already, self.storage_instance_id = await self.storage.register_engine(
+            spec.engine_id, registration
+        )
+        now = self._clock()
+        if existing is None:
+            self._engines[spec.engine_id] = RegisteredEngine(
+                spec, False, chunk_bytes, (), now, now, fingerprint=fingerprint
+            )
+            logger.info(
+                "engine %s registered: model %s, worker %d/%d, block size %d",
+                spec.engine_id,
+                spec.model_name,
+                spec.worker_id,
+                spec.world_size,
+                spec.block_size,
+            )
+        else:
+            existing.last_seen = now
+        return already or existing is not None
+
+    async def unregister_kv_cache(self, engine_id: str) -> bool:
+        """Forget an engine and unmap its memory. Idempotent."""
+        engine = self._engines.pop(engine_id, None)
+        existed = await self.storage.unregister_engine(engine_id)
+        return engine is not None or existed
+
+    def register_engine_context(
+        self, spec: EngineSpec, num_layers: int, kv_heads: int, head_dim: int,
+        itemsize: int, use_mla: bool,
+    ) -> tuple[tuple[int, ...], bool]:  # fmt: skip
+        """Register an engine-driven context; returns (chunk shape, already registered)."""
+        self._check_spec(spec)
+        for name, value in (
+            ("layout.num_layers", num_layers),
+            ("layout.kv_heads", kv_heads),
+            ("layout.head_dim", head_dim),
+        ):
+            if value < 1:
+                raise InvalidArgument(f"{name} must be >= 1", field=name)
+        if use_mla and kv_heads != 1:
+            raise InvalidArgument("an MLA layout has kv_heads = 1", field="layout.kv_heads")
+        shape = (1 if use_mla else 2, num_layers, self.chunk_size, kv_heads * head_dim)
+        chunk_bytes = int(np.prod(shape)) * itemsize
+        existing = self._engines.get(spec.engine_id)
+        now = self._clock()
+        if existing is not None:
+            if existing.spec != spec or existing.chunk_shape != shape:
+                raise AlreadyExists(
+                    f"engine {spec.engine_id!r} is registered with a different geometry",
+                    reason="ENGINE_LAYOUT_MISMATCH",
+                    metadata={"engine_id": spec.engine_id},
+                )
+            existing.last_seen = now
+            return shape, True
+        self._engines[spec.engine_id] = RegisteredEngine(spec, True, chunk_bytes, shape, now, now)
+        return shape, False
+
+    def unregister_engine_context(self, engine_id: str) -> bool:
+        """Forget an engine-driven context. Idempotent."""
+        return self._engines.pop(engine_id, None) is not None
+
+    # ----------------------------------------------------------------- liveness
+
+    def ping(self, engine_id: str) -> bool:
+        """Refresh an engine's liveness; False when it is unknown."""
+        if not engine_id:
+            return True
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            return False
+        engine.last_seen = self._clock()
+        engine.pinged = True
+        return True
+
+    def report_block_allocation(self, engine_id: str, request_ids: Sequence[str]) -> None:
+        """Count the scheduler's allocations (observability only)."""
+        for request_id in request_ids:
+            if not request_id:
+                raise InvalidArgument(
+                    "every block allocation needs a request_id", field="allocations.request_id"
+                )
+        self.counters.block_allocations += len(request_ids)
+        if engine_id:
+            self.ping(engine_id)
+
+    async def reap(self, now: float) -> None:
+        """Unregister engines that pinged once and then went silent (``reap_after_s`` > 0)."""
+        if self.reap_after_s <= 0:
+            return
+        for engine_id, engine in list(self._engines.items()):
+            if engine.pinged and now - engine.last_seen > self.reap_after_s:
+                logger.warning(
+                    "engine %s silent for %.0f s; unregistering it", engine_id,
+                    now - engine.last_seen,
+                )  # fmt: skip
+                self.counters.engines_reaped += 1
+                try:
+                    if engine.engine_driven:
+                        self.unregister_engine_context(engine_id)
+                    else:
+                        await self.unregister_kv_cache(engine_id)
+                except Exception:
+                    logger.exception("unregistering silent engine %s failed", engine_id)
+
+    # ------------------------------------------------------------------ queries
+
+    def get(self, engine_id: str, engine_driven: bool) -> RegisteredEngine:
+        """The engine a data-path call names, of the right kind (refreshes its liveness)."""
+        engine = self._engines.get(engine_id)
+        if engine is None or engine.engine_driven != engine_driven:
+            kind = "an engine-driven context" if engine_driven else "its KV cache"
+            raise FailedPrecondition(
+                f"engine {engine_id!r} has not registered {kind}",
+                reason="ENGINE_NOT_REGISTERED",
+                metadata={"engine_id": engine_id},
+            )
+        engine.last_seen = self._clock()
+        return engine
+
+    def serves(self, model_name: str, world_size: int) -> bool:
+        """Whether an engine of this model and world size is registered."""
+        return any(
+            e.spec.model_name == model_name and e.spec.world_size == world_size
+            for e in self._engines.values()
+        )
+
+    def chunk_bytes_for(self, model_name: str, world_size: int) -> int:
+        """Chunk object size of this model's engines (0 = unknown)."""
+        for e in self._engines.values():
+            same = e.spec.model_name == model_name and e.spec.world_size == world_size
+            if same and e.chunk_bytes:
+                return e.chunk_bytes
+        return 0

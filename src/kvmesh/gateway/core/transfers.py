@@ -1,0 +1,213 @@
+"""Chunk transfers between engines and the node's L1.
+
+LMCache-driven: storage copies between the engine's mapped blocks and L1
+(``store``, ``retrieve``). Engine-driven: storage hands out L1 slots, the
+engine copies, and a commit publishes the stored chunks or releases the read
+locks (``prepare_store``/``commit_store``, ``prepare_retrieve``/
+``commit_retrieve``). A retrieve of either kind uses up the lookup locks of
+its chunks (see ``lookups``); when storage refuses it before releasing
+anything, they are counted as held again.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.keys import validate_cache_salt, worker_kv_rank
+from kvmesh.common.node_types import StoreOutcome
+
+from .engines import EngineRegistry, RegisteredEngine
+from .lookups import LookupLocks
+from .node_storage import KeyRow, NodeStorage, PreparedSlots, StorageRejected
+from .sessions import LookupState, Session, SessionTable
+from .types import GatewayStats, PromptRangeSpec, StoreResult
+
+# Committed engine-driven store transactions remembered, so a retried commit is harmless.
+_COMMITTED_STORES_KEPT = 4096
+
+
+class Transfers:
+    """Store, retrieve and the engine-driven prepare/commit pairs."""
+
+    def __init__(
+        self,
+        storage: NodeStorage,
+        engines: EngineRegistry,
+        sessions: SessionTable,
+        lookups: LookupLocks,
+        counters: GatewayStats,
+        *,
+        chunk_size: int,
+    ) -> None:
+        self.storage = storage
+        self.engines = engines
+        self.sessions = sessions
+        self.lookups = lookups
+        self.counters = counters
+        self.chunk_size = chunk_size
+        # Engine-driven retrieve transaction id -> request id.
+        self._txn_sessions: dict[str, str] = {}
+        self._committed_stores: OrderedDict[str, None] = OrderedDict()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _session(self, rng: PromptRangeSpec) -> Session:
+        """The range's request session (a throwaway one when it names no request)."""
+        return self.sessions.open(rng.request_id or f"anon-{uuid.uuid4().hex}")
+
+    def _row(
+        self, engine: RegisteredEngine, rng: PromptRangeSpec, session: Session
+    ) -> tuple[KeyRow, int, int]:
+        """The engine's keys of the range's chunks, and the chunks [first, last)."""
+        spec = engine.spec
+        if rng.model_name != spec.model_name or rng.world_size != spec.world_size:
+            raise InvalidArgument(
+                f"engine {spec.engine_id!r} serves {spec.model_name!r} with world size "
+                f"{spec.world_size}, not {rng.model_name!r}/{rng.world_size}",
+                field="range.model_name",
+            )
+        validate_cache_salt(rng.cache_salt, field="range.cache_salt")
+        self.sessions.take_tokens(session, rng.token_ids)
+        first, last = self.sessions.chunk_range(rng.start_token, rng.end_token, session.tokens.size)
+        hashes = self.sessions.hashes(session, last)[first:last]
+        row = KeyRow(
+            spec.model_name, rng.cache_salt, worker_kv_rank(spec.world_size, spec.worker_id), hashes
+        )
+        return row, first, last
+
+    def _check_block_ids(
+        self, engine: RegisteredEngine, block_ids: Sequence[int], n_chunks: int
+    ) -> None:
+        needed = n_chunks * (self.chunk_size // engine.spec.block_size)
+        if len(block_ids) < needed:
+            raise InvalidArgument(
+                f"{n_chunks} chunks need {needed} block ids, got {len(block_ids)}",
+                field="block_ids",
+            )
+
+    # ----------------------------------------------------------- LMCache-driven
+
+    async def store(
+        self, engine_id: str, rng: PromptRangeSpec, block_ids: Sequence[int]
+    ) -> StoreResult:
+        """Copy the range's chunks from the engine's blocks into the cache."""
+        engine = self.engines.get(engine_id, engine_driven=False)
+        session = self._session(rng)
+        async with session.lock:
+            row, first, last = self._row(engine, rng, session)
+        self._check_block_ids(engine, block_ids, last - first)
+        self.counters.stores += 1
+        if last == first:
+            return StoreResult(0, 0, 0)
+        outcomes = await self.storage.store_chunks(engine_id, row, block_ids, self.chunk_size)
+        stored = sum(1 for o in outcomes if o is StoreOutcome.STORED)
+        cached = sum(1 for o in outcomes if o is StoreOutcome.ALREADY_CACHED)
+        skipped = len(outcomes) - stored - cached
+        self.counters.stored_chunks += stored
+        self.counters.store_skipped_chunks += skipped
+        return StoreResult(stored, cached, skipped)
+
+    async def retrieve(
+        self,
+        engine_id: str,
+        rng: PromptRangeSpec,
+        block_ids: Sequence[int],
+        skip_first_n_tokens: int,
+    ) -> int:
+        """Copy the range's cached prefix into the engine's blocks; chunks retrieved."""
+        engine = self.engines.get(engine_id, engine_driven=False)
+        session = self._session(rng)
+        worker = engine.spec.worker_id
+        async with session.lock:
+            row, first, last = self._row(engine, rng, session)
+            if skip_first_n_tokens > rng.end_token - rng.start_token:
+                raise InvalidArgument(
+                    "skip_first_n_tokens is beyond the range", field="skip_first_n_tokens"
+                )
+            self._check_block_ids(engine, block_ids, last - first)
+            lookup = session.lookup
+            mask = self.lookups.take_release_mask(session, worker, first, last, rng)
+        self.counters.retrieves += 1
+        if last == first:
+            return 0
+        try:
+            got = await self.storage.retrieve_chunks(
+                engine_id, row, block_ids, self.chunk_size, skip_first_n_tokens, mask
+            )
+        except StorageRejected as rejected:
+            await self.lookups.restore_mask(session, lookup, worker, first, mask)
+            raise rejected.error from None
+        self.counters.retrieved_chunks += got
+        self.counters.retrieve_missed_chunks += (last - first) - got
+        return got
+
+    # ------------------------------------------------------------ engine-driven
+
+    async def prepare_store(self, engine_id: str, rng: PromptRangeSpec) -> PreparedSlots:
+        """Reserve slots for the range's uncached chunks."""
+        engine = self.engines.get(engine_id, engine_driven=True)
+        session = self._session(rng)
+        async with session.lock:
+            row, first, last = self._row(engine, rng, session)
+        if last == first:
+            return PreparedSlots("", [])
+        return await self.storage.prepare_store(row, engine.chunk_bytes)
+
+    async def commit_store(self, engine_id: str, transaction_id: str) -> int:
+        """Publish a prepared store; a repeated commit (a retry) publishes nothing, harmlessly."""
+        self.engines.get(engine_id, engine_driven=True)
+        if transaction_id in self._committed_stores:
+            return 0
+        committed = await self.storage.commit_store(transaction_id)
+        # Storage forgets a committed transaction (a second commit there is NOT_FOUND);
+        # the contract promises engines that committing twice is harmless.
+        self._committed_stores[transaction_id] = None
+        while len(self._committed_stores) > _COMMITTED_STORES_KEPT:
+            self._committed_stores.popitem(last=False)
+        self.counters.stored_chunks += committed
+        return committed
+
+    async def prepare_retrieve(self, engine_id: str, rng: PromptRangeSpec) -> PreparedSlots:
+        """Slots of the range's cached prefix, for the engine to copy from."""
+        engine = self.engines.get(engine_id, engine_driven=True)
+        session = self._session(rng)
+        async with session.lock:
+            row, first, last = self._row(engine, rng, session)
+            if last == first:
+                return PreparedSlots("", [])
+            prepared = await self.storage.prepare_retrieve(row, engine.chunk_bytes)
+            if prepared.transaction_id:
+                session.retrieves[prepared.transaction_id] = (
+                    engine.spec.worker_id,
+                    first,
+                    last,
+                )
+                self._txn_sessions[prepared.transaction_id] = rng.request_id
+        return prepared
+
+    async def commit_retrieve(self, engine_id: str, transaction_id: str) -> int:
+        """Release a prepared retrieve's locks and the lookup locks it used."""
+        self.engines.get(engine_id, engine_driven=True)
+        mask: list[bool] = []
+        request_id = self._txn_sessions.pop(transaction_id, None)
+        session = self.sessions.get(request_id) if request_id else None
+        lookup: LookupState | None = None
+        worker = first = 0
+        if session is not None:
+            async with session.lock:
+                info = session.retrieves.pop(transaction_id, None)
+                if info is not None and session.lookup is not None:
+                    worker, first, last = info
+                    lookup = session.lookup
+                    mask = self.lookups.take_release_mask(session, worker, first, last)
+        try:
+            released = await self.storage.commit_retrieve(transaction_id, mask)
+        except StorageRejected as rejected:
+            if session is not None:
+                await self.lookups.restore_mask(session, lookup, worker, first, mask)
+            raise rejected.error from None
+        self.counters.retrieved_chunks += released
+        return released
