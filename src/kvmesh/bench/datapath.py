@@ -59,6 +59,7 @@ from kvmesh import kernels
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.bench.common import LoopThread
+from kvmesh.common.dtypes import BY_SHORT
 from kvmesh.common.keys import ObjectKey
 from kvmesh.rpc.server import Server, create_server
 from kvmesh.storage.app import StorageApp
@@ -73,11 +74,6 @@ T = TypeVar("T")
 TARGET_RATIO = 0.85
 LMCACHE_REFERENCE = {"store_gbps": "4.3-4.6", "retrieve_gbps": "4.0"}
 
-_DTYPES = {
-    "bf16": (common_pb2.DTYPE_BFLOAT16, 2),
-    "fp16": (common_pb2.DTYPE_FLOAT16, 2),
-    "fp32": (common_pb2.DTYPE_FLOAT32, 4),
-}
 _MIB = 1 << 20
 
 
@@ -96,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument(
         "--copy-threads",
         type=int,
@@ -121,7 +117,7 @@ class _Shape:
 
     @property
     def itemsize(self) -> int:
-        return _DTYPES[self.dtype][1]
+        return BY_SHORT[self.dtype].itemsize
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -307,7 +303,7 @@ def _measure(
         block_size=shape.block_size,
         kv_heads=shape.kv_heads,
         head_dim=shape.head_dim,
-        dtype=_DTYPES[shape.dtype][0],
+        dtype=BY_SHORT[shape.dtype].proto,  # type: ignore[arg-type]
     )
     layers = [
         common_pb2.MemoryHandle(

@@ -48,13 +48,13 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import grpc
-import torch
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.common.dtypes import proto_of_torch
 from kvmesh.connector.metadata import (
     ConnectorMetadata,
     Request,
@@ -64,18 +64,12 @@ from kvmesh.connector.metadata import (
 )
 from kvmesh.gateway.client import GatewayClient
 
+if TYPE_CHECKING:  # the engine hands tensors in; importing the connector loads no torch
+    import torch
+
 logger = logging.getLogger(__name__)
 
 _Resp = TypeVar("_Resp")
-
-_DTYPES: dict[torch.dtype, int] = {
-    torch.float16: common_pb2.DTYPE_FLOAT16,
-    torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
-    torch.float32: common_pb2.DTYPE_FLOAT32,
-    torch.float8_e4m3fn: common_pb2.DTYPE_FLOAT8_E4M3FN,
-    torch.float8_e5m2: common_pb2.DTYPE_FLOAT8_E5M2,
-    torch.uint8: common_pb2.DTYPE_UINT8,
-}
 
 
 class KVConnectorRole(enum.Enum):
@@ -492,7 +486,8 @@ class KVMeshConnector:
             raise ConnectorError(
                 f"layers have block size {shape[2]}, configured {self.config.block_size}"
             )
-        if first.dtype not in _DTYPES:
+        dtype = proto_of_torch(first.dtype)
+        if dtype is None:
             raise ConnectorError(f"unsupported KV dtype {first.dtype}")
         handles = []
         for name, tensor in kv_caches.items():
@@ -527,7 +522,7 @@ class KVMeshConnector:
                 block_size=shape[2],
                 kv_heads=shape[3],
                 head_dim=shape[4],
-                dtype=_DTYPES[first.dtype],  # type: ignore[arg-type]
+                dtype=dtype,  # type: ignore[arg-type]
             ),
             layers=handles,
         )

@@ -15,19 +15,10 @@ from google.protobuf import message as _message
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.api.storage.v1 import storage_pb2
+from kvmesh.common import dtypes
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.node_types import Slot
 from kvmesh.gateway.core.types import EngineSpec, PrefetchStatus, PromptRangeSpec
-
-_ITEMSIZE = {
-    common_pb2.DTYPE_FLOAT16: 2,
-    common_pb2.DTYPE_BFLOAT16: 2,
-    common_pb2.DTYPE_FLOAT32: 4,
-    common_pb2.DTYPE_FLOAT8_E4M3FN: 1,
-    common_pb2.DTYPE_FLOAT8_E5M2: 1,
-    common_pb2.DTYPE_UINT8: 1,
-}
-
 
 # -- requests ---------------------------------------------------------------------------------
 
@@ -83,14 +74,14 @@ def layout_fingerprint(request: gateway_pb2.RegisterKVCacheRequest) -> bytes:
 
 def chunk_bytes(layout: common_pb2.KVLayout, chunk_size: int) -> int:
     """Bytes of one chunk object under ``layout`` (0 when the layout is incomplete)."""
-    itemsize = _ITEMSIZE.get(layout.dtype, 0)
+    itemsize = dtypes.itemsize(layout.dtype) or 0
     planes = 1 if layout.kind == common_pb2.KV_LAYOUT_KIND_MLA else 2
     return planes * layout.num_layers * chunk_size * layout.kv_heads * layout.head_dim * itemsize
 
 
 def itemsize(layout: gateway_pb2.EngineContextLayout) -> int:
     """Bytes per element of an engine context's dtype (which must be specified)."""
-    size = _ITEMSIZE.get(layout.dtype)
+    size = dtypes.itemsize(layout.dtype)
     if size is None:
         raise InvalidArgument("layout.dtype must be specified", field="layout.dtype")
     return size

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
 from kvmesh.common.convert import key_from_proto, key_to_proto
+from kvmesh.common.dtypes import torch_dtype
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import Tier
 from kvmesh.common.keys import CHUNK_HASH_BYTES, ObjectKey
@@ -17,14 +16,6 @@ from kvmesh.common.node_types import PrefetchState, Slot
 from kvmesh.storage.core.node import StorageNode
 from kvmesh.storage.core.transfer import CudaIpcHandle, KVHandle, KVLayout, SharedMemoryHandle
 
-DTYPES = {
-    common_pb2.DTYPE_FLOAT16: torch.float16,
-    common_pb2.DTYPE_BFLOAT16: torch.bfloat16,
-    common_pb2.DTYPE_FLOAT32: torch.float32,
-    common_pb2.DTYPE_FLOAT8_E4M3FN: torch.float8_e4m3fn,
-    common_pb2.DTYPE_FLOAT8_E5M2: torch.float8_e5m2,
-    common_pb2.DTYPE_UINT8: torch.uint8,
-}
 LAYOUT_KINDS = {
     common_pb2.KV_LAYOUT_KIND_FLASH_ATTN: "flash_attn",
     common_pb2.KV_LAYOUT_KIND_FLASHINFER: "flashinfer",
@@ -38,7 +29,7 @@ def layout_from_proto(layout: common_pb2.KVLayout) -> KVLayout:
     kind = LAYOUT_KINDS.get(layout.kind)
     if kind is None:
         raise InvalidArgument("layout.kind must be specified", field="layout.kind")
-    dtype = DTYPES.get(layout.dtype)
+    dtype = torch_dtype(layout.dtype)
     if dtype is None:
         raise InvalidArgument("layout.dtype must be specified", field="layout.dtype")
     return KVLayout(

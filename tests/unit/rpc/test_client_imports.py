@@ -72,3 +72,15 @@ def test_the_baseline_is_only_grpcs_bare_packages(grpc_baseline: set[str]) -> No
         "grpc_health",
         "grpc_reflection",
     }
+
+
+def test_importing_the_connector_loads_only_the_gateway_client(grpc_baseline: set[str]) -> None:
+    """The connector runs inside the engine's processes: the gateway client, nothing heavier."""
+    loaded = _modules_after("import kvmesh.connector")
+    added = loaded - grpc_baseline
+    assert sorted(m for m in added if _family(m, FORBIDDEN)) == []
+    assert sorted(m for m in loaded if _family(m, SERVER_MODULES)) == []
+    services = ("kvmesh.gateway", "kvmesh.storage", "kvmesh.coordinator")
+    assert sorted(m for m in loaded if _family(m, services) and m not in services) == [
+        "kvmesh.gateway.client"
+    ]
