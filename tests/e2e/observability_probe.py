@@ -43,9 +43,10 @@ from kvmesh.gateway.client import GatewayClient  # noqa: E402
 from kvmesh.gateway.config import GatewayConfig  # noqa: E402
 from kvmesh.storage.app import StorageApp  # noqa: E402
 from kvmesh.storage.config import StorageConfig  # noqa: E402
-from tests.harness import server_thread, wait_for  # noqa: E402
 from tests.integration.gateway.support import CHUNK, prange  # noqa: E402
 from tests.integration.storage.support import MODEL, Engine  # noqa: E402
+from tests.support.harness import server_thread  # noqa: E402
+from tests.support.waiting import wait_until  # noqa: E402
 
 MIB = 1 << 20
 
@@ -125,7 +126,7 @@ def main() -> None:
                 )
                 return found.cached_prefix_chunks == keys
 
-            wait_for(lambda: coordinator_knows(2), timeout=30)
+            wait_until(lambda: coordinator_knows(2), timeout=30)
 
             client.lookup(
                 gateway_pb2.LookupRequest(

@@ -29,7 +29,8 @@ from tests.e2e.support import (
     stored_chunks,
     tokens,
 )
-from tests.harness import free_port, wait_for
+from tests.support.harness import free_port
+from tests.support.waiting import wait_until
 
 
 def test_logits_with_the_prefix_served_from_kvmesh_equal_logits_computed_without_it(
@@ -88,7 +89,7 @@ def test_chunks_dropped_from_l1_come_back_from_l2_with_identical_logits(
     storage = fleet.endpoint("node-0-storage")
     cold = run_prompt(engine, prompt, salt)
     # L1 → L2 is asynchronous: wait until the disk L2 holds all four chunks.
-    wait_for(lambda: stored_chunks(storage, L2, salt) == 4, timeout=60)
+    wait_until(lambda: stored_chunks(storage, L2, salt) == 4, timeout=60)
 
     with GatewayClient(fleet.endpoint("node-0-gateway")) as client:
         cleared = client.clear(gateway_pb2.ClearRequest(force=True)).cleared_objects
@@ -184,8 +185,8 @@ def test_the_coordinator_directory_and_kvmesh_status_show_every_stored_chunk(
 
     try:
         # Every complete chunk is in node-0's L1 at once, and on its disk L2 after write-through.
-        wait_for(lambda: placed(L1), timeout=30)
-        wait_for(lambda: placed(L2), timeout=60)
+        wait_until(lambda: placed(L1), timeout=30)
+        wait_until(lambda: placed(L2), timeout=60)
         found = client.lookup(query)
         assert found.cached_prefix_chunks == 5
         for result in found.results:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import spawn_cli, wait_for
+from tests.support.harness import spawn_cli
+from tests.support.waiting import wait_until
 
 LINE = re.compile(r"^\s+(\S+)\s+grpc (\S+)\s+metrics http://(\S+)/metrics\s+pid (\d+)$")
 
@@ -154,7 +155,7 @@ def test_nodes_register_and_report_to_the_coordinator(fleet: RunningFleet) -> No
                 ("node-1", True),
             ]
 
-        wait_for(both_connected, timeout=30)
+        wait_until(both_connected, timeout=30)
     finally:
         client.close()
 
@@ -168,7 +169,7 @@ def test_sigterm_stops_the_whole_fleet_cleanly(fleet: RunningFleet) -> None:
     took = time.monotonic() - start
     assert took < 20, f"kvmesh up took {took:.1f} s to stop"
     for service in fleet.services:
-        wait_for(lambda pid=service.pid: not _alive(pid), timeout=5)
+        wait_until(lambda pid=service.pid: not _alive(pid), timeout=5)
     assert not fleet.shm_dir.exists(), "shared memory left behind"
     assert not fleet.data_dir.exists(), "the temporary data directory was not removed"
     assert fleet.process.stdout is not None

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import REPO_ROOT
+from tests.support.harness import REPO_ROOT
 
 INGEST = "kvmesh.coordinator.IngestBatch"
 

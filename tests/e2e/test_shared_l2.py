@@ -27,7 +27,7 @@ from tests.e2e.support import (
     stored_chunks,
     tokens,
 )
-from tests.harness import wait_for
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
@@ -64,7 +64,7 @@ def test_a_second_node_sharing_only_the_l2_backend_serves_the_prefix(
 
     with engine_on(0) as first:
         cold = run_prompt(first, prompt, salt)
-    wait_for(lambda: stored_chunks(fleet.endpoint("node-0-storage"), L2, salt) == 4, timeout=60)
+    wait_until(lambda: stored_chunks(fleet.endpoint("node-0-storage"), L2, salt) == 4, timeout=60)
     assert stored_chunks(fleet.endpoint("node-1-storage"), L1, salt) == 0
 
     with engine_on(1) as second:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import descriptor
 
-from tests.harness import REPO_ROOT
+from tests.support.harness import REPO_ROOT
 
 GEN = REPO_ROOT / "scripts" / "gen_protos.py"
 

@@ -101,7 +101,6 @@ from kvmesh.storage.events.config import DEFAULT_MAX_IN_FLIGHT_BATCHES
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 STREAM_METHOD = "/kvmesh.coordinator.v1.EventIngestService/StreamEvents"
 INGEST_SERVICE = "kvmesh.coordinator.v1.EventIngestService"
 MODEL = "meta-llama/Llama-3.1-8B"
@@ -249,7 +248,6 @@ def coordinator_process(workdir: Path, extra: Sequence[str] = ()) -> Iterator[Co
             args,
             stdout=log,
             stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
             # Safe here: no gRPC channel exists in this process yet (a fork while
             # gRPC threads run would run gRPC's fork handlers in the child).
             preexec_fn=_die_with_parent,  # noqa: PLW1509

@@ -1,8 +1,10 @@
 """``kvmesh status``: the fleet as the coordinator sees it, as tables (or JSON).
 
 Instances and their incarnations, each emitter's ingest cursor and gap flag,
-keys and bytes per tier and per salt, declared capacities and quotas — all
-read over the coordinator's gRPC APIs.
+keys and bytes per tier and per salt, declared capacities and quotas, and
+what the nodes answered to the coordinator's commands (counts per command
+and result, the latest refusals with the node's reason) — all read over the
+coordinator's gRPC APIs.
 """
 
 from __future__ import annotations
@@ -200,7 +202,40 @@ def render(data: dict[str, Any], target: str) -> str:
         "default L2 quota: "
         + (_bytes(default.limit_bytes) if default.HasField("limit_bytes") else "none (exempt)")
     )
+    out += _commands(status)
     return "\n".join(out)
+
+
+def _commands(status: admin_pb2.GetStatusResponse) -> list[str]:
+    """The nodes' answers to the coordinator's commands, and the latest refusals."""
+    out = [
+        "",
+        f"Node commands ({status.commands_awaiting_answer} awaiting an answer, "
+        f"{status.resyncs_requested} resyncs asked)",
+    ]
+    rows = [[c.command, c.result, c.count] for c in status.command_results]
+    out.append(table(["command", "result", "count"], rows) if rows else "  (no answers yet)")
+    failures = status.recent_command_failures
+    refused = sum(c.count for c in status.command_results if c.result != "OK")
+    if refused:
+        out += ["", f"REFUSED node commands: {refused} (latest first)"]
+        out.append(
+            table(
+                ["when", "instance", "command", "what", "code", "message"],
+                [
+                    [
+                        f.answered_at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"),
+                        f.instance_id,
+                        f.command,
+                        f.summary or "-",
+                        f.code,
+                        f.message or "-",
+                    ]
+                    for f in failures
+                ],
+            )
+        )
+    return out
 
 
 def add_status_command(sub: Any) -> None:

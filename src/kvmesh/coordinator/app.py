@@ -81,6 +81,9 @@ def _stats(core: Coordinator, streams: NodeStreams) -> dict[str, Any]:
         "last_seq": {i: c.last_seq for i, c in cursors.items()},
         "evictions_in_flight": status.evictions_in_flight,
         "commands_sent": streams.commands_sent,
+        "command_results": core.commands.result_counts(),
+        "commands_awaiting": core.commands.awaiting(),
+        "resyncs_requested": core.resync.stats().requested,
         "salt_l2_bytes": core.usage_by_salt(Tier.L2),
         "salt_l1_bytes": core.usage_by_salt(Tier.L1),
         "consumer_failures": {
@@ -138,6 +141,24 @@ _SERIES = [
         "counter",
     ),
     Series(
+        "kvmesh_coordinator_command_results",
+        "Nodes' answers to coordinator commands, by command and result code.",
+        "command_results",
+        "counter",
+        labels=("command", "result"),
+    ),
+    Series(
+        "kvmesh_coordinator_commands_awaiting",
+        "Commands sent in the last 5 minutes whose answer has not come.",
+        "commands_awaiting",
+    ),
+    Series(
+        "kvmesh_coordinator_resyncs_requested",
+        "Resyncs asked of nodes.",
+        "resyncs_requested",
+        "counter",
+    ),
+    Series(
         "kvmesh_coordinator_salt_l2_bytes",
         "L2 bytes per cache salt.",
         "salt_l2_bytes",
@@ -166,8 +187,10 @@ class CoordinatorApp:
 
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        self.streams = NodeStreams()
-        self.core = Coordinator(settings_from_config(config), dispatcher=self.streams)
+        self.core = Coordinator(settings_from_config(config))
+        # Every command sent and every answer, whichever transport, goes to the core's ledger.
+        self.streams = NodeStreams(self.core.commands)
+        self.core.set_delete_dispatcher(self.streams)
         self.nats: NatsEventSource | None = None
         if config.nats_url:
             # nats-py is an optional dependency (the "nats" extra).
@@ -178,6 +201,7 @@ class CoordinatorApp:
                 self.core,
                 NatsSourceSettings(url=config.nats_url, stream=config.nats_stream),
                 on_command_result=self.streams.record_result,
+                on_command_sent=self.streams.record_sent,
             )
             self.core.set_delete_dispatcher(PreferStreamDispatcher(self.streams, self.nats))
         report = self.core.load_state()

@@ -3,7 +3,8 @@
 Everything that turns a request field into a core value (validating it and
 naming the request's field when it is wrong) or a core value into a
 response message lives here, as do the node commands every transport
-carries (:func:`delete_command`, :func:`resync_commands`). The servicers
+carries (:func:`delete_command`, :func:`resync_commands`) and how they and
+the nodes' answers are described to operators. The servicers
 and the NATS source import this module; it imports only the core and the
 generated API, so the arrows run core ← wire ← servicers / sources.
 """
@@ -17,7 +18,13 @@ import numpy as np
 from google.protobuf import timestamp_pb2
 
 from kvmesh.api.common.v1 import common_pb2
-from kvmesh.api.coordinator.v1 import directory_pb2, ingest_pb2, membership_pb2, policy_pb2
+from kvmesh.api.coordinator.v1 import (
+    admin_pb2,
+    directory_pb2,
+    ingest_pb2,
+    membership_pb2,
+    policy_pb2,
+)
 from kvmesh.api.events.v1 import events_pb2
 from kvmesh.common.convert import key_from_proto, key_to_proto
 from kvmesh.common.errors import InvalidArgument
@@ -28,8 +35,10 @@ from kvmesh.common.keys import (
     validate_model_name,
     validate_object_key,
 )
+from kvmesh.coordinator.core.commands import CommandOutcome
 from kvmesh.coordinator.core.types import (
     CursorInfo,
+    DeleteRequest,
     Endpoints,
     InstanceInfo,
     KeyInfo,
@@ -252,3 +261,63 @@ def resync_commands() -> list[ingest_pb2.NodeCommand]:
         ingest_pb2.NodeCommand(resync=ingest_pb2.ResyncCommand(tier=tier))
         for tier in (common_pb2.TIER_L1, common_pb2.TIER_L2)
     ]
+
+
+_TIER_NAMES = {common_pb2.TIER_L1: "L1", common_pb2.TIER_L2: "L2", common_pb2.TIER_ALL: "ALL"}
+
+
+def command_kind(command: ingest_pb2.NodeCommand) -> str:
+    """The kind of a NodeCommand: "delete_keys", "resync", "set_quota" ("unknown" when unset)."""
+    return command.WhichOneof("kind") or "unknown"
+
+
+def command_summary(command: ingest_pb2.NodeCommand) -> str:
+    """What a NodeCommand asks, for people: "L1 dram, 3 keys", "L2", "salt 't' L2 = 4096"."""
+    kind = command.WhichOneof("kind")
+    if kind == "delete_keys":
+        d = command.delete_keys
+        backend = d.backend or "every backend"
+        force = ", force" if d.force else ""
+        return f"{_TIER_NAMES.get(d.tier, '?')} {backend}, {len(d.keys)} keys{force}"
+    if kind == "resync":
+        return _TIER_NAMES.get(command.resync.tier, "?")
+    if kind == "set_quota":
+        q = command.set_quota
+        limit = str(q.limit_bytes) if q.HasField("limit_bytes") else "none"
+        return f"salt {q.cache_salt!r} {_TIER_NAMES.get(q.tier, '?')} = {limit}"
+    return ""
+
+
+# -------------------------------------------------------------------------- answers
+
+
+def delete_outcome(
+    request: DeleteRequest, outcome: CommandOutcome | None
+) -> policy_pb2.DeleteCommandOutcome:
+    """One delete command of an operator delete with the node's answer (if it came)."""
+    out = policy_pb2.DeleteCommandOutcome(
+        instance_id=request.instance_id,
+        tier=tier_to_proto(request.tier),
+        backend=request.backend,
+        keys=len(request.keys),
+        sent=request.accepted,
+        command_id=request.command_id,
+    )
+    if outcome is not None:
+        out.code = outcome.code
+        out.message = outcome.message
+        out.affected = outcome.affected
+    return out
+
+
+def command_failure(outcome: CommandOutcome) -> admin_pb2.CommandFailure:
+    """A refused or failed command for the status view."""
+    return admin_pb2.CommandFailure(
+        command_id=outcome.command_id,
+        instance_id=outcome.instance_id,
+        command=outcome.kind,
+        summary=outcome.summary,
+        code=outcome.code,
+        message=outcome.message,
+        answered_at=timestamp(outcome.answered_at),
+    )

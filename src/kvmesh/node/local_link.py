@@ -107,7 +107,7 @@ class LocalNodeStorage:
         self.node.touch([k for row in _grid_rows(grid) for k in row])
 
     async def clear(self, force: bool) -> int:
-        return self.node.clear(force)
+        return await self.node.clear(force)
 
     async def prepare_store(self, row: KeyRow, chunk_bytes: int) -> PreparedSlots:
         txn, slots, cached, skipped = self.node.prepare_store(_row_keys(row), chunk_bytes)

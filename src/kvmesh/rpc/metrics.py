@@ -77,8 +77,9 @@ class RpcMetrics:
 class Series:
     """One exported series of a stats collector.
 
-    ``path`` walks the stats dict ("l1.used_bytes"); ``labels`` turns a dict
-    at that path into one sample per key (e.g. bytes per salt).
+    ``path`` walks the stats dict ("l1.used_bytes"); ``label`` turns a dict
+    at that path into one sample per key (e.g. bytes per salt), ``labels``
+    (several names) a dict keyed by tuples of as many values.
     """
 
     name: str
@@ -86,6 +87,7 @@ class Series:
     path: str
     kind: str = "gauge"  # or "counter"
     label: str | None = None
+    labels: tuple[str, ...] = ()
 
 
 class StatsCollector(Collector):
@@ -122,13 +124,19 @@ class StatsCollector(Collector):
             value = self._walk(data, s.path)
             if value is None:
                 continue
-            labels = const_names + ([s.label] if s.label else [])
+            labels = const_names + ([s.label] if s.label else []) + list(s.labels)
             family: Any
             if s.kind == "counter":
                 family = CounterMetricFamily(s.name, s.help, labels=labels)
             else:
                 family = GaugeMetricFamily(s.name, s.help, labels=labels)
-            if s.label:
+            if s.labels:
+                if isinstance(value, Mapping):
+                    for key, v in value.items():
+                        parts = key if isinstance(key, tuple) else (key,)
+                        if len(parts) == len(s.labels):
+                            family.add_metric([*const_values, *map(str, parts)], float(v))
+            elif s.label:
                 if isinstance(value, Mapping):
                     for key, v in value.items():
                         family.add_metric([*const_values, str(key)], float(v))

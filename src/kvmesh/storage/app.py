@@ -15,11 +15,11 @@ through ``loop.call_soon_threadsafe`` when the prefetch finishes. An
 abandoned prefetch gives its locks back from the same done callback. The
 only blocking work an RPC hands off is its copy (the gather of StoreChunks,
 the scatter of RetrieveChunks). That copy runs on the node's own copy
-executor, ``kvmesh-transfer``, made here with ``default_copy_threads()``
-threads (one per core, 2 to 8). So a copy never queues behind a wait, an L2
-call or start-up work. The storage code never uses the loop's default
-executor: one-off blocking calls (loading the copy kernel, closing the event
-transport) get a thread that ends with them.
+executor, ``kvmesh-transfer``, made here with the ``copy_threads`` setting's
+threads (0, the default: one per core, 2 to 8). So a copy never queues
+behind a wait, an L2 call or start-up work. The storage code never uses the
+loop's default executor: one-off blocking calls (loading the copy kernel,
+closing the event transport) get a thread that ends with them.
 
 Threads of an idle storage node (20 on 2 cores in ``kvmesh up --nodes 1``,
 with a coordinator and a 1 GiB L1; ``ls /proc/PID/task | wc -l``):
@@ -61,24 +61,24 @@ from prometheus_client.registry import Collector
 
 from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
 from kvmesh.common.errors import Unavailable
-from kvmesh.common.events import CacheEventEntry, EventType, Tier
-from kvmesh.common.keys import ObjectKey
 from kvmesh.kernels import native
 from kvmesh.rpc.metrics import Series, StatsCollector
 from kvmesh.rpc.server import ServiceBinding
 from kvmesh.storage.config import StorageConfig
 from kvmesh.storage.core.controllers.prefetch import PrefetchPolicy
 from kvmesh.storage.core.controllers.store import StorePolicy
+from kvmesh.storage.core.copies import default_copy_threads
 from kvmesh.storage.core.incarnation import next_incarnation
 from kvmesh.storage.core.l2.base import L2Adapter
 from kvmesh.storage.core.l2.factory import build_l2_adapter
 from kvmesh.storage.core.manager import StorageManager, StorageOptions
-from kvmesh.storage.core.node import StorageNode, default_copy_threads
-from kvmesh.storage.core.ports import CapacityModule, NodeCommand
-from kvmesh.storage.core.transfer import TransferEngine
+from kvmesh.storage.core.node import StorageNode
+from kvmesh.storage.core.ports import NodeCommand
+from kvmesh.storage.core.transfer.engine import TransferEngine
 from kvmesh.storage.events.config import EmitterConfig
 from kvmesh.storage.events.emitter import CacheEventEmitter
 from kvmesh.storage.events.registrar import Registrar, Registration
+from kvmesh.storage.events.sink import EmitterSink
 from kvmesh.storage.events.transport import EventTransport
 from kvmesh.storage.servicer import StorageServicer
 
@@ -96,30 +96,6 @@ async def _on_own_thread(name: str, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
     finally:
         pool.shutdown(wait=False)
-
-
-class EmitterSink:
-    """The storage core's EventSink, feeding the cache-event emitter."""
-
-    def __init__(self, emitter: CacheEventEmitter) -> None:
-        self.emitter = emitter
-
-    def record(
-        self,
-        event_type: EventType,
-        tier: Tier,
-        backend: str,
-        shared: bool,
-        entries: Sequence[tuple[ObjectKey, int]],
-    ) -> None:
-        self.emitter.record(
-            event_type, tier, backend, shared, [CacheEventEntry(k, size) for k, size in entries]
-        )
-
-    def record_capacity(self, modules: Sequence[CapacityModule]) -> None:
-        self.emitter.record_capacity(
-            (m.tier, m.backend, m.shared, m.capacity_bytes) for m in modules
-        )
 
 
 class _DeferredHandler:
@@ -331,7 +307,7 @@ class StorageApp:
         self.transfer = TransferEngine(config.allowed_memory_dir)
         # The data path's copies get threads of their own, sized here: nothing else
         # (waits, L2 I/O, start-up work) may ever queue a store or a retrieve.
-        self.copy_threads = default_copy_threads()
+        self.copy_threads = config.copy_threads or default_copy_threads()
         self.copy_executor = ThreadPoolExecutor(
             max_workers=self.copy_threads, thread_name_prefix="kvmesh-transfer"
         )

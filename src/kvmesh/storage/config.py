@@ -57,6 +57,9 @@ class StorageConfig(ServerSettings):
     )
     prefetch_max_in_flight: int = setting(8, "L2→L1 prefetches running at once")
     max_chunks_per_request: int = setting(4096, "largest store/retrieve/lookup, in chunks")
+    copy_threads: int = setting(
+        0, "threads copying chunks between engines and L1 (0 = one per core, 2 to 8)"
+    )
     heartbeat_seconds: float = setting(5.0, "how often to heartbeat the coordinator")
     event_flush_ms: int = setting(50, "cache events are batched for at most this long")
     event_transport: Literal["grpc", "nats"] = setting(
@@ -122,6 +125,8 @@ class StorageConfig(ServerSettings):
             raise ConfigError("prefetch_max_in_flight must be >= 1")
         if self.max_chunks_per_request < 1:
             raise ConfigError("max_chunks_per_request must be >= 1")
+        if self.copy_threads < 0:
+            raise ConfigError("copy_threads must be >= 0 (0 = one per core, 2 to 8)")
         if self.heartbeat_seconds <= 0 or self.event_flush_ms < 1:
             raise ConfigError("heartbeat_seconds and event_flush_ms must be > 0")
         if self.event_transport == "nats":

@@ -14,7 +14,10 @@ from kvmesh.common.events import Tier
 from kvmesh.common.keys import CHUNK_HASH_BYTES, ObjectKey
 from kvmesh.common.node_types import PrefetchState, Slot
 from kvmesh.storage.core.node import StorageNode
-from kvmesh.storage.core.transfer import CudaIpcHandle, KVHandle, KVLayout, SharedMemoryHandle
+from kvmesh.storage.core.transfer.cuda_ipc import CudaIpcHandle
+from kvmesh.storage.core.transfer.engine import KVHandle
+from kvmesh.storage.core.transfer.layout import KVLayout
+from kvmesh.storage.core.transfer.shm import SharedMemoryHandle
 
 LAYOUT_KINDS = {
     common_pb2.KV_LAYOUT_KIND_FLASH_ATTN: "flash_attn",
@@ -224,7 +227,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     async def Clear(
         self, request: storage_pb2.ClearRequest, context: Any
     ) -> storage_pb2.ClearResponse:
-        return storage_pb2.ClearResponse(cleared_objects=self.node.clear(request.force))
+        return storage_pb2.ClearResponse(cleared_objects=await self.node.clear(request.force))
 
     async def GetStatus(
         self, request: storage_pb2.GetStatusRequest, context: Any

@@ -18,8 +18,8 @@ import pytest
 
 from kvmesh.coordinator.app import CoordinatorApp
 from kvmesh.coordinator.config import CoordinatorConfig
-from tests.harness import ServerThread, server_thread
 from tests.integration.coordinator.support import Clients, Coord
+from tests.support.harness import ServerThread, server_thread
 
 CHUNK = 4
 

@@ -7,7 +7,7 @@
   raw generated stub: the test decides every message (so it can send what a
   real node never would), and reads every ack and command.
 * :class:`CliProcess` runs ``kvmesh coordinator`` / ``kvmesh storage`` as a
-  real child process (``tests.harness.spawn_cli``) on a fixed port, so it can
+  real child process (``tests.support.harness.spawn_cli``) on a fixed port, so it can
   be SIGKILLed and restarted on the same port; its output is drained into a
   buffer (a full pipe would block the child) and shown when a start fails.
 * batch builders make protobuf batches directly, valid by default, so a test
@@ -51,7 +51,8 @@ from kvmesh.coordinator.client import (
 from kvmesh.rpc.client import create_channel
 from kvmesh.rpc.interceptors import error_info
 from kvmesh.rpc.server import Server
-from tests.harness import ServerThread, spawn_cli, wait_for
+from tests.support.harness import ServerThread, spawn_cli
+from tests.support.waiting import wait_until
 
 MODEL = "org/model-7b"
 RANK = worker_kv_rank(1, 0)
@@ -553,4 +554,4 @@ def eventually(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
         except grpc.RpcError:
             return False
 
-    wait_for(check, timeout=timeout, interval=0.05)
+    wait_until(check, timeout=timeout, interval=0.05)

@@ -8,9 +8,9 @@ import grpc
 import pytest
 
 from kvmesh.api.coordinator.v1 import admin_pb2, policy_pb2
-from tests.harness import wait_for
 from tests.integration.coordinator.conftest import CHUNK, CoordFactory
 from tests.integration.coordinator.support import L1, L2, Coord, batch, code_of, pkey, stores
+from tests.support.waiting import wait_until
 
 
 def test_checkpoint_without_a_path_is_failed_precondition(coord: Coord) -> None:
@@ -33,7 +33,7 @@ def test_checkpoint_writes_the_file_and_status_reports_it(
         batch("node-a", 1, tier=L1, entries=stores([3])),  # duplicate
     )
     node = coord.node("node-a")
-    wait_for(lambda: coord.app.streams.connected("node-a"))
+    wait_until(lambda: coord.app.streams.connected("node-a"))
     status = c.admin.get_status(admin_pb2.GetStatusRequest())
     assert status.version
     assert status.started_at.seconds > 0
@@ -42,7 +42,7 @@ def test_checkpoint_writes_the_file_and_status_reports_it(
     assert (status.num_keys, status.chunk_size, status.restored) == (2, CHUNK, False)
     assert status.checkpoint_path == str(path)
     assert not status.HasField("last_checkpoint")
-    wait_for(lambda: c.admin.get_status(admin_pb2.GetStatusRequest()).ready)
+    wait_until(lambda: c.admin.get_status(admin_pb2.GetStatusRequest()).ready)
     response = c.admin.checkpoint(admin_pb2.CheckpointRequest())
     assert response.path == str(path)
     assert response.size_bytes == path.stat().st_size > 0

@@ -33,7 +33,6 @@ import pytest
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.coordinator.v1 import admin_pb2, directory_pb2, membership_pb2, policy_pb2
 from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
-from tests.harness import free_port
 from tests.integration.coordinator.conftest import CoordFactory
 from tests.integration.coordinator.support import (
     ADMITTED,
@@ -58,6 +57,7 @@ from tests.integration.storage.support import (
     new_hashes,
     row,
 )
+from tests.support.harness import free_port
 
 MIB = 1 << 20
 CHUNKS_PER_ROUND = NUM_BLOCKS // BLOCKS_PER_CHUNK

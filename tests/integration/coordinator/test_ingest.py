@@ -19,7 +19,6 @@ from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.coordinator.v1 import admin_pb2, ingest_pb2
 from kvmesh.api.events.v1 import events_pb2
 from kvmesh.common.events import CacheEventBatch, IngestResult
-from tests.harness import wait_for
 from tests.integration.coordinator.support import (
     ADMITTED,
     DUPLICATE,
@@ -32,6 +31,7 @@ from tests.integration.coordinator.support import (
     pkey,
     stores,
 )
+from tests.support.waiting import wait_until
 
 
 def test_stream_acks_every_batch_in_order_with_the_gates_verdict(coord: Coord) -> None:
@@ -108,7 +108,7 @@ def test_a_second_stream_of_the_same_instance_replaces_the_first(coord: Coord) -
     assert status.connected_streams == 1
     assert coord.app.streams.connected("node-a")
     second.close()
-    wait_for(lambda: not coord.app.streams.connected("node-a"))
+    wait_until(lambda: not coord.app.streams.connected("node-a"))
 
 
 def test_an_unknown_emitter_is_asked_to_resync_and_a_known_one_is_not(coord: Coord) -> None:
@@ -138,7 +138,7 @@ def test_a_node_that_vanishes_mid_stream_is_forgotten_quietly_and_its_resend_ded
         node.batch(seq, entries=stores([seq]))
     node.wait_acks(1)
     node.vanish()
-    wait_for(lambda: not coord.app.streams.connected("node-a"))
+    wait_until(lambda: not coord.app.streams.connected("node-a"))
     applied = coord.clients.cursors()["node-a"].last_seq
     assert 1 <= applied <= n
     again = coord.node("node-a")

@@ -1,8 +1,8 @@
 """The storage link's happy-path tests, run against the real coordinator instead of the fake.
 
-``tests/integration/coordinator_link`` tests the node's emitter and gRPC
+``tests/integration/storage/events`` tests the node's emitter and gRPC
 transport against a fake coordinator; the tests that observe it only through
-:class:`~tests.integration.coordinator_link.fake_coordinator.CoordinatorView`
+:class:`~tests.support.fake_coordinator.CoordinatorView`
 (and ``stop``/``start`` on the same port) run here unchanged against a real
 ``CoordinatorApp``: :class:`RealCoordinatorHandle` serves the app through
 the chassis ``create_server`` and :class:`RealCoordinatorView` answers the
@@ -28,12 +28,12 @@ from kvmesh.common.convert import key_to_proto
 from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
 from kvmesh.coordinator.app import CoordinatorApp
 from kvmesh.rpc.server import Server, create_server
-from tests.harness import ServerThread, free_port, no_thread_left_since
 from tests.integration.coordinator.conftest import coord_config
 from tests.integration.coordinator.support import Clients
-from tests.integration.coordinator_link import test_emitter_over_grpc as link
-from tests.integration.coordinator_link.fake_coordinator import DEADLINE_S, Cursor
-from tests.integration.coordinator_link.support import key
+from tests.integration.storage.events import test_emitter_over_grpc as link
+from tests.integration.storage.events.support import key
+from tests.support.fake_coordinator import DEADLINE_S, Cursor
+from tests.support.harness import ServerThread, free_port, no_thread_left_since
 
 # The link module's own fixture, so its tests get what they expect.
 rig_factory = link.rig_factory

@@ -2,7 +2,7 @@
 
 (Against the link's fake coordinator, which announces nothing, the link
 never groups: the fake would end the stream on an unknown request kind, so
-every test in tests/integration/coordinator_link pins that side.)
+every test in tests/integration/storage/events pins that side.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from kvmesh.api.coordinator.v1 import ingest_pb2
 from kvmesh.common.events import IngestResult
 from kvmesh.storage.events.grpc_transport import GrpcEventTransport
 from tests.integration.coordinator.support import Coord
-from tests.integration.coordinator_link.support import RecordingListener, store_batch
+from tests.integration.storage.events.support import RecordingListener, store_batch
 
 
 def test_waiting_batches_go_up_in_groups_and_each_is_acked_in_order(

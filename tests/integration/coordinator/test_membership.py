@@ -6,7 +6,6 @@ import grpc
 import pytest
 
 from kvmesh.api.coordinator.v1 import membership_pb2
-from tests.harness import wait_for
 from tests.integration.coordinator.conftest import CoordFactory
 from tests.integration.coordinator.support import (
     ADMITTED,
@@ -19,6 +18,7 @@ from tests.integration.coordinator.support import (
     pkey,
     stores,
 )
+from tests.support.waiting import wait_until
 
 
 def test_register_reregister_and_list(make_coord: CoordFactory) -> None:
@@ -116,10 +116,10 @@ def test_list_instances_shows_which_streams_are_open(coord: Coord) -> None:
     c.register("node-a")
     c.register("node-b")
     node = coord.node("node-a")
-    wait_for(lambda: c.instances()["node-a"].stream_connected)
+    wait_until(lambda: c.instances()["node-a"].stream_connected)
     assert not c.instances()["node-b"].stream_connected
     node.close()
-    wait_for(lambda: not c.instances()["node-a"].stream_connected)
+    wait_until(lambda: not c.instances()["node-a"].stream_connected)
 
 
 def test_register_rejects_a_negative_incarnation(coord: Coord) -> None:

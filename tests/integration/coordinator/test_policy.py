@@ -12,7 +12,6 @@ import pytest
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.coordinator.v1 import directory_pb2, policy_pb2
-from tests.harness import wait_for
 from tests.integration.coordinator.conftest import CHUNK, CoordFactory
 from tests.integration.coordinator.support import (
     ACCESS,
@@ -33,6 +32,7 @@ from tests.integration.coordinator.support import (
     stores,
     token_hashes,
 )
+from tests.support.waiting import wait_until
 
 ALL = common_pb2.TIER_ALL
 
@@ -261,7 +261,7 @@ def test_eviction_sends_deletes_down_the_holders_stream(make_coord: CoordFactory
     assert _l2_victims(c, dry) == [("t", 2, 200)]
     assert dry.dispatched_commands == 0
     assert node.deletes() == []
-    wait_for(coord.app.core.eviction.is_ready)
+    wait_until(coord.app.core.eviction.is_ready)
     run = policy.run_eviction(policy_pb2.RunEvictionRequest())
     assert run.dispatched_commands == 1
     node.wait(lambda: len(node.deletes()) == 1)

@@ -35,8 +35,8 @@ from kvmesh.node.app import NodeApp, NodeConfig
 from kvmesh.rpc.server import Server
 from kvmesh.storage.app import StorageApp
 from kvmesh.storage.config import StorageConfig
-from tests.harness import ServerThread, server_thread
 from tests.integration.gateway.support import CHUNK, Engine, Node, Stack
+from tests.support.harness import ServerThread, server_thread
 
 MIB = 1 << 20
 

@@ -27,7 +27,6 @@ import pytest
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.rpc.interceptors import error_info
-from tests.harness import ServerThread, free_port
 from tests.integration.gateway.conftest import StackFactory
 from tests.integration.gateway.support import (
     CHUNK,
@@ -41,6 +40,7 @@ from tests.integration.gateway.support import (
     prange,
     prompt,
 )
+from tests.support.harness import ServerThread, free_port
 
 
 @dataclass

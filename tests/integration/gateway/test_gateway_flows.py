@@ -26,7 +26,6 @@ from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.gateway.client import GatewayClient
-from tests.harness import wait_for
 from tests.integration.gateway.conftest import StackFactory
 from tests.integration.gateway.support import (
     CHUNK,
@@ -38,6 +37,7 @@ from tests.integration.gateway.support import (
     object_keys,
     prompt,
 )
+from tests.support.waiting import wait_until
 
 SLOW_L2 = '{"type": "memory", "latency_s": 0.5}'
 
@@ -49,7 +49,7 @@ def wait_write_through(stack: Stack, count: int) -> None:
         l2 = stack.node.status().l2[0]
         return l2.object_count >= count and l2.pending_stores == 0
 
-    wait_for(done, timeout=10.0)
+    wait_until(done, timeout=10.0)
 
 
 def in_l2_only(stack: Stack, engine: Engine, tokens: list[int], n_chunks: int) -> None:
@@ -83,9 +83,9 @@ def test_lookup_prefetch_retrieve_with_a_partial_l2_hit(
     assert deleted.deleted == 1
     stack.store(engine, "writer", tokens, 4 * CHUNK, 5 * CHUNK, blocks([4]))
     # Write-through reads L1 objects under a read lock: let it finish before counting locks.
-    wait_for(lambda: stack.node.l2_hashes() == {*hashes[:3], hashes[4]})
+    wait_until(lambda: stack.node.l2_hashes() == {*hashes[:3], hashes[4]})
     wait_write_through(stack, 4)
-    wait_for(lambda: stack.locked() == 0)
+    wait_until(lambda: stack.locked() == 0)
 
     looked = stack.lookup("req", tokens, wait_ms=5000)
     status = looked.status
@@ -104,7 +104,7 @@ def test_lookup_prefetch_retrieve_with_a_partial_l2_hit(
     assert stack.end_session("req").released_locks == 0
     assert stack.locked() == 0
     # Loaded chunks were temporary (default prefetch policy): L1 is as before the lookup.
-    wait_for(lambda: stack.l1() == {hashes[0], hashes[4]})
+    wait_until(lambda: stack.l1() == {hashes[0], hashes[4]})
     assert stack.node.l2_hashes() == {*hashes[:3], hashes[4]}
 
 
@@ -140,7 +140,7 @@ def test_wait_prefetch_status_times_out_while_l2_loads_then_completes(
     )
     assert again.status == done.status
     assert stack.end_session("r").released_locks == 2
-    wait_for(lambda: stack.locked() == 0 and stack.l1() == set())
+    wait_until(lambda: stack.locked() == 0 and stack.l1() == set())
 
 
 @pytest.mark.transports  # a parked wait
@@ -171,7 +171,7 @@ def test_a_parked_wait_does_not_hold_up_other_rpcs(
         # The wait is parked once it holds the request's session (a peek at the core).
         session = stack.app.core.sessions.get("slow")
         assert session is not None
-        wait_for(session.lock.locked)
+        wait_until(session.lock.locked)
         # While the wait is parked: other RPCs (and other requests' lookups) are answered,
         # and a query of the same request answers with what is known, without waiting.
         query = gateway_pb2.QueryPrefetchStatusRequest(request_id="slow")
@@ -267,7 +267,7 @@ def test_locks_of_a_client_that_vanished_are_released_by_the_session_ttl(
     assert stack.locked() == 2
     assert stack.delete(keys) == (0, 2)
     # ... until the session expires.
-    wait_for(lambda: stack.locked() == 0, timeout=10.0)
+    wait_until(lambda: stack.locked() == 0, timeout=10.0)
     assert stack.app.core.stats()["sessions_expired"] >= 1
     assert stack.delete(keys) == (2, 0)
     request = gateway_pb2.QueryPrefetchStatusRequest(request_id="gone")
@@ -323,15 +323,15 @@ def test_a_lookup_cancelled_while_it_waits_leaves_no_lock_behind(
             timeout=20,
         )  # fmt: skip
         # The prefetch is running on the node: the client goes away mid-call.
-        wait_for(lambda: stack.node.status().active_prefetches == 1)
+        wait_until(lambda: stack.node.status().active_prefetches == 1)
         call.cancel()
         with pytest.raises(grpc.FutureCancelledError):
             call.result()
     # When the L2 load finishes, its locks must not be left to the 300 s read TTL.
     prefetch = stack.node.app.manager.prefetch
-    wait_for(lambda: prefetch.stats()["completed"] >= 1 and prefetch.stats()["in_flight"] == 0)
-    wait_for(lambda: stack.locked() == 0, timeout=5.0)
-    wait_for(lambda: stack.node.status().active_prefetches == 0, timeout=5.0)
+    wait_until(lambda: prefetch.stats()["completed"] >= 1 and prefetch.stats()["in_flight"] == 0)
+    wait_until(lambda: stack.locked() == 0, timeout=5.0)
+    wait_until(lambda: stack.node.status().active_prefetches == 0, timeout=5.0)
 
 
 @pytest.mark.transports  # a prefetch outliving its call
@@ -347,8 +347,8 @@ def test_end_session_during_an_l2_prefetch_gives_its_locks_back_when_it_finishes
     assert (ended.existed, ended.released_locks) == (True, 0)
     # The loads finish after the session is gone: nothing stays locked or loaded.
     prefetch = stack.node.app.manager.prefetch
-    wait_for(lambda: prefetch.stats()["completed"] >= 1 and prefetch.stats()["in_flight"] == 0)
-    wait_for(lambda: stack.locked() == 0 and stack.l1() == set())
+    wait_until(lambda: prefetch.stats()["completed"] >= 1 and prefetch.stats()["in_flight"] == 0)
+    wait_until(lambda: stack.locked() == 0 and stack.l1() == set())
 
 
 # -- identity -------------------------------------------------------------------------------
@@ -400,7 +400,7 @@ def test_an_engine_that_pinged_and_went_silent_is_unregistered(
     stack.register(silent)
     stack.register(never_pinged)
     assert stack.client.ping(gateway_pb2.PingRequest(engine_id=silent.engine_id)).engine_known
-    wait_for(lambda: silent.engine_id not in stack.node.status().engine_ids, timeout=10.0)
+    wait_until(lambda: silent.engine_id not in stack.node.status().engine_ids, timeout=10.0)
     assert not stack.client.ping(gateway_pb2.PingRequest(engine_id=silent.engine_id)).engine_known
     # An engine that never pinged is not reaped (it may not run a heartbeat at all).
     assert never_pinged.engine_id in stack.node.status().engine_ids

@@ -23,11 +23,11 @@ from kvmesh.coordinator.app import CoordinatorApp
 from kvmesh.rpc.server import Server
 from kvmesh.storage.app import StorageApp
 from kvmesh.storage.config import StorageConfig
-from tests.harness import ServerThread, server_thread
 from tests.integration.coordinator.conftest import coord_config, coord_loop
 from tests.integration.coordinator.support import Clients, Coord
 from tests.integration.storage.support import Engine, Node
-from tests.servers import ServerProcess
+from tests.support.harness import ServerThread, server_thread
+from tests.support.servers import ServerProcess
 
 __all__ = ["Fleet", "coord_loop"]
 

@@ -19,9 +19,10 @@ from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.events.v1 import events_pb2
 from kvmesh.common.nats_names import DEFAULT_STREAM
 from kvmesh.storage.events.jetstream import MSG_ID_HEADER
-from tests.harness import ServerThread, wait_for
 from tests.integration.coordinator.support import Clients, eventually
 from tests.integration.storage.support import Node
+from tests.support.harness import ServerThread
+from tests.support.waiting import wait_until
 
 Placement = tuple[bytes, int, str, int]
 DEADLINE_S = 20.0
@@ -124,7 +125,7 @@ def settled(node: Node) -> bool:
 
 def wait_settled(node: Node, timeout: float = DEADLINE_S) -> int:
     """Wait until :func:`settled`; the emitter's last seq."""
-    wait_for(lambda: settled(node), timeout=timeout, interval=0.02)
+    wait_until(lambda: settled(node), timeout=timeout, interval=0.02)
     return int(node.status().emitter.last_seq)
 
 
@@ -142,4 +143,4 @@ def wait_caught_up(c: Clients, node: Node, timeout: float = DEADLINE_S) -> None:
 
 def wait_true(predicate: Callable[[], bool], timeout: float = DEADLINE_S) -> None:
     """``wait_for`` with this suite's deadline."""
-    wait_for(predicate, timeout=timeout, interval=0.02)
+    wait_until(predicate, timeout=timeout, interval=0.02)

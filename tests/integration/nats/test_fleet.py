@@ -18,7 +18,6 @@ import pytest
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.coordinator.v1 import admin_pb2, directory_pb2, policy_pb2
 from kvmesh.cli.status import collect, render
-from tests.harness import free_port
 from tests.integration.coordinator.support import Clients, CliProcess, eventually
 from tests.integration.nats.conftest import Fleet
 from tests.integration.nats.support import (
@@ -31,6 +30,7 @@ from tests.integration.nats.support import (
     wait_true,
 )
 from tests.integration.storage.support import MODEL, Engine, Node, chunk_blocks, new_hashes
+from tests.support.harness import free_port
 
 
 def store(node: Node, engine: Engine, count: int) -> list[bytes]:

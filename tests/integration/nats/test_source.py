@@ -30,7 +30,7 @@ from tests.integration.coordinator.support import L2, Coord, batch, pkey, stores
 from tests.integration.nats.conftest import Fleet
 from tests.integration.nats.support import RawNats, wait_true
 from tests.integration.nats.test_transport import restart
-from tests.servers import ServerProcess
+from tests.support.servers import ServerProcess
 
 
 @pytest.fixture

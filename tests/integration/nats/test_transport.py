@@ -34,11 +34,11 @@ from kvmesh.storage.events.config import EmitterConfig
 from kvmesh.storage.events.emitter import CacheEventEmitter
 from kvmesh.storage.events.nats_transport import NatsEventTransport
 from kvmesh.storage.events.transport import CommandResult, TransportError
-from tests.harness import free_port
 from tests.integration.coordinator.support import pkey
 from tests.integration.nats.conftest import Fleet
 from tests.integration.nats.support import RawNats, batch_seqs, wait_true
-from tests.servers import ServerProcess, ServerStartError
+from tests.support.harness import free_port
+from tests.support.servers import ServerProcess, ServerStartError
 
 
 class Recorder:

@@ -1,6 +1,6 @@
 """Helpers of the local lane's integration tests: raw frames, a slow Health servicer, lanes.
 
-Used by tests/integration/test_lane.py and tests/integration/rpc/test_lane_*.py.
+Used by tests/integration/rpc/test_lane.py and tests/integration/rpc/test_lane_*.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.rpc.lane.client import AsyncLaneTransport, LaneTransport
 from kvmesh.rpc.lane.server import LaneServer, servicer_methods
-from tests.harness import ServerThread, server_thread
+from tests.support.harness import ServerThread, server_thread
 
 GATEWAY = "/kvmesh.gateway.v1.GatewayService/"
 CHECK = "/grpc.health.v1.Health/Check"

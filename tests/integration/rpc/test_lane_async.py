@@ -23,7 +23,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.rpc.errors import RpcError
 from kvmesh.rpc.lane.client import AsyncLaneTransport
 from kvmesh.rpc.lane.server import LaneServer
-from tests.harness import ServerThread, server_thread
 from tests.integration.rpc.lane_support import (
     CHECK,
     HELLO,
@@ -36,6 +35,7 @@ from tests.integration.rpc.lane_support import (
     running_slow_lane,
     socket_dir,
 )
+from tests.support.harness import ServerThread, server_thread
 
 
 @pytest.fixture

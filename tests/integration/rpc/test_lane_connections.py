@@ -23,7 +23,6 @@ from grpc_health.v1 import health_pb2
 from kvmesh.rpc.errors import RpcError
 from kvmesh.rpc.lane.client import LaneTransport
 from kvmesh.rpc.lane.server import LaneServer
-from tests.harness import ServerThread, server_thread, wait_for
 from tests.integration.rpc.lane_support import (
     CHECK,
     HELLO,
@@ -36,6 +35,8 @@ from tests.integration.rpc.lane_support import (
     running_slow_lane,
     socket_dir,
 )
+from tests.support.harness import ServerThread, server_thread
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
@@ -213,7 +214,7 @@ def test_stop_lets_a_call_in_flight_finish(sock_dir: Path) -> None:
         result: list[Any] = []
         caller = threading.Thread(target=lambda: result.append(check(channel, 300)))
         caller.start()
-        wait_for(lambda: bool(lane.connections))
+        wait_until(lambda: bool(lane.connections))
         time.sleep(0.05)
         thread.run(lane.stop(5.0))
         caller.join(10)

@@ -19,8 +19,8 @@ import pytest
 
 from kvmesh.storage.app import StorageApp
 from kvmesh.storage.config import StorageConfig
-from tests.harness import server_thread
 from tests.integration.storage.support import Engine, Node
+from tests.support.harness import server_thread
 
 MIB = 1 << 20
 

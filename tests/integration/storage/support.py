@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,7 +32,7 @@ from kvmesh.node.app import NodeApp
 from kvmesh.rpc.server import Server
 from kvmesh.storage.app import StorageApp
 from kvmesh.storage.client import StorageClient
-from tests.harness import ServerThread
+from tests.support.harness import ServerThread
 
 T = TypeVar("T")
 
@@ -374,15 +373,3 @@ def assert_intact(
     hashes = list(stored)
     assert node.l1_bytes(hashes) == [stored[h] for h in hashes], "L1 bytes changed"
     assert node.read_locked_objects() == 0, "a lock was left behind"
-
-
-def wait_until(predicate: Callable[[], T], timeout: float = 10.0) -> T:
-    """Poll ``predicate`` until it returns something truthy; that value (fails on timeout)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(0.02)

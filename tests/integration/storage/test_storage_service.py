@@ -24,9 +24,9 @@ from tests.integration.storage.support import (
     new_hashes,
     read_slot,
     row,
-    wait_until,
     write_slot,
 )
+from tests.support.waiting import wait_until
 
 STORED = storage_pb2.STORE_OUTCOME_STORED
 ALREADY = storage_pb2.STORE_OUTCOME_ALREADY_CACHED

@@ -21,14 +21,8 @@ import pytest
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.storage.core.l2 import memory as memory_l2
 from tests.integration.storage.conftest import NodeFactory
-from tests.integration.storage.support import (
-    Engine,
-    Node,
-    chunk_blocks,
-    grid,
-    new_hashes,
-    wait_until,
-)
+from tests.integration.storage.support import Engine, Node, chunk_blocks, grid, new_hashes
+from tests.support.waiting import wait_until
 
 STORED = storage_pb2.STORE_OUTCOME_STORED
 LONG_LATENCY_S = 3600.0  # never reached: the test releases the latency first
@@ -180,3 +174,9 @@ def test_lookups_waiting_then_abandoned_give_their_locks_back_when_the_loads_fin
     wait_until(lambda: prefetch.stats()["completed"] >= n_waits)
     assert prefetch.stats()["l2_loaded_cells"] == n_waits  # it loaded, then gave them back
     wait_until(lambda: node.read_locked_objects() == 0 and not (node.l1_hashes() & set(hashes)))
+
+
+def test_the_copy_threads_setting_sizes_the_copy_executor(make_node: NodeFactory) -> None:
+    node = make_node(copy_threads=3)
+    assert node.app.copy_threads == 3
+    assert node.app.copy_executor._max_workers == 3

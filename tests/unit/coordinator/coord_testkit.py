@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
@@ -216,14 +214,3 @@ class RecordingDispatcher:
         self.calls.append((instance_id, tier, backend, tuple(keys)))
         self.forced.append(force)
         return self.accept
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Poll ``predicate`` until true or the deadline passes; returns its last value."""
-    deadline = time.monotonic() + timeout
-    event = threading.Event()
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        event.wait(0.005)
-    return predicate()

@@ -14,13 +14,8 @@ from kvmesh.coordinator.core import (
     QuotaManager,
 )
 from kvmesh.coordinator.core.scheduler import PeriodicTask
-from tests.unit.coordinator.coord_testkit import (
-    FakeClock,
-    RecordingDispatcher,
-    Stream,
-    key,
-    wait_until,
-)
+from tests.support.waiting import wait_until
+from tests.unit.coordinator.coord_testkit import FakeClock, RecordingDispatcher, Stream, key
 
 
 def make(

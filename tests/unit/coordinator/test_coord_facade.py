@@ -9,7 +9,8 @@ from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, In
 from kvmesh.common.hashing import TokenHasher
 from kvmesh.common.keys import ObjectKey, worker_kv_rank
 from kvmesh.coordinator.core import Coordinator, CoordinatorSettings
-from tests.unit.coordinator.coord_testkit import RecordingDispatcher, Stream, key, wait_until
+from tests.support.waiting import wait_until
+from tests.unit.coordinator.coord_testkit import RecordingDispatcher, Stream, key
 
 
 def make(**kw: object) -> Coordinator:
@@ -142,10 +143,15 @@ def test_status_reports_cursors_consumers_and_directory() -> None:
 
 def test_start_and_stop_run_and_join_every_timer() -> None:
     """kvmesh: timers start with start(), stop cleanly; stop is idempotent; no restart."""
-    c = make(health_check_interval=0.01, eviction_check_interval=0.01, fence_sweep_interval=0.01)
+    c = make(
+        health_check_interval=0.01,
+        eviction_check_interval=0.01,
+        fence_sweep_interval=0.01,
+        resync_retry_interval=0.01,
+    )
     c.start()
     c.start()
-    assert [t.name for t in c.timers] == ["health-sweep", "eviction", "fence-sweep"]
+    assert [t.name for t in c.timers] == ["health-sweep", "eviction", "fence-sweep", "resync"]
     assert wait_until(lambda: all(t.runs >= 1 for t in c.timers))
     timers = c.timers
     c.stop()

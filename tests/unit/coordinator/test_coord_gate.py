@@ -15,13 +15,8 @@ from kvmesh.coordinator.core import (
     QuiesceLock,
     QuiesceTimeout,
 )
-from tests.unit.coordinator.coord_testkit import (
-    FakeClock,
-    RecordingConsumer,
-    Stream,
-    key,
-    wait_until,
-)
+from tests.support.waiting import wait_until
+from tests.unit.coordinator.coord_testkit import FakeClock, RecordingConsumer, Stream, key
 
 
 def make_gate(*consumers: RecordingConsumer, wall: FakeClock | None = None) -> EventGate:

@@ -13,7 +13,8 @@ from kvmesh.coordinator.core import (
     evict_stale,
 )
 from kvmesh.coordinator.core.types import Endpoints
-from tests.unit.coordinator.coord_testkit import FakeClock, Stream, key, wait_until
+from tests.support.waiting import wait_until
+from tests.unit.coordinator.coord_testkit import FakeClock, Stream, key
 
 
 def make(clock: FakeClock, **kw: float) -> Coordinator:

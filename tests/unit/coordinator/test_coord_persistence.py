@@ -404,7 +404,7 @@ def test_nothing_configured_creates_no_files(
 
 def test_periodic_checkpoint_timer_writes_the_file(tmp_path: Path) -> None:
     """§7.5: with an interval the checkpoint is rewritten in the background."""
-    from tests.unit.coordinator.coord_testkit import wait_until
+    from tests.support.waiting import wait_until
 
     c = Coordinator(settings(tmp_path, checkpoint_interval=0.02))
     c.start()

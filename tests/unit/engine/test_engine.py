@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvmesh.engine import Engine, EngineConfig, ModelConfig, NoFreeBlocksError, RequestOutput
-from tests.unit.engine.fakes import FakeGateway
+from tests.support.fake_gateway import FakeGateway
 
 # Smaller than the demo's model, to keep the suite fast; tests/unit/engine/test_model.py
 # covers the demo's dimensions.

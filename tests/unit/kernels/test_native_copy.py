@@ -365,7 +365,7 @@ def test_two_processes_compiling_at_once_both_load_one_library(fresh_loader: Pat
 def test_importing_kernels_builds_nothing(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     code = (
-        "import kvmesh.kernels, kvmesh.kernels.native as n, kvmesh.storage.core.transfer; "
+        "import kvmesh.kernels, kvmesh.kernels.native as n, kvmesh.storage.core.transfer.engine; "
         "assert n.status() == 'not loaded yet', n.status()"
     )
     env = {**os.environ, native.ENV_CACHE: str(cache)}

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from tests.harness import REPO_ROOT
+from tests.support.harness import REPO_ROOT
 
 CLIENTS = ["kvmesh.gateway.client", "kvmesh.storage.client", "kvmesh.coordinator.client"]
 FORBIDDEN = ("grpc_health", "grpc_reflection", "prometheus_client", "yaml", "torch")

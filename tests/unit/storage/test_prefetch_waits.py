@@ -10,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvmesh.common.errors import NotFound
-from kvmesh.storage.core.controllers.prefetch import PrefetchHandle
+from kvmesh.storage.core.controllers.prefetch_job import PrefetchHandle
 from kvmesh.storage.core.l1.manager import L1Result
 from kvmesh.storage.core.l2.base import L2Adapter
 from kvmesh.storage.core.manager import StorageManager, StorageOptions
 from kvmesh.storage.core.node import StorageNode
-from kvmesh.storage.core.transfer import TransferEngine
-from tests.harness import wait_for
+from kvmesh.storage.core.transfer.engine import TransferEngine
+from tests.support.waiting import wait_until
 from tests.unit.storage.helpers import MIB, FakeClock, FakeL2, make_key
 
 CHUNK = 64 * 1024
@@ -197,7 +197,7 @@ def test_an_abandoned_l2_prefetch_expires_with_the_read_ttl(
     assert not started.completed
     adapter.block_get.set()  # type: ignore[union-attr]
     # It finishes; its caller never asks for the result.
-    wait_for(lambda: m.status()["prefetch"]["unconsumed_results"] == 1)
+    wait_until(lambda: m.status()["prefetch"]["unconsumed_results"] == 1)
     assert node.status()["active_prefetches"] == 1
     assert m.status()["l1"]["read_locked_objects"] == 1
     clock.advance(31)
@@ -222,7 +222,7 @@ def test_a_cancelled_copy_is_waited_for_before_the_caller_sees_the_cancellation(
         events.append("copy done")
 
     async def scenario() -> None:
-        task = asyncio.create_task(node._copy(copy))
+        task = asyncio.create_task(node._copier.run(copy))
         while not entered.is_set():
             await asyncio.sleep(0)
         task.cancel()

@@ -15,7 +15,16 @@ Wiring (fixed, no plug-in discovery):
 
 * ``InstanceRegistry`` is not a consumer. Deregistration and heartbeat
   expiry both call ``EventGate.drop_instance`` (fence L1 everywhere, forget
-  the cursor) **and** ``ServerConfigRegistry.forget``.
+  the cursor) **and** ``ServerConfigRegistry.forget``, and tell the
+  ``ResyncPlanner``.
+* Resyncs: the gate tells the :class:`~.resync.ResyncPlanner` about every
+  fresh cursor and every seq gap, the ingest service about every stream
+  that opens (:meth:`Coordinator.stream_opened`); the planner decides
+  which node must re-announce its placements (the triggers and why they
+  suffice are in :mod:`.resync`) and sends it through the dispatcher.
+* Node commands: every transport reports what it sent and what the nodes
+  answered to the :class:`~.commands.CommandLedger` (``Coordinator.commands``),
+  which counts the answers and keeps the latest refusals for operators.
 * Persistence: checkpoint sections ``stream_cursors``, ``key_directory``,
   ``server_config``, ``lru_order`` (captured under the quiesce lock);
   metadata sections ``pins`` and ``quotas`` (saved on every change, before
@@ -30,7 +39,8 @@ Wiring (fixed, no plug-in discovery):
 
 Deletes (fleet eviction and the operator's ``delete_keys``) leave through the
 ``DeleteDispatcher`` the app wires in with :meth:`Coordinator.set_delete_dispatcher`
-(the nodes' command streams); their effects arrive later as DELETE events.
+(the nodes' command streams; when it also is a ``ResyncDispatcher``, resyncs
+leave through it too); their effects arrive later as DELETE events.
 
 This module is over 500 lines on purpose: it is the core's one facade, one
 short typed method per servicer call, and splitting it would only scatter
@@ -59,6 +69,7 @@ from kvmesh.common.keys import ObjectKey
 from . import reports
 from .broadcaster import CacheEventBroadcaster
 from .capacity import ServerConfigRegistry
+from .commands import CommandLedger
 from .directory import DEFAULT_LIST_LIMIT, KeyDirectory
 from .eviction import DeleteDispatcher, FleetEvictionController
 from .gate import EventGate
@@ -69,6 +80,7 @@ from .persistence import DurableComponent, LoadReport, MetadataStore
 from .pins import PinTable
 from .quiesce import QuiesceLock
 from .quotas import QuotaManager
+from .resync import ResyncDispatcher, ResyncPlanner
 from .runtime import CoreRuntime
 from .scheduler import PeriodicTask
 from .settings import CoordinatorSettings
@@ -177,7 +189,18 @@ class Coordinator:
         self.broadcaster.register(self.capacity)
         self.broadcaster.register(self.eviction)
         self.quiesce = QuiesceLock()
-        self.gate = EventGate(self.broadcaster, self.quiesce, wall_clock=wall_clock)
+        self.commands = CommandLedger(wall_clock=wall_clock)
+        self.resync = ResyncPlanner(
+            dispatcher=dispatcher if isinstance(dispatcher, ResyncDispatcher) else None,
+            min_interval=s.resync_min_interval,
+            clock=clock,
+        )
+        self.gate = EventGate(
+            self.broadcaster,
+            self.quiesce,
+            wall_clock=wall_clock,
+            on_cursor=self.resync.cursor_event,
+        )
         self.metadata = MetadataStore(s.metadata_path or None, wall_clock=wall_clock)
         self.metadata.register(self.pins)
         self.metadata.register(self.quotas)
@@ -203,14 +226,16 @@ class Coordinator:
                 ),
                 ("eviction", s.eviction_check_interval, self.run_eviction),
                 ("fence-sweep", s.fence_sweep_interval, self.sweep_fences),
+                ("resync", s.resync_retry_interval, self.resync.tick),
             ],
         )
 
     # -- lifecycle -----------------------------------------------------------
 
     def set_delete_dispatcher(self, dispatcher: DeleteDispatcher | None) -> None:
-        """Wire (or unwire) how eviction deletes reach the nodes."""
+        """Wire (or unwire) how deletes (and, if it can, resyncs) reach the nodes."""
         self.eviction.dispatcher = dispatcher
+        self.resync.dispatcher = dispatcher if isinstance(dispatcher, ResyncDispatcher) else None
 
     def load_state(self) -> LoadReport | None:
         """Load metadata, then the checkpoint, once; None without a checkpoint path."""
@@ -276,6 +301,13 @@ class Coordinator:
     def cursors(self) -> dict[str, CursorInfo]:
         """Per-emitter stream cursors, gap flags and admission counters."""
         return self.gate.cursors()
+
+    def stream_opened(self, instance_id: str) -> bool:
+        """A node opened its event stream: resync it when the gate has no cursor for it.
+
+        Returns True when a resync was sent (see :mod:`.resync`, trigger 3).
+        """
+        return self.resync.stream_opened(instance_id, known=self.gate.has_cursor(instance_id))
 
     def consumer_stats(self) -> dict[str, ConsumerStats]:
         """Per-consumer delivery counters."""
@@ -396,6 +428,9 @@ class Coordinator:
         The fence and forget run even for an unknown id (idempotent cleanup).
         """
         existed = self.registry.deregister(instance_id) is not None
+        # The planner first: a batch that lands between the two starts a fresh cursor
+        # that must not count as covered by a resync sent before the fence.
+        self.resync.instance_dropped(instance_id)
         self.gate.drop_instance(instance_id)
         self.capacity.forget(instance_id)
         return existed
@@ -408,6 +443,7 @@ class Coordinator:
         """Reap nodes whose heartbeat expired: deregister, fence L1, forget cursor and capacity."""
         removed = evict_stale(self.registry, self.settings.instance_timeout)
         for iid in removed:
+            self.resync.instance_dropped(iid)  # first, as in deregister_instance
             self.gate.drop_instance(iid)
             self.capacity.forget(iid)
         return removed

@@ -71,11 +71,13 @@ DEFAULT_MAX_VICTIMS_PER_CYCLE = 100_000
 class DeleteDispatcher(Protocol):
     """Sends a delete command to one storage node (over its command stream).
 
-    Returns True when the command was accepted for delivery (the node's
-    stream is open), False otherwise. It must not block for long and must
+    Returns the command's id when it was accepted for delivery (the node's
+    stream is open), "" otherwise (a plain True/False is accepted too, for
+    dispatchers that name no commands). It must not block for long and must
     not call back into the coordinator. The node deletes the keys from
     ``backend`` on ``tier`` and reports DELETE events, which is what
-    updates the directory, usage and LRU.
+    updates the directory, usage and LRU; its answer to the command goes to
+    the :class:`~.commands.CommandLedger`.
     """
 
     def dispatch_delete(
@@ -85,7 +87,7 @@ class DeleteDispatcher(Protocol):
         backend: str,
         keys: Sequence[ObjectKey],
         force: bool = False,
-    ) -> bool:
+    ) -> str | bool:
         """Ask ``instance_id`` to delete ``keys`` from ``backend`` ("" = every adapter) on ``tier``.
 
         ``force`` also deletes objects the node holds locks on (operator deletes only).
@@ -354,10 +356,11 @@ class FleetEvictionController:
             for start in range(0, len(keys), self._max_batch):
                 chunk = tuple(keys[start : start + self._max_batch])
                 try:
-                    ok = bool(self.dispatcher.dispatch_delete(inst, tier, backend, chunk, force))
+                    sent = self.dispatcher.dispatch_delete(inst, tier, backend, chunk, force)
                 except Exception:
                     logger.exception("Delete dispatch to %s (%s) failed", inst, backend)
-                    ok = False
+                    sent = False
+                ok = bool(sent)
                 if not ok:
                     logger.warning(
                         "Delete of %d key(s) on %s/%s not accepted",
@@ -365,7 +368,8 @@ class FleetEvictionController:
                         inst,
                         backend or "*",
                     )
-                requests.append(DeleteRequest(inst, tier, backend, chunk, ok))
+                command_id = sent if isinstance(sent, str) else ""
+                requests.append(DeleteRequest(inst, tier, backend, chunk, ok, command_id))
         return requests
 
     def in_flight_count(self) -> int:

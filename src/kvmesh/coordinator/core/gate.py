@@ -21,7 +21,10 @@ call back into the gate.
 kvmesh additions: per-emitter counters (admitted / duplicate / stale,
 incarnation changes, last admit time) in :meth:`EventGate.cursors`, which the
 directory servicer exposes over gRPC (LMCache has no endpoint for cursors
-or gap flags). The QuiesceLock itself lives in :mod:`.quiesce` (persistence
+or gap flags); and ``on_cursor``, told after the locks are released about
+every admitted batch that started a fresh cursor or skipped seqs (every
+gap, not only the first that sets the sticky flag), so the coordinator can
+act on it (:mod:`.resync`). The QuiesceLock itself lives in :mod:`.quiesce` (persistence
 needs it too, and must not import the gate).
 """
 
@@ -67,6 +70,10 @@ class Cursor:
     last_admit_time: float = 0.0
 
 
+CursorListener = Callable[[str, bool, bool], None]
+"""``(instance_id, fresh, gap)`` of an admitted batch that started a cursor or skipped seqs."""
+
+
 class EventGate:
     """The only way cache facts enter the coordinator (reference §3.1)."""
 
@@ -79,8 +86,10 @@ class EventGate:
         quiesce: QuiesceLock | None = None,
         *,
         wall_clock: Callable[[], float] = time.time,
+        on_cursor: CursorListener | None = None,
     ) -> None:
         self._fanout = fanout
+        self.on_cursor = on_cursor
         self._quiesce = quiesce if quiesce is not None else QuiesceLock()
         self._lock = threading.Lock()
         self._cursors: dict[str, Cursor] = {}
@@ -94,6 +103,7 @@ class EventGate:
 
     def ingest(self, batch: CacheEventBatch) -> IngestResult:
         """Admit, drop as duplicate, or drop as stale one already-validated batch."""
+        fresh = gap = False
         with self._quiesce.applying(), self._lock:
             iid = batch.instance_id
             c = self._cursors.get(iid)
@@ -114,26 +124,36 @@ class EventGate:
                         last_admit_time=c.last_admit_time,
                     )
                     self._cursors[iid] = c
+                    fresh = True
                 elif batch.seq <= c.last_seq:
                     c.duplicate += 1
                     return IngestResult.DUPLICATE
             else:
                 c = Cursor(incarnation=batch.incarnation)
                 self._cursors[iid] = c
-            if batch.seq > c.last_seq + 1 and not c.gap_detected:
-                c.gap_detected = True
-                logger.warning(
-                    "Event stream gap from %s incarnation %d: last seq %d, got %d",
-                    iid,
-                    batch.incarnation,
-                    c.last_seq,
-                    batch.seq,
-                )
+                fresh = True
+            if batch.seq > c.last_seq + 1:
+                gap = True
+                if not c.gap_detected:
+                    c.gap_detected = True
+                    logger.warning(
+                        "Event stream gap from %s incarnation %d: last seq %d, got %d",
+                        iid,
+                        batch.incarnation,
+                        c.last_seq,
+                        batch.seq,
+                    )
             c.last_seq = batch.seq
             c.admitted += 1
             c.last_admit_time = self._wall()
             self._fanout.broadcast(batch)
-            return IngestResult.ADMITTED
+        listener = self.on_cursor
+        if listener is not None and (fresh or gap):
+            try:
+                listener(iid, fresh, gap)
+            except Exception:
+                logger.exception("the cursor listener failed for %s", iid)
+        return IngestResult.ADMITTED
 
     def ingest_batches(self, batches: Iterable[CacheEventBatch]) -> IngestSummary:
         """Ingest each batch in order and count the outcomes."""
@@ -155,6 +175,11 @@ class EventGate:
         with self._quiesce.applying(), self._lock:
             self._fanout.fence_instance(instance_id)
             self._cursors.pop(instance_id, None)
+
+    def has_cursor(self, instance_id: str) -> bool:
+        """True when the gate holds a cursor for ``instance_id``."""
+        with self._lock:
+            return instance_id in self._cursors
 
     def cursors(self) -> dict[str, CursorInfo]:
         """Snapshot of every emitter's cursor and counters."""

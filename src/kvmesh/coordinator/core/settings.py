@@ -32,7 +32,10 @@ class CoordinatorSettings:
     ``health_check_interval`` / ``eviction_check_interval`` 0 disable those
     loops. ``token_binding_cap`` 0 disables token bindings.
     ``fence_sweep_interval`` is how often the background sweep of large
-    fences runs (0: only ingested batches drive it).
+    fences runs (0: only ingested batches drive it). ``resync_min_interval``
+    is the least time between two resyncs of one node for gaps inside an
+    incarnation; ``resync_retry_interval`` how often resyncs still owed are
+    sent (0: never; see :mod:`.resync`).
     """
 
     instance_timeout: float = 30.0
@@ -51,6 +54,8 @@ class CoordinatorSettings:
     metadata_path: str = ""
     quiesce_timeout: float = 5.0
     fence_sweep_interval: float = 0.05
+    resync_min_interval: float = 30.0
+    resync_retry_interval: float = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -75,6 +80,8 @@ class CoordinatorSettings:
         _check(self.checkpoint_interval >= 0, "checkpoint_interval", "must be >= 0")
         _check(self.quiesce_timeout > 0, "quiesce_timeout", "must be > 0")
         _check(self.fence_sweep_interval >= 0, "fence_sweep_interval", "must be >= 0")
+        _check(self.resync_min_interval >= 0, "resync_min_interval", "must be >= 0")
+        _check(self.resync_retry_interval >= 0, "resync_retry_interval", "must be >= 0")
 
 
 def _check(ok: bool, name: str, rule: str) -> None:

@@ -270,13 +270,18 @@ class PinResult:
 
 @dataclass(frozen=True, slots=True)
 class DeleteRequest:
-    """One delete sent to one instance: at most ``max_delete_batch`` keys."""
+    """One delete sent to one instance: at most ``max_delete_batch`` keys.
+
+    ``command_id`` is the id of the command that carried it ("" when it was
+    not accepted, or the dispatcher names no commands).
+    """
 
     instance_id: str
     tier: Tier
     backend: str
     keys: tuple[ObjectKey, ...]
     accepted: bool
+    command_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,6 +97,16 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             restored=s.restored,
             chunk_size=s.chunk_size,
         )
+        ledger = self.core.commands
+        response.command_results.extend(
+            admin_pb2.CommandResultCount(command=command, result=result, count=count)
+            for (command, result), count in sorted(ledger.result_counts().items())
+        )
+        response.recent_command_failures.extend(
+            wire.command_failure(o) for o in ledger.recent_failures()
+        )
+        response.commands_awaiting_answer = ledger.awaiting()
+        response.resyncs_requested = self.core.resync.stats().requested
         if s.started_at:
             response.started_at.CopyFrom(wire.timestamp(s.started_at))
         if s.last_checkpoint_time:

@@ -29,9 +29,16 @@ from kvmesh.common.convert import validated_batch_from_proto
 from kvmesh.common.errors import InvalidArgument, KvmeshError
 from kvmesh.common.events import IngestResult, Tier
 from kvmesh.common.keys import ObjectKey
+from kvmesh.coordinator.core.commands import CommandLedger
 from kvmesh.coordinator.core.coordinator import Coordinator
 from kvmesh.coordinator.core.tracing import ingest_traced
-from kvmesh.coordinator.wire import INGEST_RESULT, delete_command, resync_commands
+from kvmesh.coordinator.wire import (
+    INGEST_RESULT,
+    command_kind,
+    command_summary,
+    delete_command,
+    resync_commands,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +87,20 @@ class _Stream:
 
 
 class NodeStreams:
-    """Open event streams by instance, and the core's DeleteDispatcher over them."""
+    """Open event streams by instance, and the core's command dispatcher over them.
 
-    def __init__(self) -> None:
+    Every command sent (down a stream here, or over NATS through
+    :meth:`record_sent`) and every answer (:meth:`record_result`, from either
+    transport) is reported to ``ledger`` — the core's
+    :class:`~kvmesh.coordinator.core.commands.CommandLedger` — which is what
+    operators see of them.
+    """
+
+    def __init__(self, ledger: CommandLedger | None = None) -> None:
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count(1)
+        self.ledger = ledger if ledger is not None else CommandLedger()
         self.command_results: dict[str, ingest_pb2.CommandResult] = {}
         self.commands_sent = 0
 
@@ -111,21 +126,28 @@ class NodeStreams:
         with self._lock:
             return len(self._streams)
 
-    def send(self, instance_id: str, command: ingest_pb2.NodeCommand) -> bool:
-        """Queue a command on the node's stream (any thread); False when not connected."""
+    def send(self, instance_id: str, command: ingest_pb2.NodeCommand) -> str:
+        """Queue a command on the node's stream (any thread); its id, or "" when not connected."""
         with self._lock:
             stream = self._streams.get(instance_id)
         if stream is None or stream.closed:
-            return False
+            return ""
         if not command.command_id:
             command.command_id = f"cmd-{next(self._ids)}"
         response = ingest_pb2.StreamEventsResponse(command=command)
         try:
             stream.loop.call_soon_threadsafe(stream.outbox.put_nowait, response)
         except RuntimeError:  # the loop is closed: the stream is gone
-            return False
+            return ""
         self.commands_sent += 1
-        return True
+        self.record_sent(instance_id, command)
+        return command.command_id
+
+    def record_sent(self, instance_id: str, command: ingest_pb2.NodeCommand) -> None:
+        """Tell the ledger a command went to ``instance_id`` (any transport)."""
+        self.ledger.sent(
+            command.command_id, instance_id, command_kind(command), command_summary(command)
+        )
 
     def dispatch_delete(
         self,
@@ -134,21 +156,38 @@ class NodeStreams:
         backend: str,
         keys: Sequence[ObjectKey],
         force: bool = False,
-    ) -> bool:
-        """The core's DeleteDispatcher: a DeleteKeysCommand down the node's stream."""
+    ) -> str:
+        """The core's DeleteDispatcher: a DeleteKeysCommand down the node's stream; its id."""
         return self.send(instance_id, delete_command(tier, backend, keys, force))
 
+    def dispatch_resync(self, instance_id: str) -> bool:
+        """The core's ResyncDispatcher: a ResyncCommand per tier down the node's stream."""
+        # Every command is sent (no short cut after a failed one).
+        sent = [self.send(instance_id, command) for command in resync_commands()]
+        return all(sent)
+
     def record_result(self, instance_id: str, result: ingest_pb2.CommandResult) -> None:
+        """A node's answer to a command (from its stream, or from NATS)."""
         with self._lock:
             self.command_results[result.command_id] = result
             while len(self.command_results) > 4096:
                 self.command_results.pop(next(iter(self.command_results)))
-        if result.code and result.code != "OK":
+        outcome = self.ledger.answered(
+            instance_id,
+            result.command_id,
+            result.code,
+            result.message,
+            result.affected,
+            result.effects_through_seq,
+        )
+        if not outcome.ok:
             logger.warning(
-                "node %s failed command %s: %s %s",
+                "node %s refused command %s (%s %s): %s %s",
                 instance_id,
                 result.command_id,
-                result.code,
+                outcome.kind,
+                outcome.summary,
+                outcome.code,
                 result.message,
             )
 
@@ -242,11 +281,9 @@ class EventIngestServicer(ingest_pb2_grpc.EventIngestServiceServicer):
                 except grpc.aio.BaseError as exc:  # the call ended: node gone, server stopping
                     raise _CallEnded from exc
 
-        if instance_id not in self.core.cursors():
-            # The coordinator does not know this emitter (a cold start, or a
-            # node it dropped): ask for everything the node holds again.
-            for command in resync_commands():
-                self.streams.send(instance_id, command)
+        # An emitter the coordinator has no cursor for (a cold start, or a node
+        # it dropped) is asked for everything it holds again (core.resync).
+        self.core.stream_opened(instance_id)
         reader = asyncio.create_task(self._read(stream, request_iterator, write))
         try:
             while True:

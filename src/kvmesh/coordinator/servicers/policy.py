@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from kvmesh.api.coordinator.v1 import policy_pb2, policy_pb2_grpc
@@ -11,6 +12,17 @@ from kvmesh.common.events import Tier
 from kvmesh.common.keys import validate_cache_salt
 from kvmesh.coordinator import wire
 from kvmesh.coordinator.core.coordinator import Coordinator
+
+#: Seconds DeleteKeys waits for the nodes' answers to its commands.
+DELETE_ANSWER_WAIT_S = 2.0
+
+
+def _answer_wait(context: Any) -> float:
+    """How long DeleteKeys waits for the nodes' answers: 2 s, less near the deadline."""
+    remaining = context.time_remaining() if context is not None else None
+    if remaining is None:
+        return DELETE_ANSWER_WAIT_S
+    return max(0.0, min(DELETE_ANSWER_WAIT_S, float(remaining) - 0.5))
 
 
 def _l2_only(value: int, field: str = "tier") -> Tier:
@@ -203,8 +215,18 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):
             )
         else:
             raise InvalidArgument("set exactly one of keys or tokens", field="query")
+        # The nodes' answers, so a refusal reaches the caller (policy.proto: DeleteKeys).
+        ids = [r.command_id for r in result.requests if r.accepted and r.command_id]
+        outcomes = {}
+        if ids:
+            outcomes = await asyncio.to_thread(self.core.commands.wait, ids, _answer_wait(context))
+        commands = [wire.delete_outcome(r, outcomes.get(r.command_id)) for r in result.requests]
         return policy_pb2.DeleteKeysResponse(
             requested_keys=result.requested_keys,
             dispatched_keys=result.dispatched_keys,
             pin_skipped=result.pin_skipped,
+            commands=commands,
+            refused_commands=sum(1 for c in commands if c.code and c.code != "OK"),
+            unanswered_commands=sum(1 for c in commands if c.sent and not c.code),
+            deleted_keys=sum(c.affected for c in commands if c.code == "OK"),
         )

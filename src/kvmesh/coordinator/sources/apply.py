@@ -172,7 +172,13 @@ class StreamApplier:
             batch.seq,
             batch.instance_id,
         )
+        sent = 0
         for command in resync_commands():
             if self._send_command(batch.instance_id, command):
-                with self._lock:
-                    self._resyncs += 1
+                sent += 1
+        if sent:
+            with self._lock:
+                self._resyncs += sent
+            # The gate is about to see this batch start a fresh cursor past seq 1:
+            # this request covers it (core.resync, trigger 3).
+            self._core.resync.note_requested(batch.instance_id)

@@ -30,7 +30,7 @@ from kvmesh.common.nats_names import (
     instance_from_token,
     nats_error_text,
 )
-from kvmesh.coordinator.wire import delete_command
+from kvmesh.coordinator.wire import delete_command, resync_commands
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +42,18 @@ class NatsCommands:
     """Publishes node commands on the current connection; counts them and their results.
 
     ``on_command_result`` receives ``(instance_id, CommandResult)`` for every
-    result a node publishes (on the loop thread; keep it quick).
+    result a node publishes (on the loop thread; keep it quick);
+    ``on_command_sent`` receives ``(instance_id, NodeCommand)`` for every
+    command published (on the caller's thread).
     """
 
     def __init__(
         self,
         on_command_result: Callable[[str, ingest_pb2.CommandResult], None] | None = None,
+        on_command_sent: Callable[[str, ingest_pb2.NodeCommand], None] | None = None,
     ) -> None:
         self._on_command_result = on_command_result
+        self._on_command_sent = on_command_sent
         self._nc: NatsClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
@@ -91,6 +95,12 @@ class NatsCommands:
             return False
         with self._lock:
             self._sent += 1
+        on_sent = self._on_command_sent
+        if on_sent is not None:
+            try:
+                on_sent(instance_id, command)
+            except Exception:
+                logger.exception("recording command %s failed", command.command_id)
         return True
 
     def dispatch_delete(
@@ -100,9 +110,15 @@ class NatsCommands:
         backend: str,
         keys: Sequence[ObjectKey],
         force: bool = False,
-    ) -> bool:
-        """The core's ``DeleteDispatcher`` over NATS: a ``DeleteKeysCommand`` to the node."""
-        return self.send_command(instance_id, delete_command(tier, backend, keys, force))
+    ) -> str:
+        """The core's ``DeleteDispatcher`` over NATS: a ``DeleteKeysCommand``; its id."""
+        command = delete_command(tier, backend, keys, force)
+        return command.command_id if self.send_command(instance_id, command) else ""
+
+    def dispatch_resync(self, instance_id: str) -> bool:
+        """The core's ``ResyncDispatcher`` over NATS: a ``ResyncCommand`` per tier."""
+        sent = [self.send_command(instance_id, c) for c in resync_commands()]
+        return all(sent)
 
     async def on_result(self, msg: Msg) -> None:
         """Subscription callback for :data:`RESULTS_SUBJECTS`."""

@@ -81,7 +81,8 @@ class NatsEventSource:
     after ``core.start()``, :meth:`stop` it before ``core.stop()`` (whose
     final checkpoint then holds the final position). ``on_command_result``
     receives ``(instance_id, CommandResult)`` for every result a node
-    publishes (on the loop thread; keep it quick).
+    publishes (on the loop thread; keep it quick), ``on_command_sent``
+    ``(instance_id, NodeCommand)`` for every command published.
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class NatsEventSource:
         settings: NatsSourceSettings,
         *,
         on_command_result: Callable[[str, ingest_pb2.CommandResult], None] | None = None,
+        on_command_sent: Callable[[str, ingest_pb2.NodeCommand], None] | None = None,
     ) -> None:
         self.settings = settings
         self.position = NatsStreamPosition(settings.stream)
@@ -101,7 +103,7 @@ class NatsEventSource:
         self._stopping = threading.Event()
         self._executor: ThreadPoolExecutor | None = None
         self._applying: asyncio.Future[None] | None = None
-        self._commands = NatsCommands(on_command_result)
+        self._commands = NatsCommands(on_command_result, on_command_sent)
         self._applier = StreamApplier(
             core,
             self.position,
@@ -461,9 +463,13 @@ class NatsEventSource:
         backend: str,
         keys: Sequence[ObjectKey],
         force: bool = False,
-    ) -> bool:
-        """The core's ``DeleteDispatcher`` over NATS: a ``DeleteKeysCommand`` to the node."""
+    ) -> str:
+        """The core's ``DeleteDispatcher`` over NATS: a ``DeleteKeysCommand``; its id."""
         return self._commands.dispatch_delete(instance_id, tier, backend, keys, force)
+
+    def dispatch_resync(self, instance_id: str) -> bool:
+        """The core's ``ResyncDispatcher`` over NATS: a ``ResyncCommand`` per tier."""
+        return self._commands.dispatch_resync(instance_id)
 
 
 async def _close_client(nc: NatsClient) -> None:

@@ -21,7 +21,10 @@ class NatsSourceSettings:
     ``reconnect_base_s`` doubling to ``reconnect_max_s``. The ephemeral
     consumer of a coordinator that died is removed by NATS after
     ``consumer_inactive_s``. ``resync_unknown`` asks a node whose history the
-    stream no longer holds to re-announce its placements.
+    stream no longer holds to re-announce its placements, from the source,
+    before its first batch is ingested (and counts it); without it the core
+    asks at that batch anyway, a seq gap on a fresh cursor
+    (:mod:`kvmesh.coordinator.core.resync`).
     """
 
     url: str

@@ -21,17 +21,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.common.errors import FailedPrecondition, InvalidArgument
+from kvmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.controllers.l2tier import DEFAULT_BACKOFF_S, DEFAULT_MAX_BACKOFF_S, L2Tier
 from kvmesh.storage.core.controllers.prefetch import (
     DEFAULT_MAX_IN_FLIGHT,
     PrefetchController,
-    PrefetchHandle,
     PrefetchPolicy,
     PrefetchResult,
 )
+from kvmesh.storage.core.controllers.prefetch_job import PrefetchHandle
 from kvmesh.storage.core.controllers.store import (
     DEFAULT_BATCH_KEYS,
     DEFAULT_MAX_PENDING_KEYS,
@@ -99,6 +99,7 @@ class StorageOptions:
     background_threads: bool = True  # eviction loops and ahead-of-need pool growth
     index_l2_at_start: bool = True
     close_flush_timeout_s: float = 5.0
+    clear_drain_timeout_s: float = 20.0  # a Clear waits this long for owed L2 writes
 
 
 class _L1EventBridge:
@@ -348,9 +349,33 @@ class StorageManager:
         finally:
             self.pins.release_delete(tier.name, claimed)
 
-    def clear(self, *, force: bool = False) -> tuple[int, int]:
-        """Delete everything in L1 (L2 is left alone, as in LMCache); ``(deleted, skipped)``."""
-        return self.l1.clear(force=force)
+    def clear(self, *, force: bool = False, timeout_s: float | None = None) -> tuple[int, int]:
+        """Delete everything in L1, never a write-through still owed; ``(deleted, skipped)``.
+
+        L2 is left alone (as in LMCache), and so is every chunk a store
+        reported stored: an object whose write-through to L2 is queued or
+        running is kept until the write-through queue has handled it (in
+        order, up to ``timeout_s``, default ``clear_drain_timeout_s``), then
+        deleted too. Objects stored while this runs may stay. Blocks: call it
+        off the event loop. Raises Unavailable when the owed writes did not
+        finish in time (everything else is cleared; those stay in L1).
+        """
+        timeout = self.options.clear_drain_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        owed = self.store.owed_keys
+        deleted, skipped, kept = self.l1.clear_keeping(None, owed, force=force)
+        while kept:
+            if not self.store.drain(max(0.0, deadline - time.monotonic())):
+                raise Unavailable(
+                    f"{len(kept)} chunks still wait for their L2 write-through after "
+                    f"{timeout:.0f} s; they stay in L1 (everything else was cleared), retry",
+                    reason="L2_WRITE_THROUGH_BEHIND",
+                    metadata={"waiting_chunks": str(len(kept))},
+                )
+            d, k, kept = self.l1.clear_keeping(kept, owed, force=force)
+            deleted += d
+            skipped += k
+        return deleted, skipped
 
     # -- quotas ---------------------------------------------------------------
 

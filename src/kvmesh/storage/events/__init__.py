@@ -5,6 +5,7 @@ It sits above the storage core and implements the core's ports
 
 * :mod:`~kvmesh.storage.events.emitter` — batching, seq numbering, capacity
   declarations (settings and counters in :mod:`~kvmesh.storage.events.config`);
+  :mod:`~kvmesh.storage.events.sink` — the core's event sink over it;
 * :mod:`~kvmesh.storage.events.delivery` — the bounded window of unacked
   batches, acks, reconnects and resends;
 * :mod:`~kvmesh.storage.events.transport` — the contract a transport

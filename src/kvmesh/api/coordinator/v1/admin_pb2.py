@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh/coordinator/v1/admin.proto\x12\x15kvmesh.coordinator.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x13\n\x11\x43heckpointRequest\"b\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x10\n\x08sections\x18\x03 \x03(\t\x12\x18\n\x10\x64uration_seconds\x18\x04 \x01(\x01\"\x12\n\x10GetStatusRequest\"\xa5\x03\n\x11GetStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12.\n\nstarted_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x1c\n\x14registered_instances\x18\x04 \x01(\r\x12\x19\n\x11\x63onnected_streams\x18\x05 \x01(\r\x12\x18\n\x10\x62\x61tches_admitted\x18\x06 \x01(\x04\x12\x19\n\x11\x62\x61tches_duplicate\x18\x07 \x01(\x04\x12\x15\n\rbatches_stale\x18\x08 \x01(\x04\x12\x10\n\x08num_keys\x18\t \x01(\x04\x12\x17\n\x0f\x63heckpoint_path\x18\n \x01(\t\x12\x33\n\x0flast_checkpoint\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08restored\x18\x0c \x01(\x08\x12\x12\n\nchunk_size\x18\r \x01(\r\x12\x35\n\x04nats\x18\x0e \x01(\x0b\x32\'.kvmesh.coordinator.v1.NatsSourceStatus\"z\n\x10NatsSourceStatus\x12\x11\n\tconnected\x18\x01 \x01(\x08\x12\x0e\n\x06stream\x18\x02 \x01(\t\x12\x10\n\x08next_seq\x18\x03 \x01(\x04\x12\x0f\n\x07pending\x18\x04 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x05 \x01(\x04\x12\x0f\n\x07skipped\x18\x06 \x01(\x04\x32\xd1\x01\n\x0c\x41\x64minService\x12\x61\n\nCheckpoint\x12(.kvmesh.coordinator.v1.CheckpointRequest\x1a).kvmesh.coordinator.v1.CheckpointResponse\x12^\n\tGetStatus\x12\'.kvmesh.coordinator.v1.GetStatusRequest\x1a(.kvmesh.coordinator.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh/coordinator/v1/admin.proto\x12\x15kvmesh.coordinator.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x13\n\x11\x43heckpointRequest\"b\n\x12\x43heckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x10\n\x08sections\x18\x03 \x03(\t\x12\x18\n\x10\x64uration_seconds\x18\x04 \x01(\x01\"\x12\n\x10GetStatusRequest\"\xee\x04\n\x11GetStatusResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12.\n\nstarted_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x1c\n\x14registered_instances\x18\x04 \x01(\r\x12\x19\n\x11\x63onnected_streams\x18\x05 \x01(\r\x12\x18\n\x10\x62\x61tches_admitted\x18\x06 \x01(\x04\x12\x19\n\x11\x62\x61tches_duplicate\x18\x07 \x01(\x04\x12\x15\n\rbatches_stale\x18\x08 \x01(\x04\x12\x10\n\x08num_keys\x18\t \x01(\x04\x12\x17\n\x0f\x63heckpoint_path\x18\n \x01(\t\x12\x33\n\x0flast_checkpoint\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08restored\x18\x0c \x01(\x08\x12\x12\n\nchunk_size\x18\r \x01(\r\x12\x35\n\x04nats\x18\x0e \x01(\x0b\x32\'.kvmesh.coordinator.v1.NatsSourceStatus\x12\x42\n\x0f\x63ommand_results\x18\x0f \x03(\x0b\x32).kvmesh.coordinator.v1.CommandResultCount\x12\x46\n\x17recent_command_failures\x18\x10 \x03(\x0b\x32%.kvmesh.coordinator.v1.CommandFailure\x12 \n\x18\x63ommands_awaiting_answer\x18\x11 \x01(\r\x12\x19\n\x11resyncs_requested\x18\x12 \x01(\x04\"D\n\x12\x43ommandResultCount\x12\x0f\n\x07\x63ommand\x18\x01 \x01(\t\x12\x0e\n\x06result\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\"\xab\x01\n\x0e\x43ommandFailure\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x03 \x01(\t\x12\x0f\n\x07summary\x18\x04 \x01(\t\x12\x0c\n\x04\x63ode\x18\x05 \x01(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\x12/\n\x0b\x61nswered_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"z\n\x10NatsSourceStatus\x12\x11\n\tconnected\x18\x01 \x01(\x08\x12\x0e\n\x06stream\x18\x02 \x01(\t\x12\x10\n\x08next_seq\x18\x03 \x01(\x04\x12\x0f\n\x07pending\x18\x04 \x01(\x04\x12\x0f\n\x07\x61pplied\x18\x05 \x01(\x04\x12\x0f\n\x07skipped\x18\x06 \x01(\x04\x32\xd1\x01\n\x0c\x41\x64minService\x12\x61\n\nCheckpoint\x12(.kvmesh.coordinator.v1.CheckpointRequest\x1a).kvmesh.coordinator.v1.CheckpointResponse\x12^\n\tGetStatus\x12\'.kvmesh.coordinator.v1.GetStatusRequest\x1a(.kvmesh.coordinator.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,9 +39,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=214
   _globals['_GETSTATUSREQUEST']._serialized_end=232
   _globals['_GETSTATUSRESPONSE']._serialized_start=235
-  _globals['_GETSTATUSRESPONSE']._serialized_end=656
-  _globals['_NATSSOURCESTATUS']._serialized_start=658
-  _globals['_NATSSOURCESTATUS']._serialized_end=780
-  _globals['_ADMINSERVICE']._serialized_start=783
-  _globals['_ADMINSERVICE']._serialized_end=992
+  _globals['_GETSTATUSRESPONSE']._serialized_end=857
+  _globals['_COMMANDRESULTCOUNT']._serialized_start=859
+  _globals['_COMMANDRESULTCOUNT']._serialized_end=927
+  _globals['_COMMANDFAILURE']._serialized_start=930
+  _globals['_COMMANDFAILURE']._serialized_end=1101
+  _globals['_NATSSOURCESTATUS']._serialized_start=1103
+  _globals['_NATSSOURCESTATUS']._serialized_end=1225
+  _globals['_ADMINSERVICE']._serialized_start=1228
+  _globals['_ADMINSERVICE']._serialized_end=1437
 # @@protoc_insertion_point(module_scope)

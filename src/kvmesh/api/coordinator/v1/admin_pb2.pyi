@@ -96,6 +96,10 @@ class GetStatusResponse(_message.Message):
     RESTORED_FIELD_NUMBER: _builtins.int
     CHUNK_SIZE_FIELD_NUMBER: _builtins.int
     NATS_FIELD_NUMBER: _builtins.int
+    COMMAND_RESULTS_FIELD_NUMBER: _builtins.int
+    RECENT_COMMAND_FAILURES_FIELD_NUMBER: _builtins.int
+    COMMANDS_AWAITING_ANSWER_FIELD_NUMBER: _builtins.int
+    RESYNCS_REQUESTED_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     ready: _builtins.bool
     """False until the coordinator has caught up after a start; eviction waits for it."""
@@ -109,6 +113,10 @@ class GetStatusResponse(_message.Message):
     restored: _builtins.bool
     """True when the state was restored from a checkpoint at start."""
     chunk_size: _builtins.int
+    commands_awaiting_answer: _builtins.int
+    """Commands sent in the last 5 minutes whose answer has not come (yet)."""
+    resyncs_requested: _builtins.int
+    """Resyncs the coordinator asked nodes for since start."""
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -120,6 +128,17 @@ class GetStatusResponse(_message.Message):
         """The NATS JetStream event source, when the coordinator consumes one;
         unset when it does not (--nats-url empty).
         """
+
+    @_builtins.property
+    def command_results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CommandResultCount]:
+        """The nodes' answers to the coordinator's commands (deletes from eviction
+        and operators, resyncs, quotas) since start, by command and result. Also
+        exported as kvmesh_coordinator_command_results_total{command,result}.
+        """
+
+    @_builtins.property
+    def recent_command_failures(self) -> _containers.RepeatedCompositeFieldContainer[Global___CommandFailure]:
+        """The latest commands a node refused or failed, newest first (at most 32)."""
 
     def __init__(
         self,
@@ -138,14 +157,90 @@ class GetStatusResponse(_message.Message):
         restored: _builtins.bool = ...,
         chunk_size: _builtins.int = ...,
         nats: Global___NatsSourceStatus | None = ...,
+        command_results: _abc.Iterable[Global___CommandResultCount] | None = ...,
+        recent_command_failures: _abc.Iterable[Global___CommandFailure] | None = ...,
+        commands_awaiting_answer: _builtins.int = ...,
+        resyncs_requested: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_checkpoint", b"last_checkpoint", "nats", b"nats", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches_admitted", b"batches_admitted", "batches_duplicate", b"batches_duplicate", "batches_stale", b"batches_stale", "checkpoint_path", b"checkpoint_path", "chunk_size", b"chunk_size", "connected_streams", b"connected_streams", "last_checkpoint", b"last_checkpoint", "nats", b"nats", "num_keys", b"num_keys", "ready", b"ready", "registered_instances", b"registered_instances", "restored", b"restored", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches_admitted", b"batches_admitted", "batches_duplicate", b"batches_duplicate", "batches_stale", b"batches_stale", "checkpoint_path", b"checkpoint_path", "chunk_size", b"chunk_size", "command_results", b"command_results", "commands_awaiting_answer", b"commands_awaiting_answer", "connected_streams", b"connected_streams", "last_checkpoint", b"last_checkpoint", "nats", b"nats", "num_keys", b"num_keys", "ready", b"ready", "recent_command_failures", b"recent_command_failures", "registered_instances", b"registered_instances", "restored", b"restored", "resyncs_requested", b"resyncs_requested", "started_at", b"started_at", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015
+
+@_typing.final
+class CommandResultCount(_message.Message):
+    """How many answers of one kind a command got."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMAND_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    command: _builtins.str
+    """"delete_keys", "resync", "set_quota" ("unknown": an answer to a command
+    this coordinator does not know, e.g. sent before it restarted).
+    """
+    result: _builtins.str
+    """The node's answer: a gRPC status code name ("OK", "INVALID_ARGUMENT", ...)."""
+    count: _builtins.int
+    def __init__(
+        self,
+        *,
+        command: _builtins.str = ...,
+        result: _builtins.str = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "count", b"count", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommandResultCount: _TypeAlias = CommandResultCount  # noqa: Y015
+
+@_typing.final
+class CommandFailure(_message.Message):
+    """A command a node refused or failed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMAND_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    ANSWERED_AT_FIELD_NUMBER: _builtins.int
+    command_id: _builtins.str
+    instance_id: _builtins.str
+    command: _builtins.str
+    summary: _builtins.str
+    """What the command asked, for people ("L1 dram, 3 keys")."""
+    code: _builtins.str
+    message: _builtins.str
+    @_builtins.property
+    def answered_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        command_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+        command: _builtins.str = ...,
+        summary: _builtins.str = ...,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        answered_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["answered_at", b"answered_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answered_at", b"answered_at", "code", b"code", "command", b"command", "command_id", b"command_id", "instance_id", b"instance_id", "message", b"message", "summary", b"summary"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommandFailure: _TypeAlias = CommandFailure  # noqa: Y015
 
 @_typing.final
 class NatsSourceStatus(_message.Message):

@@ -179,7 +179,12 @@ Global___DeleteKeysCommand: _TypeAlias = DeleteKeysCommand  # noqa: Y015
 
 @_typing.final
 class ResyncCommand(_message.Message):
-    """Re-announce every placement the node holds (after a coordinator cold start)."""
+    """Re-announce every placement the node holds in the tier as STORE events.
+    Sent when the coordinator's view of the node's stream has a hole: an
+    unknown emitter opens its stream (a cold start), or a batch skips seqs
+    (batches the coordinator never applied: a restore from an older
+    checkpoint, a node dropped while alive, a node whose window overflowed).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

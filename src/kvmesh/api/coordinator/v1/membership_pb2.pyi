@@ -4,7 +4,10 @@ isort:skip_file
 Fleet membership: storage nodes register, heartbeat and deregister. A node
 silent for longer than the instance timeout (default 30 s) is dropped: its
 L1 placements are fenced, its ingest cursor and capacity declaration are
-forgotten; its L2 placements stay (the bytes outlive the process).
+forgotten; its L2 placements stay (the bytes outlive the process). A
+dropped node that is still alive (paused, partitioned) registers again and
+its next batch starts a fresh cursor past seq 1: the coordinator then asks
+it to resync (ResyncCommand), so its placements come back.
 """
 
 from collections import abc as _abc

@@ -734,21 +734,92 @@ class DeleteKeysResponse(_message.Message):
     REQUESTED_KEYS_FIELD_NUMBER: _builtins.int
     DISPATCHED_KEYS_FIELD_NUMBER: _builtins.int
     PIN_SKIPPED_FIELD_NUMBER: _builtins.int
+    COMMANDS_FIELD_NUMBER: _builtins.int
+    REFUSED_COMMANDS_FIELD_NUMBER: _builtins.int
+    UNANSWERED_COMMANDS_FIELD_NUMBER: _builtins.int
+    DELETED_KEYS_FIELD_NUMBER: _builtins.int
     requested_keys: _builtins.int
     dispatched_keys: _builtins.int
+    """Keys in the commands the nodes' streams took (before their answers)."""
     pin_skipped: _builtins.int
     """Pinned keys left alone (force = false)."""
+    refused_commands: _builtins.int
+    """Commands a node answered with a code other than "OK"."""
+    unanswered_commands: _builtins.int
+    """Commands sent whose answer did not come within the call."""
+    deleted_keys: _builtins.int
+    """Keys the nodes reported deleted (the sum of `affected` of the OK answers)."""
+    @_builtins.property
+    def commands(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeleteCommandOutcome]:
+        """One per delete command, in the order they were sent, with the node's answer."""
+
     def __init__(
         self,
         *,
         requested_keys: _builtins.int = ...,
         dispatched_keys: _builtins.int = ...,
         pin_skipped: _builtins.int = ...,
+        commands: _abc.Iterable[Global___DeleteCommandOutcome] | None = ...,
+        refused_commands: _builtins.int = ...,
+        unanswered_commands: _builtins.int = ...,
+        deleted_keys: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dispatched_keys", b"dispatched_keys", "pin_skipped", b"pin_skipped", "requested_keys", b"requested_keys"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commands", b"commands", "deleted_keys", b"deleted_keys", "dispatched_keys", b"dispatched_keys", "pin_skipped", b"pin_skipped", "refused_commands", b"refused_commands", "requested_keys", b"requested_keys", "unanswered_commands", b"unanswered_commands"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteKeysResponse: _TypeAlias = DeleteKeysResponse  # noqa: Y015
+
+@_typing.final
+class DeleteCommandOutcome(_message.Message):
+    """One delete command of a DeleteKeys call and the node's answer to it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    SENT_FIELD_NUMBER: _builtins.int
+    COMMAND_ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    AFFECTED_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    tier: _common_pb2.Tier.ValueType
+    backend: _builtins.str
+    """The backend named ("" = every adapter of the tier)."""
+    keys: _builtins.int
+    sent: _builtins.bool
+    """False when the node's stream did not take the command (nothing was sent)."""
+    command_id: _builtins.str
+    code: _builtins.str
+    """The node's answer: a gRPC status code name ("OK", "INVALID_ARGUMENT", ...);
+    "" when the command was not sent or no answer came within the call.
+    """
+    message: _builtins.str
+    """Why the node refused it; empty when code is "OK"."""
+    affected: _builtins.int
+    """Keys the node deleted."""
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        tier: _common_pb2.Tier.ValueType = ...,
+        backend: _builtins.str = ...,
+        keys: _builtins.int = ...,
+        sent: _builtins.bool = ...,
+        command_id: _builtins.str = ...,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        affected: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["affected", b"affected", "backend", b"backend", "code", b"code", "command_id", b"command_id", "instance_id", b"instance_id", "keys", b"keys", "message", b"message", "sent", b"sent", "tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteCommandOutcome: _TypeAlias = DeleteCommandOutcome  # noqa: Y015

@@ -186,10 +186,19 @@ class PolicyServiceServicer:
 
     def DeleteKeys(self, request, context):
         """Deletes keys on one node (or, with instance_id empty, on every node that
-        holds them), through the nodes' event streams. Pinned keys are skipped
-        unless force. Errors: INVALID_ARGUMENT (bad keys/tokens), NOT_FOUND
-        (unknown instance_id), UNAVAILABLE (the node's stream is not
-        connected). Deadline: 10 s.
+        holds them), through the nodes' event streams. A tier (L1, L2, or
+        TIER_ALL / unspecified for both) names the node's own backends: with
+        instance_id, every backend of the tier (L1 and each L2 adapter);
+        without, the backend of each placement the directory holds. Pinned keys
+        are skipped unless force. The call waits (up to 2 s, within its
+        deadline) for each node's answer and returns it per command in
+        `commands`: a node that refuses a command (e.g. INVALID_ARGUMENT) is
+        reported there and counted in refused_commands, not hidden behind an
+        OK. A command with no answer in time may still run; its answer then
+        shows in AdminService.GetStatus. The deletions themselves reach the
+        directory as the nodes' DELETE events. Errors: INVALID_ARGUMENT (bad
+        keys/tokens), NOT_FOUND (unknown instance_id), UNAVAILABLE (the node's
+        stream is not connected). Deadline: 10 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

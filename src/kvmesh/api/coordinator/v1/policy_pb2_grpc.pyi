@@ -75,10 +75,19 @@ class PolicyServiceStub:
     """
     DeleteKeys: _grpc.UnaryUnaryMultiCallable[_policy_pb2.DeleteKeysRequest, _policy_pb2.DeleteKeysResponse]
     """Deletes keys on one node (or, with instance_id empty, on every node that
-    holds them), through the nodes' event streams. Pinned keys are skipped
-    unless force. Errors: INVALID_ARGUMENT (bad keys/tokens), NOT_FOUND
-    (unknown instance_id), UNAVAILABLE (the node's stream is not
-    connected). Deadline: 10 s.
+    holds them), through the nodes' event streams. A tier (L1, L2, or
+    TIER_ALL / unspecified for both) names the node's own backends: with
+    instance_id, every backend of the tier (L1 and each L2 adapter);
+    without, the backend of each placement the directory holds. Pinned keys
+    are skipped unless force. The call waits (up to 2 s, within its
+    deadline) for each node's answer and returns it per command in
+    `commands`: a node that refuses a command (e.g. INVALID_ARGUMENT) is
+    reported there and counted in refused_commands, not hidden behind an
+    OK. A command with no answer in time may still run; its answer then
+    shows in AdminService.GetStatus. The deletions themselves reach the
+    directory as the nodes' DELETE events. Errors: INVALID_ARGUMENT (bad
+    keys/tokens), NOT_FOUND (unknown instance_id), UNAVAILABLE (the node's
+    stream is not connected). Deadline: 10 s.
     """
 
 @_typing.type_check_only
@@ -122,10 +131,19 @@ class PolicyServiceAsyncStub(PolicyServiceStub):
     """
     DeleteKeys: _aio.UnaryUnaryMultiCallable[_policy_pb2.DeleteKeysRequest, _policy_pb2.DeleteKeysResponse]  # type: ignore[assignment]
     """Deletes keys on one node (or, with instance_id empty, on every node that
-    holds them), through the nodes' event streams. Pinned keys are skipped
-    unless force. Errors: INVALID_ARGUMENT (bad keys/tokens), NOT_FOUND
-    (unknown instance_id), UNAVAILABLE (the node's stream is not
-    connected). Deadline: 10 s.
+    holds them), through the nodes' event streams. A tier (L1, L2, or
+    TIER_ALL / unspecified for both) names the node's own backends: with
+    instance_id, every backend of the tier (L1 and each L2 adapter);
+    without, the backend of each placement the directory holds. Pinned keys
+    are skipped unless force. The call waits (up to 2 s, within its
+    deadline) for each node's answer and returns it per command in
+    `commands`: a node that refuses a command (e.g. INVALID_ARGUMENT) is
+    reported there and counted in refused_commands, not hidden behind an
+    OK. A command with no answer in time may still run; its answer then
+    shows in AdminService.GetStatus. The deletions themselves reach the
+    directory as the nodes' DELETE events. Errors: INVALID_ARGUMENT (bad
+    keys/tokens), NOT_FOUND (unknown instance_id), UNAVAILABLE (the node's
+    stream is not connected). Deadline: 10 s.
     """
 
 class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -238,10 +256,19 @@ class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_policy_pb2.DeleteKeysResponse, _abc.Awaitable[_policy_pb2.DeleteKeysResponse]]:
         """Deletes keys on one node (or, with instance_id empty, on every node that
-        holds them), through the nodes' event streams. Pinned keys are skipped
-        unless force. Errors: INVALID_ARGUMENT (bad keys/tokens), NOT_FOUND
-        (unknown instance_id), UNAVAILABLE (the node's stream is not
-        connected). Deadline: 10 s.
+        holds them), through the nodes' event streams. A tier (L1, L2, or
+        TIER_ALL / unspecified for both) names the node's own backends: with
+        instance_id, every backend of the tier (L1 and each L2 adapter);
+        without, the backend of each placement the directory holds. Pinned keys
+        are skipped unless force. The call waits (up to 2 s, within its
+        deadline) for each node's answer and returns it per command in
+        `commands`: a node that refuses a command (e.g. INVALID_ARGUMENT) is
+        reported there and counted in refused_commands, not hidden behind an
+        OK. A command with no answer in time may still run; its answer then
+        shows in AdminService.GetStatus. The deletions themselves reach the
+        directory as the nodes' DELETE events. Errors: INVALID_ARGUMENT (bad
+        keys/tokens), NOT_FOUND (unknown instance_id), UNAVAILABLE (the node's
+        stream is not connected). Deadline: 10 s.
         """
 
 def add_PolicyServiceServicer_to_server(servicer: PolicyServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -250,7 +250,10 @@ class GatewayServiceServicer:
 
     def Clear(self, request, context):
         """Drops every unlocked object from this node's L1 (force: locked ones too).
-        L2 is untouched. Deadline: 30 s.
+        L2 is untouched, and no stored chunk is lost: an object whose L2
+        write-through is still queued is written through before it is dropped
+        (Clear waits for it; kvmesh.storage.v1.StorageService.Clear). Errors:
+        UNAVAILABLE (the owed writes did not finish in time; retry). Deadline: 30 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -127,7 +127,10 @@ class GatewayServiceStub:
     """
     Clear: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ClearRequest, _gateway_pb2.ClearResponse]
     """Drops every unlocked object from this node's L1 (force: locked ones too).
-    L2 is untouched. Deadline: 30 s.
+    L2 is untouched, and no stored chunk is lost: an object whose L2
+    write-through is still queued is written through before it is dropped
+    (Clear waits for it; kvmesh.storage.v1.StorageService.Clear). Errors:
+    UNAVAILABLE (the owed writes did not finish in time; retry). Deadline: 30 s.
     """
     GetChunkSize: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetChunkSizeRequest, _gateway_pb2.GetChunkSizeResponse]
     """The gateway's chunk size in tokens (default 256); engines must agree.
@@ -259,7 +262,10 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """
     Clear: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ClearRequest, _gateway_pb2.ClearResponse]  # type: ignore[assignment]
     """Drops every unlocked object from this node's L1 (force: locked ones too).
-    L2 is untouched. Deadline: 30 s.
+    L2 is untouched, and no stored chunk is lost: an object whose L2
+    write-through is still queued is written through before it is dropped
+    (Clear waits for it; kvmesh.storage.v1.StorageService.Clear). Errors:
+    UNAVAILABLE (the owed writes did not finish in time; retry). Deadline: 30 s.
     """
     GetChunkSize: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetChunkSizeRequest, _gateway_pb2.GetChunkSizeResponse]  # type: ignore[assignment]
     """The gateway's chunk size in tokens (default 256); engines must agree.
@@ -448,7 +454,10 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.ClearResponse, _abc.Awaitable[_gateway_pb2.ClearResponse]]:
         """Drops every unlocked object from this node's L1 (force: locked ones too).
-        L2 is untouched. Deadline: 30 s.
+        L2 is untouched, and no stored chunk is lost: an object whose L2
+        write-through is still queued is written through before it is dropped
+        (Clear waits for it; kvmesh.storage.v1.StorageService.Clear). Errors:
+        UNAVAILABLE (the owed writes did not finish in time; retry). Deadline: 30 s.
         """
 
     @_abc_1.abstractmethod

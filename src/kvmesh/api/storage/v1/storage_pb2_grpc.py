@@ -244,19 +244,29 @@ class StorageServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteKeys(self, request, context):
-        """Deletes keys from L1, L2 or both (TIER_ALL). backend limits an L2 delete
-        to one adapter ("" = every adapter). Without force, read-locked or
-        in-flight L1 objects are skipped. Idempotent: absent keys count as
-        skipped. Errors: INVALID_ARGUMENT (bad key, unknown backend, more than
-        10 000 keys, TIER_UNSPECIFIED). Deadline: 30 s.
+        """Deletes keys from L1, L2 or both (TIER_ALL). backend names one of the
+        node's backends ("" = every backend of the tier): "dram" is L1's, an L2
+        adapter is named by its backend or adapter name; with TIER_ALL an L2 name
+        limits the L2 part to that adapter and "dram" leaves L2 alone. Without
+        force, read-locked or in-flight L1 objects are skipped. Idempotent:
+        absent keys count as skipped. Errors: INVALID_ARGUMENT (bad key, a
+        backend the tier does not have, more than 10 000 keys,
+        TIER_UNSPECIFIED). Deadline: 30 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Clear(self, request, context):
-        """Drops every unlocked L1 object (force: every L1 object). L2 untouched.
-        Deadline: 30 s.
+        """Drops every unlocked L1 object (force: every L1 object). L2 is
+        untouched, and so is every chunk a store reported stored: an object
+        whose write-through to L2 is still queued or running when Clear comes is
+        written through first — Clear waits until the write-through queue has
+        handled it (it then is in every healthy adapter, or failed there as any
+        write-through can) and only then drops it. Objects stored while Clear
+        runs may stay in L1. Errors: UNAVAILABLE (the owed writes did not finish
+        within 20 s: everything else was dropped, those objects stay in L1 until
+        their write is done; retry). Deadline: 30 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

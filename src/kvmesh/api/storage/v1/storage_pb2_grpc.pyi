@@ -108,15 +108,25 @@ class StorageServiceStub:
     ACCESS events). Deadline: 2 s.
     """
     DeleteKeys: _grpc.UnaryUnaryMultiCallable[_storage_pb2.DeleteKeysRequest, _storage_pb2.DeleteKeysResponse]
-    """Deletes keys from L1, L2 or both (TIER_ALL). backend limits an L2 delete
-    to one adapter ("" = every adapter). Without force, read-locked or
-    in-flight L1 objects are skipped. Idempotent: absent keys count as
-    skipped. Errors: INVALID_ARGUMENT (bad key, unknown backend, more than
-    10 000 keys, TIER_UNSPECIFIED). Deadline: 30 s.
+    """Deletes keys from L1, L2 or both (TIER_ALL). backend names one of the
+    node's backends ("" = every backend of the tier): "dram" is L1's, an L2
+    adapter is named by its backend or adapter name; with TIER_ALL an L2 name
+    limits the L2 part to that adapter and "dram" leaves L2 alone. Without
+    force, read-locked or in-flight L1 objects are skipped. Idempotent:
+    absent keys count as skipped. Errors: INVALID_ARGUMENT (bad key, a
+    backend the tier does not have, more than 10 000 keys,
+    TIER_UNSPECIFIED). Deadline: 30 s.
     """
     Clear: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ClearRequest, _storage_pb2.ClearResponse]
-    """Drops every unlocked L1 object (force: every L1 object). L2 untouched.
-    Deadline: 30 s.
+    """Drops every unlocked L1 object (force: every L1 object). L2 is
+    untouched, and so is every chunk a store reported stored: an object
+    whose write-through to L2 is still queued or running when Clear comes is
+    written through first — Clear waits until the write-through queue has
+    handled it (it then is in every healthy adapter, or failed there as any
+    write-through can) and only then drops it. Objects stored while Clear
+    runs may stay in L1. Errors: UNAVAILABLE (the owed writes did not finish
+    within 20 s: everything else was dropped, those objects stay in L1 until
+    their write is done; retry). Deadline: 30 s.
     """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_storage_pb2.GetStatusRequest, _storage_pb2.GetStatusResponse]
     """Node status: L1 usage and object states, L2 adapters and their health,
@@ -227,15 +237,25 @@ class StorageServiceAsyncStub(StorageServiceStub):
     ACCESS events). Deadline: 2 s.
     """
     DeleteKeys: _aio.UnaryUnaryMultiCallable[_storage_pb2.DeleteKeysRequest, _storage_pb2.DeleteKeysResponse]  # type: ignore[assignment]
-    """Deletes keys from L1, L2 or both (TIER_ALL). backend limits an L2 delete
-    to one adapter ("" = every adapter). Without force, read-locked or
-    in-flight L1 objects are skipped. Idempotent: absent keys count as
-    skipped. Errors: INVALID_ARGUMENT (bad key, unknown backend, more than
-    10 000 keys, TIER_UNSPECIFIED). Deadline: 30 s.
+    """Deletes keys from L1, L2 or both (TIER_ALL). backend names one of the
+    node's backends ("" = every backend of the tier): "dram" is L1's, an L2
+    adapter is named by its backend or adapter name; with TIER_ALL an L2 name
+    limits the L2 part to that adapter and "dram" leaves L2 alone. Without
+    force, read-locked or in-flight L1 objects are skipped. Idempotent:
+    absent keys count as skipped. Errors: INVALID_ARGUMENT (bad key, a
+    backend the tier does not have, more than 10 000 keys,
+    TIER_UNSPECIFIED). Deadline: 30 s.
     """
     Clear: _aio.UnaryUnaryMultiCallable[_storage_pb2.ClearRequest, _storage_pb2.ClearResponse]  # type: ignore[assignment]
-    """Drops every unlocked L1 object (force: every L1 object). L2 untouched.
-    Deadline: 30 s.
+    """Drops every unlocked L1 object (force: every L1 object). L2 is
+    untouched, and so is every chunk a store reported stored: an object
+    whose write-through to L2 is still queued or running when Clear comes is
+    written through first — Clear waits until the write-through queue has
+    handled it (it then is in every healthy adapter, or failed there as any
+    write-through can) and only then drops it. Objects stored while Clear
+    runs may stay in L1. Errors: UNAVAILABLE (the owed writes did not finish
+    within 20 s: everything else was dropped, those objects stay in L1 until
+    their write is done; retry). Deadline: 30 s.
     """
     GetStatus: _aio.UnaryUnaryMultiCallable[_storage_pb2.GetStatusRequest, _storage_pb2.GetStatusResponse]  # type: ignore[assignment]
     """Node status: L1 usage and object states, L2 adapters and their health,
@@ -403,11 +423,14 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _storage_pb2.DeleteKeysRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.DeleteKeysResponse, _abc.Awaitable[_storage_pb2.DeleteKeysResponse]]:
-        """Deletes keys from L1, L2 or both (TIER_ALL). backend limits an L2 delete
-        to one adapter ("" = every adapter). Without force, read-locked or
-        in-flight L1 objects are skipped. Idempotent: absent keys count as
-        skipped. Errors: INVALID_ARGUMENT (bad key, unknown backend, more than
-        10 000 keys, TIER_UNSPECIFIED). Deadline: 30 s.
+        """Deletes keys from L1, L2 or both (TIER_ALL). backend names one of the
+        node's backends ("" = every backend of the tier): "dram" is L1's, an L2
+        adapter is named by its backend or adapter name; with TIER_ALL an L2 name
+        limits the L2 part to that adapter and "dram" leaves L2 alone. Without
+        force, read-locked or in-flight L1 objects are skipped. Idempotent:
+        absent keys count as skipped. Errors: INVALID_ARGUMENT (bad key, a
+        backend the tier does not have, more than 10 000 keys,
+        TIER_UNSPECIFIED). Deadline: 30 s.
         """
 
     @_abc_1.abstractmethod
@@ -416,8 +439,15 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _storage_pb2.ClearRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.ClearResponse, _abc.Awaitable[_storage_pb2.ClearResponse]]:
-        """Drops every unlocked L1 object (force: every L1 object). L2 untouched.
-        Deadline: 30 s.
+        """Drops every unlocked L1 object (force: every L1 object). L2 is
+        untouched, and so is every chunk a store reported stored: an object
+        whose write-through to L2 is still queued or running when Clear comes is
+        written through first — Clear waits until the write-through queue has
+        handled it (it then is in every healthy adapter, or failed there as any
+        write-through can) and only then drops it. Objects stored while Clear
+        runs may stay in L1. Errors: UNAVAILABLE (the owed writes did not finish
+        within 20 s: everything else was dropped, those objects stay in L1 until
+        their write is done; retry). Deadline: 30 s.
         """
 
     @_abc_1.abstractmethod

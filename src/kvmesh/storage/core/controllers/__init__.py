@@ -3,10 +3,10 @@
 from kvmesh.storage.core.controllers.l2tier import L2Tier
 from kvmesh.storage.core.controllers.prefetch import (
     PrefetchController,
-    PrefetchHandle,
     PrefetchPolicy,
     PrefetchResult,
 )
+from kvmesh.storage.core.controllers.prefetch_job import PrefetchHandle
 from kvmesh.storage.core.controllers.store import StoreController, StorePolicy
 
 __all__ = [

@@ -27,6 +27,9 @@ A degraded or failing adapter only turns its cells into misses; an
 unexpected error aborts the request into an all-miss result with every lock,
 pin and staging object released. Nothing raised here reaches the caller of
 ``query``/``wait`` except ``NotFound`` for an unknown or consumed handle.
+
+This module queues the requests and keeps their results; steps 2 to 4, one
+request's load, live in :mod:`~kvmesh.storage.core.controllers.prefetch_job`.
 """
 
 from __future__ import annotations
@@ -39,15 +42,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.controllers.l2tier import L2Tier
+from kvmesh.storage.core.controllers.prefetch_job import PrefetchHandle, PrefetchJob, PrefetchLoader
 from kvmesh.storage.core.l1.manager import MAX_READ_LOCKS_PER_CALL, L1Manager, L1Result
-from kvmesh.storage.core.l1.objects import L1Object
-from kvmesh.storage.core.l2.base import L2Unavailable
 from kvmesh.storage.core.pins import PinTable
 
 logger = logging.getLogger(__name__)
@@ -55,22 +57,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_IN_FLIGHT = 8
 DEFAULT_RESULT_TTL_S = 300.0
 
-Cell = tuple[int, int]  # (row, column)
-
 
 class PrefetchPolicy(enum.Enum):
     """Retention of objects loaded from L2."""
 
     DEFAULT = "default"  # temporary: freed when the last reader releases it
     RETAIN = "retain"  # kept resident like a client-written object
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchHandle:
-    """Identifies one submitted prefetch."""
-
-    id: int
-    request_id: str
 
 
 DoneCallback = Callable[[PrefetchHandle], None]
@@ -97,37 +89,6 @@ class PrefetchResult:
     error: str = ""
 
 
-@dataclass(eq=False)
-class _Job:
-    handle: PrefetchHandle
-    rows: list[list[ObjectKey]]
-    readers: int
-    row_nbytes: list[int] | None
-    held: list[list[bool]]
-    loaded: set[Cell] = field(default_factory=set)
-    staged: dict[Cell, tuple[L2Tier, L1Object]] = field(default_factory=dict)
-    pins: dict[Cell, L2Tier] = field(default_factory=dict)
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.rows[0]) if self.rows else 0
-
-    @property
-    def tag(self) -> str:
-        return f"prefetch:{self.handle.id}"
-
-    def key(self, cell: Cell) -> ObjectKey:
-        return self.rows[cell[0]][cell[1]]
-
-    def held_prefix(self) -> int:
-        """Columns held in every row, from the left (the first gap in any row ends it)."""
-        prefix = self.num_chunks
-        for row in self.held:
-            if False in row:
-                prefix = min(prefix, row.index(False))
-        return prefix
-
-
 class PrefetchController:
     """Runs prefetch requests and keeps their results until queried.
 
@@ -151,17 +112,23 @@ class PrefetchController:
             raise InvalidArgument("max_in_flight must be >= 1", field="max_in_flight")
         self.l1 = l1
         self.tiers = list(tiers)
-        self.pins = pins
         self.policy = policy
         self.max_in_flight = max_in_flight
         self.result_ttl_s = result_ttl_s
         self._clock = clock
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, PrefetchJob] = {}
         self._results: OrderedDict[int, tuple[float, PrefetchResult]] = OrderedDict()
         self._callbacks: dict[int, list[DoneCallback]] = {}
         self._closing = False
+        self._loader = PrefetchLoader(
+            l1,
+            self.tiers,
+            pins,
+            temporary=policy is PrefetchPolicy.DEFAULT,
+            lock=self._cond,
+        )
         self._executor = ThreadPoolExecutor(
             max_workers=max_in_flight, thread_name_prefix="kvmesh-prefetch"
         )
@@ -173,9 +140,6 @@ class PrefetchController:
         self.completed_l1_only = 0
         self.aborted = 0
         self.expired_results = 0
-        self.l2_loaded_cells = 0
-        self.l2_failed_cells = 0
-        self.oom_cells = 0
 
     # -- API ----------------------------------------------------------------
 
@@ -212,7 +176,7 @@ class PrefetchController:
                 raise FailedPrecondition("the prefetch controller is closed")
             handle = PrefetchHandle(next(self._ids), request_id)
             self.submitted += 1
-        job = _Job(handle, rows, readers, nbytes, [[False] * len(r) for r in rows])
+        job = PrefetchJob(handle, rows, readers, nbytes, [[False] * len(r) for r in rows])
         if job.num_chunks:
             flat = [k for r in rows for k in r]
             held = [res is L1Result.SUCCESS for res in self.l1.reserve_read(flat, readers)]
@@ -332,19 +296,19 @@ class PrefetchController:
                 "completed_l1_only": self.completed_l1_only,
                 "aborted": self.aborted,
                 "expired_results": self.expired_results,
-                "l2_loaded_cells": self.l2_loaded_cells,
-                "l2_failed_cells": self.l2_failed_cells,
-                "oom_cells": self.oom_cells,
+                "l2_loaded_cells": self._loader.l2_loaded_cells,
+                "l2_failed_cells": self._loader.l2_failed_cells,
+                "oom_cells": self._loader.oom_cells,
             }
 
     # -- worker ---------------------------------------------------------------
 
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: PrefetchJob) -> None:
         with self._cond:
             self.queued -= 1
             self.in_flight += 1
         try:
-            self._load_prefix(job)
+            self._finish(job, self._loader.load(job))
         except Exception as exc:
             logger.exception("prefetch %s failed; answering all-miss", job.handle.request_id)
             self._abort(job, f"internal error: {exc!r}")
@@ -352,177 +316,9 @@ class PrefetchController:
             with self._cond:
                 self.in_flight -= 1
 
-    def _load_prefix(self, job: _Job) -> None:
-        start = job.held_prefix()
-        width, height = job.num_chunks, len(job.rows)
-        missing = [(r, c) for c in range(start, width) for r in range(height) if not job.held[r][c]]
-        sizes = self._cell_sizes(job, missing)
-        for tier in self.tiers:
-            ask = [cell for cell in missing if cell not in job.pins and sizes.get(cell)]
-            if not ask or not tier.available():
-                continue
-            pinned = self.pins.pin(tier.name, [job.key(c) for c in ask])
-            ask = [cell for cell, ok in zip(ask, pinned, strict=True) if ok]
-            for cell in ask:
-                job.pins[cell] = tier
-            try:
-                present = tier.contains([job.key(c) for c in ask])
-            except L2Unavailable:
-                present = [False] * len(ask)
-            self._unpin(job, [c for c, ok in zip(ask, present, strict=True) if not ok])
-
-        # Plan: the longest prefix every row can serve from L1 or some adapter.
-        end = start
-        for c in range(start, width):
-            if not all(job.held[r][c] or (r, c) in job.pins for r in range(height)):
-                break
-            end = c + 1
-        self._unpin(job, [cell for cell in list(job.pins) if cell[1] >= end])
-        self._release(job, end)
-        if end == start:
-            self._finish(job, start)
-            return
-
-        end = self._stage(job, sizes, end)
-        for tier in self.tiers:
-            cells = sorted(
-                (c for c, (t, _) in job.staged.items() if t is tier), key=lambda rc: rc[1]
-            )
-            if not cells:
-                continue
-            end = self._load_from(job, tier, cells, end)
-        self._finish(job, min(end, job.held_prefix()))
-
-    def _cell_sizes(self, job: _Job, cells: list[Cell]) -> dict[Cell, int]:
-        """Object size per cell: given per row, else an adapter index, else the row's L1 size."""
-        sizes: dict[Cell, int] = {}
-        row_guess: dict[int, int | None] = {}
-        for r, c in cells:
-            if job.row_nbytes is not None:
-                sizes[(r, c)] = job.row_nbytes[r]
-                continue
-            key = job.rows[r][c]
-            known = next((s for t in self.tiers if (s := t.index.size_of(key)) is not None), None)
-            if known is None:
-                if r not in row_guess:
-                    row_guess[r] = next(
-                        (
-                            s
-                            for cc, held in enumerate(job.held[r])
-                            if held and (s := self.l1.size_of(job.rows[r][cc])) is not None
-                        ),
-                        None,
-                    )
-                known = row_guess[r]
-            if known is None:
-                logger.debug("prefetch %s: size of %s unknown", job.handle.request_id, key)
-                continue
-            sizes[(r, c)] = known
-        return sizes
-
-    def _stage(self, job: _Job, sizes: dict[Cell, int], end: int) -> int:
-        """Reserve L1 staging for the planned cells before ``end``; returns the new end."""
-        cells = sorted(job.pins, key=lambda rc: (rc[1], rc[0]))
-        results, objects = self.l1.reserve_write(
-            [job.key(c) for c in cells],
-            [sizes[c] for c in cells],
-            tag=job.tag,
-            temporary=self.policy is PrefetchPolicy.DEFAULT,
-            from_l2=True,
-        )
-        for cell, res in zip(cells, results, strict=True):
-            if res is L1Result.SUCCESS:
-                job.staged[cell] = (job.pins[cell], objects[job.key(cell)])
-            elif (
-                res is L1Result.KEY_NOT_WRITABLE
-                and self.l1.reserve_read([job.key(cell)], job.readers)[0] is L1Result.SUCCESS
-            ):
-                # Someone stored the key meanwhile: serve it from L1.
-                job.held[cell[0]][cell[1]] = True
-                self._unpin(job, [cell])
-            else:
-                if res is L1Result.OUT_OF_MEMORY:
-                    with self._cond:
-                        self.oom_cells += 1
-                end = min(end, cell[1])
-        self._drop_after(job, end)
-        return end
-
-    def _load_from(self, job: _Job, tier: L2Tier, cells: list[Cell], end: int) -> int:
-        """Load one adapter's staged cells before ``end``; returns the new end."""
-        cells = [c for c in cells if c[1] < end]
-        self._drop_after(job, end)
-        if not cells:
-            return end
-        keys = [job.key(c) for c in cells]
-        try:
-            ok = tier.get_into(keys, [job.staged[c][1].view() for c in cells])
-        except L2Unavailable:
-            ok = [False] * len(cells)
-        good = [c for c, g in zip(cells, ok, strict=True) if g]
-        bad = [c for c, g in zip(cells, ok, strict=True) if not g]
-        if good:
-            published = self.l1.finish_write_and_reserve_read(
-                [job.key(c) for c in good], job.readers, tag=job.tag
-            )
-            for cell, res in zip(good, published, strict=True):
-                job.staged.pop(cell, None)
-                if res is L1Result.SUCCESS:
-                    job.held[cell[0]][cell[1]] = True
-                    job.loaded.add(cell)
-                else:
-                    end = min(end, cell[1])
-            with self._cond:
-                self.l2_loaded_cells += len(good)
-        if bad:
-            with self._cond:
-                self.l2_failed_cells += len(bad)
-            self.l1.finish_write_and_delete([job.key(c) for c in bad], tag=job.tag)
-            for cell in bad:
-                job.staged.pop(cell, None)
-            end = min(end, *(c[1] for c in bad))
-            logger.info(
-                "prefetch %s: %d loads from L2 %s failed; prefix cut to %d chunks",
-                job.handle.request_id,
-                len(bad),
-                tier.name,
-                end,
-            )
-        self._unpin(job, cells)
-        return end
-
-    # -- bookkeeping ------------------------------------------------------------
-
-    def _drop_after(self, job: _Job, end: int) -> None:
-        """Discard staging and pins of cells at or after column ``end``."""
-        late = [c for c in job.staged if c[1] >= end]
-        if late:
-            self.l1.finish_write_and_delete([job.key(c) for c in late], tag=job.tag)
-            for cell in late:
-                del job.staged[cell]
-        self._unpin(job, [c for c in job.pins if c[1] >= end])
-
-    def _unpin(self, job: _Job, cells: Sequence[Cell]) -> None:
-        by_tier: dict[str, list[ObjectKey]] = {}
-        for cell in cells:
-            tier = job.pins.pop(cell, None)
-            if tier is not None:
-                by_tier.setdefault(tier.name, []).append(job.key(cell))
-        for name, keys in by_tier.items():
-            self.pins.unpin(name, keys)
-
-    def _release(self, job: _Job, end: int) -> None:
-        """Release the read locks held on cells at or after column ``end``."""
-        cells = [(r, c) for r, row in enumerate(job.held) for c in range(end, len(row)) if row[c]]
-        if cells:
-            self.l1.finish_read([job.key(c) for c in cells], job.readers)
-            for r, c in cells:
-                job.held[r][c] = False
-                job.loaded.discard((r, c))
-
-    def _finish(self, job: _Job, end: int, error: str = "") -> None:
-        self._drop_after(job, 0 if error else end)
-        self._release(job, end)
+    def _finish(self, job: PrefetchJob, end: int, error: str = "") -> None:
+        self._loader.drop_after(job, 0 if error else end)
+        self._loader.release(job, end)
         locked = tuple(key for row in job.rows for key in row[:end])
         if locked:
             self.l1.touch(locked)
@@ -553,7 +349,7 @@ class PrefetchController:
         for fn in callbacks:
             _call_back(fn, handle)
 
-    def _abort(self, job: _Job, error: str) -> None:
+    def _abort(self, job: PrefetchJob, error: str) -> None:
         with self._cond:
             self.aborted += 1
         try:

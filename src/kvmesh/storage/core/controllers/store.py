@@ -11,6 +11,11 @@ object stays in L1 and the next store of the key writes it again).
 Policies (reference mp_server §12.2): ``default`` keeps the object in L1;
 ``skip_l1`` deletes it from L1 once at least one adapter stored it (L1 as a
 pure write buffer).
+
+A Clear must not drop an object whose write-through is still owed (the
+store reported it stored, and Clear leaves L2 alone): :meth:`owed_keys`
+says which keys are queued or being written right now, and :meth:`drain`
+waits until everything queued before it has been handled.
 """
 
 from __future__ import annotations
@@ -70,6 +75,11 @@ class StoreController:
         self._cond = threading.Condition()
         self._pending: deque[tuple[ObjectKey, int]] = deque()
         self._busy = False
+        self._writing: list[ObjectKey] = []  # the batch being written now
+        # Keys ever queued, and keys handled (written, failed, skipped or dropped):
+        # the queue is FIFO, so "handled >= queued at time t" means done up to t.
+        self._enqueued = 0
+        self._handled = 0
         self._closing = False
         self._thread: threading.Thread | None = None
         self._io = ThreadPoolExecutor(
@@ -97,12 +107,14 @@ class StoreController:
                 return
             self._pending.extend(zip(keys, sizes, strict=True))
             self.queued_keys += len(keys)
+            self._enqueued += len(keys)
             overflow = len(self._pending) - self.max_pending_keys
             if overflow > 0:
                 # L2 cannot keep up: drop the oldest (still in L1; a later store rewrites them).
                 for _ in range(overflow):
                     self._pending.popleft()
                 self.dropped_keys += overflow
+                self._handled += overflow
                 logger.warning("L2 write-through queue full; dropped %d oldest keys", overflow)
             self._cond.notify_all()
 
@@ -134,12 +146,34 @@ class StoreController:
                 self._cond.wait(left)
         return True
 
+    def drain(self, timeout: float) -> bool:
+        """Wait until every key queued before this call has been handled; False on timeout.
+
+        Keys queued meanwhile are not waited for (a steady stream of stores
+        cannot hold a caller forever).
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            target = self._enqueued
+            while self._handled < target:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._thread is None:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def owed_keys(self) -> set[ObjectKey]:
+        """Keys whose write-through is queued or running right now."""
+        with self._cond:
+            return {k for k, _ in self._pending} | set(self._writing)
+
     def close(self) -> None:
         """Stop the dispatcher after its current batch and shut the I/O pool down."""
         with self._cond:
             self._closing = True
             dropped = len(self._pending)
             self._pending.clear()
+            self._handled += dropped
             self._cond.notify_all()
         if dropped:
             self.dropped_keys += dropped
@@ -179,6 +213,7 @@ class StoreController:
                     return
                 batch = self._take_batch_locked()
                 self._busy = True
+                self._writing = batch
             try:
                 self._store_batch(batch)
             except Exception:
@@ -187,6 +222,8 @@ class StoreController:
             finally:
                 with self._cond:
                     self._busy = False
+                    self._writing = []
+                    self._handled += len(batch)
                     self._cond.notify_all()
 
     def _take_batch_locked(self) -> list[ObjectKey]:

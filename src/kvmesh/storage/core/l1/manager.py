@@ -25,6 +25,13 @@ write reservations after 600 s by default. Beyond LMCache:
 Listeners see every admission, removal and access, in the order they happen
 (they are called under the manager lock, so they must be quick and must
 never call back into the manager).
+
+This module stays whole (about 700 lines): each public method is one atomic
+transition over the same maps and byte counts under one lock, and the
+private helpers are those transitions' steps, so splitting the table from the
+state machine would spread one invariant (each object sits in exactly one of
+the resident, staging and doomed maps until the pool gets its memory back,
+with the byte counts in step) over two modules.
 """
 
 from __future__ import annotations
@@ -421,6 +428,40 @@ class L1Manager:
         skipped = sum(1 for r in results if r is L1Result.KEY_IS_LOCKED)
         return deleted, skipped
 
+    def clear_keeping(
+        self,
+        keys: Sequence[ObjectKey] | None,
+        keep: Callable[[], Iterable[ObjectKey]],
+        *,
+        force: bool = False,
+    ) -> tuple[int, int, list[ObjectKey]]:
+        """Clear ``keys`` (None: every key now in L1) except those ``keep()`` names.
+
+        ``keep`` is called once, under the manager lock, so no key can join
+        it before the deletes are done (e.g. the keys whose L2 write-through
+        is still owed). Returns ``(deleted, skipped, kept)``, counted in keys.
+        """
+        with self._lock:
+            if keys is None:
+                keys = list(self._resident.keys() | self._staging.keys())
+            held = set(keep())
+            now = self._clock()
+            removed: list[_Entry] = []
+            deleted = skipped = 0
+            kept: list[ObjectKey] = []
+            for key in keys:
+                if key in held:
+                    kept.append(key)
+                    continue
+                result = self._delete_one(key, force, now, removed)
+                if result is L1Result.SUCCESS:
+                    deleted += 1
+                elif result is L1Result.KEY_IS_LOCKED:
+                    skipped += 1
+            self._notify_removed(removed, RemovalReason.CLEARED)
+            self._dispose(removed, now)
+        return deleted, skipped, kept
+
     def is_key_evictable(self, key: ObjectKey) -> bool:
         """Resident and not read-locked (staging is never evictable)."""
         with self._lock:
@@ -497,6 +538,23 @@ class L1Manager:
         """Snapshot of the resident keys."""
         with self._lock:
             return list(self._resident)
+
+    def announce_resident(
+        self, record: Callable[[list[tuple[ObjectKey, int]]], None], batch: int = 1024
+    ) -> int:
+        """Hand every resident ``(key, size)`` to ``record``, in batches, under the lock.
+
+        Under the lock, so no admission or removal (whose listeners also run
+        under it) can fall between the snapshot and the records: a resync's
+        STOREs never follow the DELETE of a key they still name. ``record``
+        must be quick and must not call back into the manager. Returns the
+        number of keys.
+        """
+        with self._lock:
+            entries = [(key, entry.obj.size) for key, entry in self._resident.items()]
+            for start in range(0, len(entries), batch):
+                record(entries[start : start + batch])
+        return len(entries)
 
     def read_lock_count(self, key: ObjectKey) -> int:
         """Live read locks on a resident key (0 when expired or absent)."""

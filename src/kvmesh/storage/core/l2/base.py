@@ -12,7 +12,7 @@ False). A backend that cannot be reached or answers garbage raises
 :class:`L2Unavailable` within the adapter's configured timeout — it never
 hangs — and the storage node then degrades to L1-only for that adapter.
 
-Rules every adapter follows (the conformance suite in tests/integration/l2
+Rules every adapter follows (the conformance suite in tests/integration/storage/l2
 checks them against the real backends):
 - 0-byte objects are valid objects;
 - on a miss or a size mismatch the output buffer is left untouched;

@@ -1,0 +1,177 @@
+"""ChunkCopier: the node's own copies between an engine's KV memory and L1, and their locks.
+
+StoreChunks gathers from the engine into L1 and RetrieveChunks scatters from
+L1 into the engine; the copies run on the copy executor (torch and the native
+kernel release the GIL), so the event loop keeps serving other RPCs
+meanwhile. Arguments are checked by the caller
+(:class:`~kvmesh.storage.core.node.StorageNode`).
+
+Locking rules on the data path:
+- a store reserves L1 objects, gathers into them, then publishes them; a
+  failed copy discards the reservation at once (no wait for the write TTL);
+- a retrieve read-locks each object for the duration of its copy, so
+  eviction can never free memory under it, and separately releases the
+  lookup locks the caller says it holds (``release_mask``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import TypeVar
+
+from kvmesh.common.keys import ObjectKey
+from kvmesh.common.node_types import StoreOutcome
+from kvmesh.storage.core.l1.manager import L1Result
+from kvmesh.storage.core.manager import StorageManager
+from kvmesh.storage.core.transfer.engine import TransferEngine
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def default_copy_threads() -> int:
+    """Size of the copy executor: a thread per core, 2 to 8 (copies are memory-bound)."""
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+class ChunkCopier:
+    """Stores and retrieves whose copies the node makes itself, on the copy executor."""
+
+    def __init__(
+        self,
+        manager: StorageManager,
+        transfer: TransferEngine,
+        copy_executor: Executor | None = None,
+    ) -> None:
+        """``copy_executor`` runs the gathers and scatters (the app sizes it); None = own."""
+        self.manager = manager
+        self.transfer = transfer
+        self._owns_copies = copy_executor is None
+        self._copies = copy_executor or ThreadPoolExecutor(
+            max_workers=default_copy_threads(), thread_name_prefix="kvmesh-transfer"
+        )
+
+    async def store(
+        self,
+        engine_id: str,
+        keys: Sequence[ObjectKey],
+        blocks: list[list[int]],
+        chunk_tokens: int,
+        nbytes: int,
+    ) -> list[StoreOutcome]:
+        """Gather each chunk into a new L1 object and publish it; one outcome per key."""
+        present = self.manager.l1.contains(keys)
+        reserved = self.manager.reserve_write(keys, nbytes)
+        todo = [i for i, key in enumerate(keys) if key in reserved]
+        if todo:
+            chosen = [keys[i] for i in todo]
+            try:
+                await self.run(
+                    functools.partial(
+                        self.transfer.gather_chunks,
+                        engine_id,
+                        [blocks[i] for i in todo],
+                        [chunk_tokens] * len(todo),
+                        [reserved[k].view() for k in chosen],
+                    )
+                )
+            except BaseException:
+                self.manager.abort_write(chosen)
+                raise
+            self.manager.finish_write(chosen)
+        outcomes = []
+        for i, key in enumerate(keys):
+            if key in reserved:
+                outcomes.append(StoreOutcome.STORED)
+            elif present[i]:
+                outcomes.append(StoreOutcome.ALREADY_CACHED)
+            else:
+                # Being written by someone else right now counts as cached; otherwise no room.
+                cached = self.manager.l1.contains([key])[0]
+                outcomes.append(StoreOutcome.ALREADY_CACHED if cached else StoreOutcome.NO_MEMORY)
+        return outcomes
+
+    async def retrieve(
+        self,
+        engine_id: str,
+        keys: Sequence[ObjectKey],
+        blocks: list[list[int]],
+        chunk_tokens: int,
+        nbytes: int,
+        skip_first_n_tokens: int,
+        release_mask: Sequence[bool],
+    ) -> int:
+        """Scatter the resident prefix of ``keys`` into the engine; chunks copied."""
+        results = self.manager.reserve_read(keys, 1) if keys else []
+        prefix = 0
+        while prefix < len(keys) and results[prefix] is L1Result.SUCCESS:
+            prefix += 1
+        locked = [k for k, r in zip(keys, results, strict=True) if r is L1Result.SUCCESS]
+        try:
+            objects = self.manager.unsafe_read(keys[:prefix])
+            usable = 0
+            while usable < prefix and objects.get(keys[usable]) is not None:
+                if objects[keys[usable]].size != nbytes:
+                    logger.warning(
+                        "object %s holds %d bytes, the engine's chunk is %d; treating as a miss",
+                        keys[usable].describe(),
+                        objects[keys[usable]].size,
+                        nbytes,
+                    )
+                    break
+                usable += 1
+            if usable:
+                await self.run(
+                    functools.partial(
+                        self.transfer.scatter_chunks,
+                        engine_id,
+                        blocks[:usable],
+                        [chunk_tokens] * usable,
+                        [objects[k].view() for k in keys[:usable]],
+                        skip_first_n_tokens,
+                    )
+                )
+        finally:
+            self.manager.finish_read(locked, 1)
+            flagged = [k for k, flag in zip(keys, release_mask, strict=False) if flag]
+            if flagged:
+                self.manager.finish_read(flagged, 1)
+        if usable:
+            # A served chunk is a use: refresh its LRU recency and report ACCESS, so the
+            # coordinator's access counts follow real reuse.
+            self.manager.touch(keys[:usable])
+        return usable
+
+    async def run(self, copy: Callable[[], T]) -> T:
+        """Run a copy on the copy executor; return only once it no longer touches memory.
+
+        A copy cannot be interrupted: a caller cancelled meanwhile still waits
+        for it (then re-raises), so the L1 objects and locks it uses are never
+        given back under it.
+        """
+        future = asyncio.get_running_loop().run_in_executor(self._copies, copy)
+        cancelled = False
+        while not future.done():
+            try:
+                await asyncio.wait([future])
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            if not future.cancelled():
+                future.exception()  # retrieved: nobody is left to report it to
+            raise asyncio.CancelledError
+        return future.result()
+
+    def close(self) -> None:
+        """Stop the copy executor if this made it (the app closes the one it passed in).
+
+        Waits for running copies.
+        """
+        if self._owns_copies:
+            self._copies.shutdown(wait=True)

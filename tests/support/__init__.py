@@ -1,0 +1,1 @@
+"""Support shared by the whole suite: real servers, service threads, waiting, fakes."""
