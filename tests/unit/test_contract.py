@@ -36,6 +36,12 @@ SERVICES = {
         "kvmesh.storage.servicer:StorageServicer",
         "kvmesh.storage.client:StorageClient",
     ),
+    "kvmesh.storage.v1.PeerService": (
+        "kvmesh/storage/v1/peer.proto",
+        "kvmesh.api.storage.v1.peer_pb2",
+        "kvmesh.storage.peers.servicer:PeerServicer",
+        "kvmesh.storage.peer_client:PeerClient",
+    ),
     "kvmesh.coordinator.v1.EventIngestService": (
         "kvmesh/coordinator/v1/ingest.proto",
         "kvmesh.api.coordinator.v1.ingest_pb2",
@@ -173,6 +179,8 @@ def test_no_rpc_carries_opaque_encoded_bytes() -> None:
         "event_handle",
         "producer_event_handle",
         "completion_event_handle",
+        # Raw KV bytes of one P2P frame (ChunkFrame.data), not an encoding.
+        "data",
     }
     for _, module, _, _ in SERVICES.values():
         pb2 = importlib.import_module(module)

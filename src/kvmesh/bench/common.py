@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
+import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -27,3 +30,21 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         self.loop.close()
+
+
+def bench_main(
+    doc: str | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    format_table: Callable[[dict[str, Any]], str],
+    argv: list[str] | None = None,
+) -> None:
+    """``python -m kvmesh.bench.<name> [--json]``: the same options as ``kvmesh bench <name>``."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    add_arguments(parser)
+    if not any(a.dest == "json" for a in parser._actions):
+        parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    result = run(args)
+    print(json.dumps(result, indent=2) if args.json else format_table(result))

@@ -32,6 +32,7 @@ import grpc
 import torch
 
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.cli import fleetfile
 from kvmesh.cli.fleet import Fleet, FleetOptions
 from kvmesh.common.config import ConfigError, parse_size
 from kvmesh.engine import Engine, EngineConfig, ModelConfig, RequestOutput, blocks_needed
@@ -40,6 +41,7 @@ from kvmesh.gateway.client import GatewayClient
 logger = logging.getLogger(__name__)
 
 BLOCK_SIZE = 16
+DEFAULT_ENGINE_DIR = "/dev/shm"
 DECODE_TOKENS = 4
 
 
@@ -102,7 +104,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="ADDR",
         default=None,
         help="use this running gateway (host:port, unix:path, or lane:path for its local "
-        "lane) instead of starting a local fleet",
+        "lane) instead of starting a local fleet (default: the first gateway of the fleet "
+        f"file a running kvmesh up wrote, {fleetfile.default_path()}, if any)",
+    )
+    p.add_argument(
+        "--own-fleet",
+        action="store_true",
+        help="start a local fleet for the demo even when kvmesh up is running one",
     )
     p.add_argument(
         "--prompt-tokens", type=int, default=8192, help="length of the prompts (default: 8192)"
@@ -126,9 +134,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine-dir",
         metavar="DIR",
-        default="/dev/shm",
+        default=DEFAULT_ENGINE_DIR,
         help="directory of the engine's KV shared-memory file; it must lie inside the storage "
-        "node's --allowed-memory-dir (default: /dev/shm)",
+        "node's --allowed-memory-dir (default: /dev/shm; with a fleet of the demo's own, "
+        "that fleet's directory under /dev/shm)",
     )
     model = p.add_argument_group("model (random weights, seeded)")
     model.add_argument(
@@ -200,11 +209,21 @@ def _prompts(args: argparse.Namespace, vocab: int, shared: int) -> tuple[list[in
 
 
 def _gateway_chunk_size(address: str) -> int:
+    # No wait_for_ready: an address where nothing listens fails at once, naming it.
     with GatewayClient(address) as client:
-        resp = client.get_chunk_size(
-            gateway_pb2.GetChunkSizeRequest(), timeout=10.0, wait_for_ready=True
-        )
+        resp = client.get_chunk_size(gateway_pb2.GetChunkSizeRequest(), timeout=10.0)
     return int(resp.chunk_size)
+
+
+def _running_gateway() -> tuple[str, str] | None:
+    """The first gateway of the fleet ``kvmesh up`` is running (fleet file), and the file."""
+    fleet = fleetfile.load()
+    nodes = (fleet or {}).get("nodes") or []
+    if not nodes:
+        return None
+    # Same host as the fleet: its local lane when it has one.
+    gateway = nodes[0].get("gateway_lane") or nodes[0].get("gateway")
+    return (str(gateway), str(fleetfile.default_path())) if gateway else None
 
 
 def _figures(out: RequestOutput) -> dict[str, Any]:
@@ -345,6 +364,11 @@ def run_demo(args: argparse.Namespace) -> int:
     _model_config(args)
     progress = Progress(sys.stderr, enabled=not args.no_progress)
     fleet: Fleet | None = None
+    if args.gateway is None and not args.own_fleet:
+        running = _running_gateway()
+        if running is not None:
+            args.gateway = running[0]
+            progress.phase(f"using the fleet of {running[1]} (gateway {running[0]})")
     try:
         if args.gateway is None:
             progress.phase("starting a local fleet (coordinator, storage, gateway)")
@@ -353,13 +377,19 @@ def run_demo(args: argparse.Namespace) -> int:
             fleet.start()
             # The engine runs on the fleet's host: it dials the gateway's local lane.
             gateway = fleet.endpoint("node-0-gateway", "lane")
+            if args.engine_dir == DEFAULT_ENGINE_DIR:
+                # Inside the fleet's own directory: removed with the fleet, even when
+                # this process is killed (the fleet's reaper removes the directory).
+                args.engine_dir = str(fleet.shm_dir)
         else:
             gateway = args.gateway
         chunk = _gateway_chunk_size(gateway)
         result = _run(args, gateway, chunk, progress, fleet is not None)
     except (RuntimeError, grpc.RpcError) as exc:
         progress.done()
-        detail = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        # A client error names the hop it could not reach (kvmesh.rpc.client.located).
+        call = isinstance(exc, grpc.Call)
+        detail = f"{exc.code().name}: {exc.details()}" if call else str(exc)  # type: ignore[union-attr]
         print(f"kvmesh demo: error: {detail}", file=sys.stderr)
         return 1
     finally:

@@ -7,7 +7,14 @@ order (coordinator, then storages, then gateways), prints every endpoint and
 then waits. On Ctrl-C or SIGTERM it stops the children in reverse order
 (SIGTERM, then SIGKILL after a grace period) and removes what they left: ready
 files, unix sockets, the storage nodes' shared-memory segments and, unless
-``--data-dir`` was given, the data directory. Exit status 0.
+``--data-dir`` was given, the data directory. Exit status 0. SIGHUP (a closed
+terminal) stops it the same way.
+
+Nothing outlives ``up`` when it dies without stopping (SIGKILL): every child
+stops on its parent's death (kvmesh.cli.startup.follow_parent) and the
+fleet's reaper removes the directories (kvmesh.cli.reaper). Once ready,
+``up`` writes the fleet file (kvmesh.cli.fleetfile) that ``kvmesh status``,
+``demo`` and ``bench`` read by default.
 
 Embedded defaults need no external server: L2 is a directory on local disk.
 """
@@ -20,6 +27,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvmesh.cli import fleetfile
+from kvmesh.cli.reaper import PIDS_NAME, FleetLock, reclaim_abandoned, spawn_reaper, stop_reaper
+from kvmesh.cli.startup import PARENT_ENV
+from kvmesh.cli.traces import checked_trace_file
 from kvmesh.common.config import ConfigError, parse_size
+from kvmesh.common.telemetry import TRACE_FILE_ENV, TRACING_HELP
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 @dataclass
@@ -63,6 +78,14 @@ class FleetOptions:
     extra_storage_args: list[str] = field(default_factory=list)
     extra_gateway_args: list[str] = field(default_factory=list)
     extra_coordinator_args: list[str] = field(default_factory=list)
+    # Passed to the services: L2 adapters (storage), a YAML file and a log level (all).
+    l2: list[str] = field(default_factory=list)
+    config: Path | None = None
+    log_level: str | None = None
+    # Where to write the fleet file once ready (None: write none, as kvmesh demo's own fleet).
+    fleet_file: Path | None = None
+    # Every service appends its spans here as JSON lines (KVMESH_TRACE_FILE).
+    trace_file: Path | None = None
 
 
 class Fleet:
@@ -71,18 +94,26 @@ class Fleet:
     def __init__(self, options: FleetOptions) -> None:
         self.options = options
         self._owns_data_dir = options.data_dir is None
-        self.data_dir = options.data_dir or Path(tempfile.mkdtemp(prefix="kvmesh-fleet-"))
+        # The owner's pid in the names: an operator (or a test) sees whose they are.
+        tag = f"kvmesh-fleet-{os.getpid()}-"
+        self.data_dir = options.data_dir or Path(tempfile.mkdtemp(prefix=tag))
         self.run_dir = self.data_dir / "run"
         self.log_dir = self.data_dir / "logs"
         self.children: list[Child] = []
         # A shared-memory directory of its own, so fleets on one host never collide
         # and everything the nodes map is removed with one rmtree.
-        self.shm_dir = Path("/dev/shm") / f"kvmesh-fleet-{uuid.uuid4().hex[:12]}"
+        self.shm_dir = Path("/dev/shm") / f"{tag}{uuid.uuid4().hex[:12]}"
+        self._lock: FleetLock | None = None
+        self.reaper_pid: int | None = None
 
     def _child(self, name: str, service: str, args: list[str]) -> Child:
         ready = self.run_dir / f"{name}.ready.json"
         log = None if self.options.verbose else self.log_dir / f"{name}.log"
         common = ["--host", self.options.host, "--port", "0", "--metrics-port", "0"]
+        if self.options.config is not None:
+            common += ["--config", str(self.options.config)]
+        if self.options.log_level:
+            common += ["--log-level", self.options.log_level]
         return Child(name, service, [*common, "--ready-file", str(ready), *args], ready, log)
 
     def _spawn(self, child: Child) -> None:
@@ -92,12 +123,25 @@ class Fleet:
             out = child.log_file.open("ab")
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.options.trace_file is not None:
+            env[TRACE_FILE_ENV] = str(self.options.trace_file)
+        # The child stops when this process dies, however it dies (SIGKILL included).
+        env[PARENT_ENV] = str(os.getpid())
+        assert self._lock is not None
+        assert self._lock.fd is not None
         child.process = subprocess.Popen(
-            cmd, stdout=out, stderr=out if out is not None else None, env=env
+            cmd,
+            stdout=out,
+            stderr=out if out is not None else None,
+            env=env,
+            # The fleet lock: held while any process of the fleet lives (see reaper).
+            pass_fds=(self._lock.fd,),
         )
         if out is not None:
             out.close()
         self.children.append(child)
+        pids = [c.process.pid for c in self.children if c.process is not None]
+        (self.shm_dir / PIDS_NAME).write_text(json.dumps(pids))
 
     def _wait_ready(self, children: list[Child]) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s
@@ -109,9 +153,15 @@ class Fleet:
                     child.endpoints = json.loads(child.ready_file.read_text())
                     pending.remove(child)
                 elif child.process.poll() is not None:
-                    raise RuntimeError(
+                    reason = (
                         f"{child.name} exited with status {child.process.returncode} during "
                         f"start-up{self._log_tail(child)}"
+                    )
+                    # Status 2 is a setting the child refused: the operator's to fix.
+                    raise (
+                        ConfigError(reason)
+                        if child.process.returncode == 2
+                        else RuntimeError(reason)
                     )
             if pending and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
@@ -123,16 +173,31 @@ class Fleet:
     def _log_tail(child: Child) -> str:
         if child.log_file is None or not child.log_file.exists():
             return ""
-        lines = child.log_file.read_text(errors="replace").strip().splitlines()[-5:]
-        return "; last log lines:\n  " + "\n  ".join(lines) if lines else ""
+        lines = child.log_file.read_text(errors="replace").strip().splitlines()
+        # The child's own one-line reason is its last line; the whole log stays on disk.
+        return f": {lines[-1].strip()} (log: {child.log_file})" if lines else ""
 
     def start(self) -> None:
         """Start every service in dependency order; raises RuntimeError if one fails."""
+        # What fleets with no live process left behind (a SIGKILL, a lost reaper).
+        reclaim_abandoned()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.shm_dir.mkdir(mode=0o700)
         opts = self.options
+        # Gateway ports held from their storage node's start to their own (see below).
+        reserved: list[socket.socket] = []
         try:
+            self._lock = FleetLock(
+                self.shm_dir,
+                {
+                    "pid": os.getpid(),
+                    "data_dir": str(self.data_dir),
+                    "owns_data_dir": self._owns_data_dir,
+                    "fleet_file": str(opts.fleet_file) if opts.fleet_file else "",
+                },
+            )
+            self.reaper_pid = spawn_reaper(os.getpid(), self.shm_dir)
             coordinator = self._child(
                 "coordinator",
                 "coordinator",
@@ -154,14 +219,24 @@ class Fleet:
                     "--data-dir", str(self.data_dir / node),
                     "--l1-size-bytes", str(opts.l1_size_bytes),
                     "--shm-dir", str(self.shm_dir),
+                    *(arg for l2 in opts.l2 for arg in ("--l2", l2)),
                     *opts.extra_storage_args,
                 ]  # fmt: skip
+                if opts.host in ("0.0.0.0", "::"):
+                    # Peers (P2P) dial what a node advertises; this fleet's nodes are local.
+                    storage_args += ["--advertise-address", "127.0.0.1"]
                 if opts.colocated:
                     # One process per node: storage and gateway, linked in-process.
                     args = [*storage_args, "--chunk-size", str(opts.chunk_size), *self._lane(i)]
                     child = self._child(node, "node", [*args, *opts.extra_gateway_args])
                 else:
                     storage_lane = ["--lane-socket", str(self.shm_dir / f"{node}-storage.lane")]
+                    # The gateway's port, held until it starts, so that the storage node
+                    # registers the gateway's address with the coordinator (ListInstances).
+                    reserved.append(_reserve_port(opts.host))
+                    shown = f"[{opts.host}]" if ":" in opts.host else opts.host
+                    gateway_address = f"{shown}:{reserved[-1].getsockname()[1]}"
+                    storage_lane += ["--gateway-address", gateway_address]
                     child = self._child(
                         f"{node}-storage", "storage", [*storage_args, *storage_lane]
                     )
@@ -169,9 +244,12 @@ class Fleet:
                 storages.append(child)
             self._wait_ready(storages)
             if opts.colocated:
+                self._write_fleet_file()
                 return
             gateways = []
             for i, storage in enumerate(storages):
+                port = reserved[i].getsockname()[1]
+                reserved[i].close()  # the gateway binds it next
                 gateway = self._child(
                     f"node-{i}-gateway",
                     "gateway",
@@ -180,15 +258,23 @@ class Fleet:
                         "--storage-target", storage.endpoints["lane"],
                         "--chunk-size", str(opts.chunk_size),
                         *self._lane(i),
+                        "--port", str(port),
                         *opts.extra_gateway_args,
                     ],
                 )  # fmt: skip
                 self._spawn(gateway)
                 gateways.append(gateway)
             self._wait_ready(gateways)
+            self._write_fleet_file()
         except BaseException:
+            for sock in reserved:
+                sock.close()
             self.stop()
             raise
+
+    def _write_fleet_file(self) -> None:
+        if self.options.fleet_file is not None:
+            fleetfile.write(self.options.fleet_file, fleetfile.record(self))
 
     def _lane(self, node: int) -> list[str]:
         """Flags giving node ``node``'s gateway its local lane, in the fleet's private dir."""
@@ -234,9 +320,16 @@ class Fleet:
         for child in self.children:
             with contextlib.suppress(FileNotFoundError):
                 child.ready_file.unlink()
+        if self.options.fleet_file is not None:
+            fleetfile.remove(self.options.fleet_file, os.getpid())
         shutil.rmtree(self.shm_dir, ignore_errors=True)
         if self._owns_data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+        if self._lock is not None:
+            self._lock.release()
+        if self.reaper_pid is not None:
+            stop_reaper(self.reaper_pid)  # this fleet cleaned up itself
+            self.reaper_pid = None
         self.children = []
 
     def alive(self) -> list[str]:
@@ -272,11 +365,67 @@ def add_up_command(sub: Any) -> None:
     p.add_argument(
         "--verbose", action="store_true", help="show the services' logs here instead of in files"
     )
+    p.add_argument(
+        "--l2",
+        action="append",
+        default=None,
+        metavar="L2",
+        help="L2 adapter of every node, repeatable in priority order: disk (the default), "
+        'none, or JSON such as \'{"type": "redis", "url": "redis://127.0.0.1:6379"}\' '
+        "(redis needs pip install 'kvmesh[redis]', s3 'kvmesh[s3]', nixl 'kvmesh[nixl]')",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="YAML settings file given to every service (one section per service: "
+        "coordinator:, storage:, gateway:, node:)",
+    )
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        default=None,
+        choices=LOG_LEVELS,
+        help="log level of every service (default: INFO)",
+    )
+    p.add_argument(
+        "--fleet-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write the fleet's addresses here once it is up; kvmesh status, demo and bench "
+        f"read it by default (default: ${fleetfile.FLEET_FILE_ENV}, else "
+        f"{fleetfile.default_path()})",
+    )
+    p.add_argument(
+        "--trace-file",
+        type=Path,
+        default=None,
+        help="append every service's spans to this file, one JSON line each (read it with "
+        "kvmesh traces FILE [TRACE_ID]); the OTEL_* variables below also reach every service",
+    )
+    p.epilog = TRACING_HELP
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.set_defaults(handler=run_up)
+
+
+def _reserve_port(host: str) -> socket.socket:
+    """A socket bound to a free port of ``host`` (no SO_REUSEADDR: nobody else can bind it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"cannot find a free port on {host}: {exc.strerror or exc}") from exc
+    return sock
 
 
 def run_up(args: argparse.Namespace) -> int:
     """``kvmesh up``: start the fleet, print endpoints, wait for a signal, stop."""
+    from kvmesh.cli.preflight import check_settings
+
     if args.nodes < 1:
         raise ConfigError("--nodes must be >= 1")
     options = FleetOptions(
@@ -286,15 +435,22 @@ def run_up(args: argparse.Namespace) -> int:
         l1_size_bytes=parse_size(args.l1_size),
         chunk_size=args.chunk_size,
         verbose=args.verbose,
+        trace_file=checked_trace_file(args.trace_file),
         colocated=args.colocated,
+        l2=args.l2 or [],
+        config=args.config.resolve() if args.config else None,
+        log_level=args.log_level,
+        fleet_file=(args.fleet_file or fleetfile.default_path()).resolve(),
     )
+    check_settings(options)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # SIGHUP: the terminal was closed; stop the same clean way.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     fleet = Fleet(options)
     try:
         fleet.start()
@@ -305,7 +461,14 @@ def run_up(args: argparse.Namespace) -> int:
     for line in fleet.describe():
         print(line, flush=True)
     print(f"  shared memory in {fleet.shm_dir}", flush=True)
-    print(f"  data and logs in {fleet.data_dir}  (Ctrl-C to stop)", flush=True)
+    if options.trace_file is not None:
+        print(f"  spans in {options.trace_file}  (one JSON line each)", flush=True)
+    print(f"  data and logs in {fleet.data_dir}", flush=True)
+    print(
+        f"  fleet file {options.fleet_file}  (kvmesh status, demo and bench use it; "
+        "Ctrl-C to stop)",
+        flush=True,
+    )
     try:
         while not stop.wait(0.5):
             gone = [c.name for c in fleet.children if c.process and c.process.poll() is not None]

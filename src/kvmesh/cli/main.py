@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from kvmesh.common.config import ConfigError, add_config_arguments, describe, resolve
-from kvmesh.common.telemetry import configure_logging
+from kvmesh.cli.startup import StartupLogs, follow_parent, one_line, reserve_port
+from kvmesh.common.config import add_config_arguments, describe, resolve
+from kvmesh.common.telemetry import TRACING_HELP, configure_logging
 from kvmesh.rpc.server import ServerSettings, ServiceApp, create_server, run_until_signalled
 
 logger = logging.getLogger(__name__)
@@ -73,27 +74,44 @@ SERVICES: list[ServiceCommand] = [
 ]
 
 
-async def _serve(settings: ServerSettings, factory: Callable[[Any], ServiceApp]) -> None:
-    app = factory(settings)
+async def _serve(
+    settings: ServerSettings, factory: Callable[[Any], ServiceApp], logs: StartupLogs
+) -> None:
+    settings, reservation = reserve_port(settings)
     try:
-        server = create_server(settings, app)
-    except BaseException:
-        # Nothing will serve: give back what building the app took (a storage
-        # node's shared-memory segments would otherwise outlive the process).
-        discard = getattr(app, "discard", None)
-        if callable(discard):
-            await discard()
-        raise
+        app = factory(settings)
+        try:
+            server = create_server(settings, app)
+        except BaseException:
+            # Nothing will serve: give back what building the app took (a storage
+            # node's shared-memory segments would otherwise outlive the process).
+            discard = getattr(app, "discard", None)
+            if callable(discard):
+                await discard()
+            raise
+    finally:
+        if reservation is not None:
+            reservation.close()
+    logs.release()
     await run_until_signalled(server)
 
 
 def run_service(command: ServiceCommand, settings: ServerSettings) -> int:
-    """Run one service in this process until SIGTERM/SIGINT."""
+    """Run one service in this process until SIGTERM/SIGINT/SIGHUP.
+
+    Raises what a failed start raised (the caller turns it into one line);
+    the log records of a failed start are not printed (unless at DEBUG).
+    """
+    follow_parent()
     configure_logging(command.name, settings.log_level)
     for line in describe(settings):
         logger.debug("config: %s", line)
-    factory = command.load(command.app)
-    asyncio.run(_serve(settings, factory))
+    logs = StartupLogs(show_on_failure=settings.log_level.upper() == "DEBUG")
+    try:
+        factory = command.load(command.app)
+        asyncio.run(_serve(settings, factory, logs))
+    finally:
+        logs.drop()
     return 0
 
 
@@ -111,6 +129,7 @@ BENCHES = {
         "kvmesh.bench.lookup",
         "gateway lookup p50/p99 of a 32-chunk prefix in L1, empty RTT",
     ),
+    "p2p": ("kvmesh.bench.p2p", "node B fetching node A's 32 MiB chunks over P2P vs loopback TCP"),
 }
 
 
@@ -135,17 +154,43 @@ def run_bench(argv: Sequence[str]) -> int:
     names.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
     if not argv or argv[0] in ("-h", "--help"):
         names.parse_args(argv or ["--help"])
-    chosen = names.parse_args(argv[:1])
+    # The name may come after options (``kvmesh bench --json lookup``): the first
+    # word that names a benchmark is the name, everything else its options.
+    at = next((i for i, word in enumerate(argv) if word in BENCHES), None)
+    if at is None:
+        word = next((w for w in argv if not w.startswith("-")), None)
+        names.error(
+            f"argument name: invalid choice: {word!r} (choose from {', '.join(sorted(BENCHES))})"
+            if word is not None
+            else "the following arguments are required: name"
+        )
+    chosen = names.parse_args([argv[at]])
+    argv = [*argv[:at], *argv[at + 1 :]]
     module_name, help_text = BENCHES[chosen.name]
     module = importlib.import_module(module_name)
     parser = OneLineParser(prog=f"kvmesh bench {chosen.name}", description=help_text)
     module.add_arguments(parser)
+    _fleet_defaults(parser)
     if not any(a.dest == "json" for a in parser._actions):
         parser.add_argument("--json", action="store_true", help="print one JSON object")
-    options = parser.parse_args(argv[1:])
+    options = parser.parse_args(argv)
     result = module.run(options)
     print(json.dumps(result, indent=2) if options.json else module.format_table(result))
     return 0
+
+
+def _fleet_defaults(parser: argparse.ArgumentParser) -> None:
+    """A benchmark's --gateway/--coordinator default to the running fleet (its fleet file)."""
+    from kvmesh.cli import fleetfile
+
+    fleet = fleetfile.load()
+    if fleet is None:
+        return
+    nodes = fleet.get("nodes") or [{}]
+    found = {"gateway": nodes[0].get("gateway"), "coordinator": fleet.get("coordinator")}
+    for action in parser._actions:
+        if found.get(action.dest) and action.default is None:
+            action.default = found[action.dest]
 
 
 def run_demo(argv: Sequence[str]) -> int:
@@ -177,13 +222,21 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--version", action="version", version=f"kvmesh {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for command in SERVICES:
-        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        p = sub.add_parser(
+            command.name,
+            help=command.help,
+            description=command.help,
+            epilog=TRACING_HELP,  # the OTEL_* variables every service reads
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         add_config_arguments(p, command.load(command.config), command.name)
     from kvmesh.cli import fleet
     from kvmesh.cli.status import add_status_command
+    from kvmesh.cli.traces import add_traces_command
 
     fleet.add_up_command(sub)
     add_status_command(sub)
+    add_traces_command(sub)
     sub.add_parser(
         "demo",
         help="drive a small real transformer through a local fleet: TTFT cold vs warm",
@@ -193,19 +246,34 @@ def build_parser() -> OneLineParser:
     return parser
 
 
+def _fail(command: str, exc: BaseException) -> int:
+    """Print a failed start's one line (exit 2), or re-raise a bug with its traceback."""
+    reason = one_line(exc)
+    if reason is None:
+        raise exc
+    print(f"kvmesh {command}: error: {reason}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvmesh`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DEFERRED:
         try:
             return DEFERRED[argv[0]](argv[1:])
-        except ConfigError as exc:
-            print(f"kvmesh {argv[0]}: error: {exc}", file=sys.stderr)
-            return 2
         except KeyboardInterrupt:
             return 130
+        except Exception as exc:
+            return _fail(argv[0], exc)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # Named after the command, like its other errors (argparse would say "kvmesh").
+        parser.exit(
+            2,
+            f"kvmesh {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
+            f"(see kvmesh {args.command} --help)\n",
+        )
     try:
         for command in SERVICES:
             if args.command == command.name:
@@ -216,11 +284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return run_service(command, settings)
         handler: Callable[[argparse.Namespace], int] = args.handler
         return handler(args)
-    except ConfigError as exc:
-        print(f"kvmesh {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        return _fail(args.command, exc)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ coordinator's gRPC APIs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -21,9 +22,11 @@ from google.protobuf import json_format
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.coordinator.v1 import admin_pb2, directory_pb2, membership_pb2, policy_pb2
+from kvmesh.cli import fleetfile
 from kvmesh.coordinator.client import AdminClient, DirectoryClient, MembershipClient, PolicyClient
 from kvmesh.rpc.client import create_channel
 
+DEFAULT_COORDINATOR = "127.0.0.1:8300"
 TIER_NAMES = {common_pb2.TIER_L1: "L1", common_pb2.TIER_L2: "L2"}
 
 
@@ -247,35 +250,132 @@ def add_status_command(sub: Any) -> None:
     )
     p.add_argument(
         "--coordinator",
-        default=os.environ.get("KVMESH_COORDINATOR", "127.0.0.1:8300"),
-        help="coordinator address (default: $KVMESH_COORDINATOR or 127.0.0.1:8300)",
+        default=None,
+        help="coordinator address (default: $KVMESH_COORDINATOR, else the fleet file of a "
+        f"running kvmesh up ({fleetfile.default_path()}), else {DEFAULT_COORDINATOR})",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default: 5)")
     p.set_defaults(handler=run_status)
 
 
+def _coordinator(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
+    """The coordinator to ask, where that address came from, and the running fleet's file."""
+    fleet = fleetfile.load()
+    if args.coordinator:
+        return args.coordinator, "--coordinator", fleet
+    if os.environ.get("KVMESH_COORDINATOR"):
+        return os.environ["KVMESH_COORDINATOR"], "$KVMESH_COORDINATOR", fleet
+    if fleet is not None and fleet.get("coordinator"):
+        return str(fleet["coordinator"]), f"fleet file {fleetfile.default_path()}", fleet
+    return DEFAULT_COORDINATOR, f"the default; {fleetfile.describe()}", fleet
+
+
+def node_links(fleet: dict[str, Any] | None, timeout: float) -> list[dict[str, Any]]:
+    """Each storage node of the fleet file: whether its link to the coordinator is up.
+
+    Asked of the nodes themselves (StorageService/GetStatus), so it shows even
+    when the coordinator cannot be reached.
+    """
+    from kvmesh.api.storage.v1 import storage_pb2
+    from kvmesh.storage.client import StorageClient
+
+    async def ask(name: str, target: str) -> dict[str, Any]:
+        client = StorageClient(target)
+        try:
+            resp = await client.get_status(storage_pb2.GetStatusRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            return {"node": name, "storage": target, "reachable": False, "error": exc.details()}
+        finally:
+            await client.close()
+        linked = resp.HasField("emitter")
+        return {
+            "node": name,
+            "storage": target,
+            "reachable": True,
+            "instance_id": resp.instance_id,
+            "coordinator_connected": bool(resp.emitter.connected) if linked else None,
+            "unacked_batches": int(resp.emitter.unacked_batches) if linked else 0,
+            "p2p": json_format.MessageToDict(
+                resp.p2p,
+                always_print_fields_with_no_presence=True,
+                preserving_proto_field_name=True,
+            ),
+        }
+
+    async def ask_all() -> list[dict[str, Any]]:
+        nodes = (fleet or {}).get("nodes") or []
+        return list(
+            await asyncio.gather(*(ask(n["name"], n["storage"]) for n in nodes if n.get("storage")))
+        )
+
+    return asyncio.run(ask_all())
+
+
+def render_links(links: list[dict[str, Any]]) -> str:
+    """The nodes' view of their coordinator link, as a table."""
+    rows = []
+    for link in links:
+        if not link["reachable"]:
+            state = f"node NOT reachable: {link['error']}"
+        elif link["coordinator_connected"] is None:
+            state = "no coordinator configured"
+        elif link["coordinator_connected"]:
+            state = "connected"
+        else:
+            state = f"NOT connected ({link['unacked_batches']} event batches waiting)"
+        rows.append([link["node"], link["storage"], state, _p2p_cell(link.get("p2p"))])
+    return table(
+        ["node", "storage", "coordinator link (as the node sees it)", "P2P in / out"], rows
+    )
+
+
+def _p2p_cell(p2p: dict[str, Any] | None) -> str:
+    """A node's P2P traffic: chunks and bytes fetched from / served to peers, the transport."""
+    if not p2p:
+        return "-"
+    fetched = f"{int(p2p['fetched_chunks'])} ({_bytes(int(p2p['fetched_bytes']))})"
+    served = f"{int(p2p['served_chunks'])} ({_bytes(int(p2p['served_bytes']))})"
+    state = p2p["transport"] if p2p["enabled"] else f"{p2p['transport']}, fetch off"
+    failures = int(p2p["fetch_failures"])
+    return f"{fetched} / {served} [{state}" + (f", {failures} failed]" if failures else "]")
+
+
 def run_status(args: argparse.Namespace) -> int:
     """Handler of ``kvmesh status``."""
+    target, source, fleet = _coordinator(args)
+    args.coordinator = target
+    links = node_links(fleet, min(args.timeout, 2.0)) if fleet else []
     try:
         data = collect(args.coordinator, args.timeout)
     except grpc.RpcError as exc:
         print(
-            f"kvmesh status: error: cannot reach the coordinator at {args.coordinator}: "
-            f"{exc.code().name}",
+            f"kvmesh status: error: cannot reach the coordinator at {target} (from {source}): "
+            f"{exc.code().name}; give --coordinator ADDR or set KVMESH_COORDINATOR",
             file=sys.stderr,
         )
+        if links:
+            print(render_links(links), file=sys.stderr)
         return 1
     if args.json:
         print(
             json.dumps(
                 {
-                    name: json_format.MessageToDict(msg, always_print_fields_with_no_presence=True)
+                    name: json_format.MessageToDict(
+                        # snake_case throughout, as the .proto files spell the fields.
+                        msg,
+                        always_print_fields_with_no_presence=True,
+                        preserving_proto_field_name=True,
+                    )
                     for name, msg in data.items()
-                },
+                }
+                | ({"nodes": links} if links else {}),
                 indent=2,
             )
         )
     else:
-        print(render(data, args.coordinator))
+        out = render(data, args.coordinator)
+        if links:
+            out += "\n\nNodes of the fleet file\n" + render_links(links)
+        print(out)
     return 0

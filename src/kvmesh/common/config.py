@@ -54,6 +54,8 @@ _SIZE_UNITS = {
 
 C = TypeVar("C")
 
+_KIND_NAMES: dict[Any, str] = {int: "an integer", float: "a number", str: "text", Path: "a path"}
+
 
 class ConfigError(ValueError):
     """A configuration problem, described in one line."""
@@ -66,6 +68,42 @@ def setting(default: Any, help: str, *, flag: str | None = None) -> Any:
         factory = default.copy
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def require_module(module: str) -> None:
+    """Raise ModuleNotFoundError (naming ``module``) when an optional package is missing.
+
+    Settings that need an optional extra call this while they are validated,
+    so the CLI reports the missing package (and the extra that brings it)
+    before anything is built.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+
+
+def check_creatable(name: str, path: str | Path, *, directory: bool = False) -> None:
+    """Raise ConfigError when ``path`` (a file, or a directory) could never be created.
+
+    Checked when settings are validated, before anything is built, and
+    without creating anything: the nearest existing ancestor must be a
+    writable directory on a filesystem that holds files (not /proc or /sys).
+    """
+    target = Path(path).expanduser()
+    if target.exists():
+        if directory and not target.is_dir():
+            raise ConfigError(f"{name} {target} exists and is not a directory")
+        if not directory and target.is_dir():
+            raise ConfigError(f"{name} {target} is a directory, not a file")
+        return
+    ancestor = target.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{name} {target}: {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK) or os.statvfs(ancestor).f_blocks == 0:
+        raise ConfigError(f"{name} {target}: cannot create it under {ancestor}")
 
 
 def parse_size(text: str | int | float) -> int:
@@ -104,7 +142,10 @@ def convert(name: str, tp: Any, value: Any) -> Any:
         return None
     try:
         if name.endswith("_bytes") and inner is int:
-            return parse_size(value)
+            try:
+                return parse_size(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{name}: {exc}") from None
         if inner is bool:
             if isinstance(value, bool):
                 return value
@@ -148,9 +189,8 @@ def convert(name: str, tp: Any, value: Any) -> Any:
     except ConfigError:
         raise
     except (TypeError, ValueError, json.JSONDecodeError) as exc:
-        raise ConfigError(
-            f"{name}: cannot read {value!r} as {getattr(inner, '__name__', inner)}"
-        ) from exc
+        kind = _KIND_NAMES.get(inner, getattr(inner, "__name__", str(inner)))
+        raise ConfigError(f"{name}: cannot read {value!r} as {kind}") from exc
     raise ConfigError(f"{name}: unsupported setting type {tp!r}")
 
 
@@ -260,25 +300,40 @@ def resolve(
     if yaml_path is None and environ.get(f"{ENV_PREFIX}CONFIG"):
         yaml_path = Path(environ[f"{ENV_PREFIX}CONFIG"])
     values: dict[str, Any] = {}
+    # Where each value came from, so a bad one is reported as the operator wrote it.
+    origin: dict[str, str] = {}
     if yaml_path is not None:
         from_yaml = load_yaml(yaml_path, service)
         unknown = sorted(set(from_yaml) - set(fields))
         if unknown:
-            raise ConfigError(f"config file {yaml_path}: unknown setting(s) {', '.join(unknown)}")
+            raise ConfigError(
+                f"config file {yaml_path}: unknown setting(s) {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(fields))})"
+            )
         values.update(from_yaml)
+        origin.update({name: f"config file {yaml_path}: {name}" for name in from_yaml})
     for name in fields:
         env_value = environ.get(env_name(service, name))
         if env_value is not None:
             values[name] = env_value
+            origin[name] = f"environment variable {env_name(service, name)}"
     for source in (flags or {}, overrides or {}):
         for name, value in source.items():
             if name not in fields:
                 raise ConfigError(f"unknown setting {name!r}")
             if value is not None:
                 values[name] = value
-    converted = {
-        name: convert(name, _field_type(cls, fields[name]), value) for name, value in values.items()
-    }
+                origin[name] = flag_name(fields[name])
+    converted = {}
+    for name, value in values.items():
+        try:
+            converted[name] = convert(name, _field_type(cls, fields[name]), value)
+        except ConfigError as exc:
+            where = origin.get(name, name)
+            message = str(exc)
+            if where != name and message.startswith(f"{name}: "):
+                message = f"{where}: {message[len(name) + 2 :]}"
+            raise ConfigError(message) from exc
     try:
         config = cls(**converted)
     except TypeError as exc:

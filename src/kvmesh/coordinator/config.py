@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmesh.common.config import ConfigError, setting
+from kvmesh.common.config import ConfigError, check_creatable, require_module, setting
 from kvmesh.rpc.server import ServerSettings
 
 DEFAULT_PORT = 8300
@@ -73,3 +73,8 @@ class CoordinatorConfig(ServerSettings):
             raise ConfigError("token_binding_capacity must be >= 0")
         if not self.nats_stream or any(c in self.nats_stream for c in ".*> /\\"):
             raise ConfigError("nats_stream must be a JetStream stream name (no '.', '*', '>', ' ')")
+        if self.nats_url:
+            require_module("nats")
+        for name in ("checkpoint_path", "metadata_path"):
+            if getattr(self, name):
+                check_creatable(name, getattr(self, name))

@@ -1,16 +1,24 @@
-"""The gateway as a service: core + servicer + storage link + background sweeps."""
+"""The gateway as a service: core + servicer + storage link + background sweeps.
+
+Health tells the truth about the storage link: a stand-alone gateway probes
+its storage node (a cheap ListQuotas) every ``storage_check_seconds`` and
+reports ``NOT_SERVING`` for GatewayService (and so for the whole server)
+while the node cannot be reached, logging the change once each way, so a
+probe never routes engines to a gateway that can only answer misses.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 from prometheus_client.registry import Collector
 
 from kvmesh.api.gateway.v1 import gateway_pb2_grpc
+from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.gateway.config import GatewayConfig, GatewaySettings
 from kvmesh.gateway.core import Gateway, NodeStorage
 from kvmesh.gateway.link import GrpcNodeStorage
@@ -140,6 +148,10 @@ class GatewayApp:
             hash_memo_entries=config.hash_memo_entries,
         )
         self._sweeper: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None
+        self._report: Callable[[str, bool], None] | None = None
+        #: Whether the storage node answered the latest probe (None: not probed yet).
+        self.storage_reachable: bool | None = None
 
     def bindings(self) -> Sequence[ServiceBinding]:
         servicer = GatewayServicer(self.core)
@@ -154,6 +166,57 @@ class GatewayApp:
 
     async def start(self) -> None:
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="gateway-sweeper")
+        if self.storage_client is not None:
+            await self.check_storage()
+            self._prober = asyncio.create_task(self._probe_loop(), name="gateway-storage-probe")
+
+    def watch_health(self, report: Callable[[str, bool], None]) -> None:
+        """Called by the server once: ``report(service, serving)`` on every change."""
+        self._report = report
+        if self.storage_reachable is False:
+            report(SERVICE_NAME, False)
+
+    async def check_storage(self) -> bool:
+        """Probe the storage node once; log and report a change. Returns reachability."""
+        assert self.storage_client is not None
+        assert isinstance(self.config, GatewayConfig)
+        timeout = max(0.5, min(self.config.storage_check_seconds, 5.0))
+        error = ""
+        try:
+            await self.storage_client.list_quotas(storage_pb2.ListQuotasRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            code = exc.code() if callable(getattr(exc, "code", None)) else None
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                details = exc.details() if callable(getattr(exc, "details", None)) else ""
+                error = str(details or code)
+        reachable = not error
+        if reachable != self.storage_reachable:
+            if reachable:
+                if self.storage_reachable is not None:
+                    logger.info(
+                        "storage node at %s is reachable again; GatewayService is SERVING",
+                        self.config.storage_target,
+                    )
+            else:
+                logger.warning(
+                    "storage node at %s is unreachable (%s); GatewayService reports NOT_SERVING "
+                    "until it answers",
+                    self.config.storage_target,
+                    error,
+                )
+            self.storage_reachable = reachable
+            if self._report is not None:
+                self._report(SERVICE_NAME, reachable)
+        return reachable
+
+    async def _probe_loop(self) -> None:
+        assert isinstance(self.config, GatewayConfig)
+        while True:
+            await asyncio.sleep(self.config.storage_check_seconds)
+            try:
+                await self.check_storage()
+            except Exception:
+                logger.exception("probing the storage node failed")
 
     async def _sweep_loop(self) -> None:
         period = max(0.05, min(self.config.session_ttl_seconds / 4, 5.0))
@@ -165,10 +228,11 @@ class GatewayApp:
                 logger.exception("session sweep failed")
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        for task in (self._prober, self._sweeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.core.close()
         if self.storage_client is not None:
             await self.storage_client.close()

@@ -56,6 +56,11 @@ class GatewayConfig(ServerSettings, GatewaySettings):
         "address of this node's storage service (host:port, unix:path, or lane:path for "
         "its local lane)",
     )
+    storage_check_seconds: float = setting(
+        2.0,
+        "how often the storage node is probed; while it does not answer, health reports "
+        "GatewayService NOT_SERVING",
+    )
 
     def validate(self) -> None:
         """Raise ConfigError on unusable settings."""
@@ -63,3 +68,5 @@ class GatewayConfig(ServerSettings, GatewaySettings):
         self.validate_gateway()
         if not self.storage_target:
             raise ConfigError("storage_target must not be empty")
+        if self.storage_check_seconds <= 0:
+            raise ConfigError("storage_check_seconds must be > 0")

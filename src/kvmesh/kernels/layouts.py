@@ -5,6 +5,9 @@ The engine (vLLM) keeps one paged tensor per layer:
 - ``FLASH_ATTN``: ``[2, num_blocks, block_size, kv_heads, head_dim]``
 - ``FLASHINFER``: ``[num_blocks, 2, block_size, kv_heads, head_dim]``
 - ``MLA``:        ``[num_blocks, block_size, head_dim]``
+- ``VLLM_CPU``:   ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; inside one
+  (block, head) K comes first, transposed (``[head_dim][block_size]``), then V
+  (``[block_size][head_dim]``). vLLM's CPU attention backend ("vec" ISA).
 
 The L1 chunk object of ``num_tokens`` tokens is
 ``[kv_size, num_layers, num_tokens, kv_heads * head_dim]`` (token-major,
@@ -39,6 +42,7 @@ class KVLayoutKind(enum.Enum):
     FLASH_ATTN = "flash_attn"
     FLASHINFER = "flashinfer"
     MLA = "mla"
+    VLLM_CPU = "vllm_cpu"
 
     @property
     def kv_size(self) -> int:
@@ -69,6 +73,8 @@ def paged_layer_shape(
         return (2, num_blocks, block_size, kv_heads, head_dim)
     if kind is KVLayoutKind.FLASHINFER:
         return (num_blocks, 2, block_size, kv_heads, head_dim)
+    if kind is KVLayoutKind.VLLM_CPU:
+        return (num_blocks, kv_heads, block_size, 2 * head_dim)
     return (num_blocks, block_size, head_dim)
 
 
@@ -100,7 +106,7 @@ class PagedKVCache:
         first = layers[0]
         if not isinstance(first, torch.Tensor):
             raise InvalidArgument("layers[0] is not a tensor", field="layers")
-        expected_rank = 3 if kind is KVLayoutKind.MLA else 5
+        expected_rank = {KVLayoutKind.MLA: 3, KVLayoutKind.VLLM_CPU: 4}.get(kind, 5)
         if first.dim() != expected_rank:
             raise InvalidArgument(
                 f"{kind.name} layers must have rank {expected_rank}, got shape "
@@ -128,6 +134,14 @@ class PagedKVCache:
                     field="layers",
                 )
             num_blocks, block_size, kv_heads, head_dim = shape[0], shape[2], shape[3], shape[4]
+        elif kind is KVLayoutKind.VLLM_CPU:
+            if shape[3] % 2:
+                raise InvalidArgument(
+                    f"VLLM_CPU layers are [num_blocks, kv_heads, block_size, 2 * head_dim], "
+                    f"got {shape} (odd last dimension)",
+                    field="layers",
+                )
+            num_blocks, kv_heads, block_size, head_dim = shape[0], shape[1], shape[2], shape[3] // 2
         else:
             num_blocks, block_size, head_dim = shape
             kv_heads = 1
@@ -165,6 +179,9 @@ class PagedKVCache:
             self._geometry = _RowGeometry(kv_stride=strides[0], block_stride=strides[1])
         elif kind is KVLayoutKind.FLASHINFER:
             self._geometry = _RowGeometry(kv_stride=strides[1], block_stride=strides[0])
+        elif kind is KVLayoutKind.VLLM_CPU:
+            # Not row-copyable (K is transposed): the ops use strided views instead.
+            self._geometry = _RowGeometry(kv_stride=0, block_stride=strides[0])
         else:
             self._geometry = _RowGeometry(kv_stride=0, block_stride=strides[0])
 

@@ -62,9 +62,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvmesh.kernels import native
+from kvmesh.kernels import native, vllm_cpu
 from kvmesh.kernels._plan import BlockIds, ChunkPlan, plan_chunks
-from kvmesh.kernels.layouts import PagedKVCache
+from kvmesh.kernels.layouts import KVLayoutKind, PagedKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -496,6 +496,10 @@ def gather_chunks(
     block id outside ``[0, num_blocks)``.
     """
     plans = plan_chunks(kv, block_ids, outs, chunks_field="outs")
+    if kv.kind is KVLayoutKind.VLLM_CPU:
+        for plan in plans:
+            vllm_cpu.gather(kv, plan)
+        return
     kernel = _native_kernel(kv)
     gather_one = _gather_numpy if _use_numpy(kv) else _gather_torch
     for plan in plans:
@@ -532,6 +536,10 @@ def scatter_chunks(
         skip_first_n_tokens=skip_first_n_tokens,
         forbid_duplicates=True,
     )
+    if kv.kind is KVLayoutKind.VLLM_CPU:
+        for plan in plans:
+            vllm_cpu.scatter(kv, plan)
+        return
     kernel = _native_kernel(kv)
     scatter_one = _scatter_numpy if _use_numpy(kv) else _scatter_torch
     for plan in plans:

@@ -1,6 +1,6 @@
 """Plain reference implementation of the gather/scatter ops (the test oracle).
 
-One slice copy per (chunk, plane, layer, block), written straight from the
+One slice copy per (chunk, plane, layer, block, head), written straight from the
 semantics of reference §7.4 so it is easy to check by eye. It shares only the
 input validation with the fast ops in :mod:`kvmesh.kernels.ops`.
 """
@@ -18,16 +18,27 @@ from kvmesh.kernels.layouts import KVLayoutKind, PagedKVCache
 logger = logging.getLogger(__name__)
 
 
-def _block_tokens(kv: PagedKVCache, layer: int, plane: int, block: int) -> torch.Tensor:
-    """``[block_size, hidden]`` view of one block of one K/V plane of one layer."""
+def _head_tokens(kv: PagedKVCache, layer: int, plane: int, block: int, head: int) -> torch.Tensor:
+    """``[block_size, head_dim]`` view of one head of one block of one K/V plane of one layer."""
     t = kv.layers[layer]
     if kv.kind is KVLayoutKind.FLASH_ATTN:
-        blk = t[plane, block]
-    elif kv.kind is KVLayoutKind.FLASHINFER:
-        blk = t[block, plane]
-    else:
-        blk = t[block]
-    return blk.reshape(kv.block_size, kv.hidden)
+        return t[plane, block, :, head]
+    if kv.kind is KVLayoutKind.FLASHINFER:
+        return t[block, plane, :, head]
+    if kv.kind is KVLayoutKind.VLLM_CPU:
+        flat = t[block, head].reshape(-1)  # K as [head_dim][block_size], then V
+        split = kv.head_dim * kv.block_size
+        if plane == 0:
+            return flat[:split].view(kv.head_dim, kv.block_size).t()
+        return flat[split:].view(kv.block_size, kv.head_dim)
+    return t[block]
+
+
+def _chunk_head(
+    chunk: torch.Tensor, kv: PagedKVCache, plane: int, layer: int, head: int
+) -> torch.Tensor:
+    """``[num_tokens, head_dim]`` view of one head's columns of a chunk object."""
+    return chunk[plane, layer, :, head * kv.head_dim : (head + 1) * kv.head_dim]
 
 
 def ref_gather_chunks(
@@ -41,8 +52,10 @@ def ref_gather_chunks(
             for layer in range(kv.num_layers):
                 for j, block in enumerate(plan.block_ids):
                     count = min(bs, plan.num_tokens - j * bs)
-                    src = _block_tokens(kv, layer, plane, block)[:count]
-                    plan.chunk[plane, layer, j * bs : j * bs + count] = src.to(plan.chunk.device)
+                    for head in range(kv.kv_heads):
+                        src = _head_tokens(kv, layer, plane, block, head)[:count]
+                        dst = _chunk_head(plan.chunk, kv, plane, layer, head)
+                        dst[j * bs : j * bs + count] = src.to(plan.chunk.device)
 
 
 def ref_scatter_chunks(
@@ -68,5 +81,7 @@ def ref_scatter_chunks(
                     if j < plan.skip_blocks:
                         continue
                     count = min(bs, plan.num_tokens - j * bs)
-                    dst = _block_tokens(kv, layer, plane, block)
-                    dst[:count] = plan.chunk[plane, layer, j * bs : j * bs + count].to(kv.device)
+                    for head in range(kv.kv_heads):
+                        src = _chunk_head(plan.chunk, kv, plane, layer, head)
+                        dst = _head_tokens(kv, layer, plane, block, head)
+                        dst[:count] = src[j * bs : j * bs + count].to(kv.device)

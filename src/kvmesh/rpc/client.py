@@ -97,6 +97,39 @@ def _backoff(attempt: int) -> float:
     return delay * (0.5 + random.random() / 2)
 
 
+#: Transport failures: the call may never have reached a handler of the service.
+_TRANSPORT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+_UNREACHABLE = "cannot reach "
+
+
+def hop_name(service: str) -> str:
+    """``storage`` for ``kvmesh.storage.v1.StorageService``: the hop an error names."""
+    parts = service.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "kvmesh" else service or "server"
+
+
+def located(exc: RpcError, service: str, target: str) -> RpcError:
+    """``exc`` naming the hop and the address it failed at, when the transport failed.
+
+    A server's own answers (they carry a ``google.rpc.Status``) are returned
+    unchanged. A failure to reach the server becomes ``cannot reach storage
+    at 127.0.0.1:1: ...``; one a server we did reach relayed from its own next
+    hop becomes ``gateway at ADDR: cannot reach storage at ...``, so the
+    message says which hop of the chain failed.
+    """
+    if exc.code() not in _TRANSPORT_CODES or exc.status():
+        return exc
+    details = exc.details()
+    hop = hop_name(service)
+    if details.startswith(_UNREACHABLE) or " at " in details.split(":", 1)[0]:
+        text = f"{hop} at {target}: {details}"
+    elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        text = f"{hop} at {target} did not answer in time ({details})"
+    else:
+        text = f"{_UNREACHABLE}{hop} at {target}: {details}"
+    return RpcError(exc.code(), text, exc.status())
+
+
 def _parse(response_type: type[Resp], body: bytes, path: str) -> Resp:
     try:
         return response_type.FromString(body)
@@ -180,7 +213,7 @@ class SyncClient:
             except RpcError as exc:
                 pause = _retry_pause(policy, exc, attempt, deadline)
                 if pause is None:
-                    raise
+                    raise located(exc, self.SERVICE, self.target) from None
                 time.sleep(pause)
                 attempt += 1
                 continue
@@ -246,7 +279,7 @@ class AsyncClient:
             except RpcError as exc:
                 pause = _retry_pause(policy, exc, attempt, deadline)
                 if pause is None:
-                    raise
+                    raise located(exc, self.SERVICE, self.target) from None
                 await asyncio.sleep(pause)
                 attempt += 1
                 continue

@@ -8,13 +8,20 @@ prometheus: they keep plain counters, and a :class:`StatsCollector` turns a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -147,13 +154,29 @@ class StatsCollector(Collector):
             yield family
 
 
+def add_process_metrics(registry: CollectorRegistry) -> None:
+    """The standard ``process_*`` series (memory, CPU, open and max fds, start time).
+
+    Read from /proc at scrape time; a registry that has them already is left as it is.
+    """
+    with contextlib.suppress(ValueError):  # "Duplicated timeseries": an earlier server's
+        ProcessCollector(registry=registry)
+
+
 class MetricsServer:
-    """The ``/metrics`` HTTP endpoint of one service, on its own thread."""
+    """The ``/metrics`` HTTP endpoint of one service, on its own thread.
+
+    It serves the service's registry plus the ``process_*`` series, and says
+    where it listens in one INFO line (a standalone service's metrics port is
+    random by default).
+    """
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        add_process_metrics(registry)
         self._server, self._thread = start_http_server(port, addr=host, registry=registry)
         self.host = host
         self.port = int(self._server.server_port)
+        logger.info("metrics on http://%s/metrics", self.address)
 
     @property
     def address(self) -> str:

@@ -11,7 +11,7 @@ that answers a request that does not parse with INVALID_ARGUMENT
 (src/kvmesh/rpc/handlers.py), a ``/metrics`` endpoint and, when configured,
 the local lane (src/kvmesh/rpc/lane/) — binds TCP or a unix socket and
 reports the bound address.
-``run_until_signalled`` is the process entry point: it runs until SIGTERM/SIGINT,
+``run_until_signalled`` is the process entry point: it runs until SIGTERM/SIGINT/SIGHUP,
 then flips health to NOT_SERVING, stops with a grace period and runs the
 app's stop hook.
 """
@@ -40,8 +40,13 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
-from kvmesh.common.config import ConfigError, setting
-from kvmesh.common.telemetry import configure_tracing, shutdown_tracing, tracing_enabled
+from kvmesh.common.config import ConfigError, check_creatable, setting
+from kvmesh.common.telemetry import (
+    configure_tracing,
+    shutdown_tracing,
+    tracing_enabled,
+    untraced_health_checks,
+)
 from kvmesh.rpc.handlers import HandlerRegistry
 from kvmesh.rpc.interceptors import ServiceInterceptor
 from kvmesh.rpc.lane.server import LaneMethod, LaneServer, claim_unix_socket, unary_methods
@@ -96,8 +101,13 @@ class ServerSettings:
             path = Path(getattr(self, name))
             if str(path) != "." and path.exists() and not path.is_socket():
                 raise ConfigError(f"{name} {path} exists and is not a socket")
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-            raise ConfigError(f"log_level {self.log_level!r} is not a log level")
+            if str(path) != ".":
+                check_creatable(name, path)
+        levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+        if self.log_level.upper() not in levels:
+            raise ConfigError(
+                f"log_level {self.log_level!r} is not a log level (one of {', '.join(levels)})"
+            )
 
 
 @dataclass(frozen=True)
@@ -176,6 +186,8 @@ class Server:
         self.settings = settings
         self.lane = lane
         self._stopped = False
+        self._app_health: dict[str, bool] = {}
+        self._health_tasks: set[asyncio.Future[None]] = set()
 
     @property
     def target(self) -> str:
@@ -196,9 +208,33 @@ class Server:
         if callable(on_bound):
             on_bound(self.address, self.metrics.address if self.metrics else "")
         await self.app.start()
+        watch = getattr(self.app, "watch_health", None)
+        if callable(watch):
+            # The app reports services it cannot serve (a gateway whose storage is down).
+            watch(self.set_serving)
         for name in ["", *self.service_names]:
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(name, self._health_status(name))
         logger.info("%s serving on %s", self.app.name, self.address)
+
+    def _health_status(self, name: str) -> Any:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        if self._stopped:
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+        down = {n for n, ok in self._app_health.items() if not ok}
+        # The whole server ("") is NOT_SERVING while any of its services is.
+        if (name and name in down) or (not name and down):
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+        return serving
+
+    def set_serving(self, service: str, serving: bool) -> None:
+        """Mark one of the app's services (not) serving; the overall status follows."""
+        self._app_health[service] = serving
+        if self._stopped:
+            return
+        for name in ("", service):
+            task = asyncio.ensure_future(self.health.set(name, self._health_status(name)))
+            self._health_tasks.add(task)
+            task.add_done_callback(self._health_tasks.discard)
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING first (so probes drain traffic), then stop with grace, then the app."""
@@ -235,6 +271,9 @@ def _bind(server: grpc.aio.Server, settings: ServerSettings) -> tuple[str, int]:
         path = Path(settings.unix_socket)
         claim_unix_socket(path)  # removes a stale socket left by a killed server
         target = f"unix:{path}"
+        if not path.parent.is_dir():
+            # Checked here: gRPC core would print its own error lines before raising.
+            raise ConfigError(f"cannot listen on {target}: no directory {path.parent}")
         try:
             server.add_insecure_port(target)
         except RuntimeError as exc:
@@ -281,7 +320,7 @@ def create_server(
     if configure_tracing(app.name) or tracing_enabled():
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-        interceptors.append(aio_server_interceptor())
+        interceptors.append(aio_server_interceptor(filter_=untraced_health_checks()))
     rpc_metrics = RpcMetrics(registry, app.name)
     interceptors.append(ServiceInterceptor(rpc_metrics))
     server = grpc.aio.server(
@@ -352,11 +391,15 @@ def write_ready_file(path: str, endpoints: dict[str, Any]) -> None:
     tmp.replace(target)
 
 
+#: Each of these stops a service the same clean way (SIGHUP: its terminal was closed).
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 async def run_until_signalled(server: Server) -> None:
-    """Serve until SIGTERM or SIGINT, then stop gracefully."""
+    """Serve until SIGTERM, SIGINT or SIGHUP (a closed terminal), then stop gracefully."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     await server.start()
     if server.settings.ready_file:
@@ -366,7 +409,7 @@ async def run_until_signalled(server: Server) -> None:
         logger.info("%s: shutting down", server.app.name)
     finally:
         await server.stop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in _STOP_SIGNALS:
             loop.remove_signal_handler(sig)
         if server.settings.ready_file:
             with contextlib.suppress(FileNotFoundError):

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from kvmesh.common.telemetry import tracing_enabled
+from kvmesh.common.telemetry import tracing_enabled, untraced_health_checks
 from kvmesh.rpc.errors import RpcError
 from kvmesh.rpc.lane.client import AsyncLaneTransport, LaneTransport
 from kvmesh.rpc.lane.framing import lane_path
@@ -94,7 +94,9 @@ def create_channel(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYT
 
         # The instrumentation's interceptor has its own channel wrapper (it is not a
         # grpc.*ClientInterceptor, so grpc.intercept_channel refuses it).
-        channel = grpcext.intercept_channel(channel, client_interceptor())
+        channel = grpcext.intercept_channel(
+            channel, client_interceptor(filter_=untraced_health_checks())
+        )
     return channel
 
 
@@ -106,7 +108,7 @@ def create_aio_channel(
     if tracing_enabled():
         from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
-        interceptors = aio_client_interceptors()
+        interceptors = aio_client_interceptors(filter_=untraced_health_checks())
     return grpc.aio.insecure_channel(
         _grpc_target(target), options=channel_options(max_message_bytes), interceptors=interceptors
     )

@@ -51,15 +51,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 from prometheus_client.registry import Collector
 
 from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
+from kvmesh.common.config import ConfigError
 from kvmesh.common.errors import Unavailable
 from kvmesh.kernels import native
 from kvmesh.rpc.metrics import Series, StatsCollector
@@ -68,7 +71,8 @@ from kvmesh.storage.config import StorageConfig
 from kvmesh.storage.core.controllers.prefetch import PrefetchPolicy
 from kvmesh.storage.core.controllers.store import StorePolicy
 from kvmesh.storage.core.copies import default_copy_threads
-from kvmesh.storage.core.incarnation import next_incarnation
+from kvmesh.storage.core.incarnation import InstanceLock, next_incarnation
+from kvmesh.storage.core.l1.pool import reclaim_dead_pools
 from kvmesh.storage.core.l2.base import L2Adapter
 from kvmesh.storage.core.l2.factory import build_l2_adapter
 from kvmesh.storage.core.manager import StorageManager, StorageOptions
@@ -80,6 +84,7 @@ from kvmesh.storage.events.emitter import CacheEventEmitter
 from kvmesh.storage.events.registrar import Registrar, Registration
 from kvmesh.storage.events.sink import EmitterSink
 from kvmesh.storage.events.transport import EventTransport
+from kvmesh.storage.peers.wiring import PeerWiring
 from kvmesh.storage.servicer import StorageServicer
 
 logger = logging.getLogger(__name__)
@@ -96,6 +101,31 @@ async def _on_own_thread(name: str, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
     finally:
         pool.shutdown(wait=False)
+
+
+def check_shm_space(shm_dir: str, l1_size_bytes: int) -> None:
+    """Refuse at start an L1 larger than the free space of its shared-memory directory.
+
+    L1 grows lazily, so without this a too large ``l1_size_bytes`` would start
+    and fail much later, when the pool grows. Segments of dead nodes are
+    reclaimed first: their space is free for this one.
+    """
+    path = Path(shm_dir)
+    if path.is_dir():
+        reclaim_dead_pools(shm_dir)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except OSError as exc:
+        raise ConfigError(f"shm_dir {shm_dir}: {exc.strerror or exc}") from exc
+    free = st.f_bavail * st.f_frsize
+    if l1_size_bytes > free:
+        raise ConfigError(
+            f"l1_size_bytes {l1_size_bytes} ({l1_size_bytes / 1024**3:.1f} GiB) is larger than "
+            f"the free space of {shm_dir} ({free / 1024**3:.1f} GiB); lower --l1-size-bytes "
+            "or give --shm-dir a larger tmpfs"
+        )
 
 
 class _DeferredHandler:
@@ -231,33 +261,57 @@ class StorageApp:
 
     def __init__(self, config: StorageConfig) -> None:
         self.config = config
+        # ``kvmesh storage --port 0`` picks its port before the app is built, so the
+        # default id names the real port; only a unix-socket node falls back to a path.
         self.instance_id = config.instance_id or (
-            f"storage-{socket.gethostname()}-{config.port}"
+            config.resolved_instance_id(config.port)
             if config.port
             else f"storage-{socket.gethostname()}-{config.unix_socket or 'local'}".replace("/", "_")
         )
         self.data_dir = config.resolved_data_dir(self.instance_id)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.incarnation = next_incarnation(self.data_dir)
-        logger.info(
-            "storage node %s, incarnation %d, data in %s",
-            self.instance_id,
-            self.incarnation,
-            self.data_dir,
-        )
+        # Before anything else touches the state directory: a second process of the
+        # same instance must fail without rewriting the running one's incarnation.
+        check_shm_space(config.shm_dir, config.l1_size_bytes)
+        self._instance_lock = InstanceLock(self.data_dir, self.instance_id)
+        self._event_transport: EventTransport | None = None
         adapters: list[L2Adapter] = []
         try:
             for i, spec in enumerate(config.l2_configs(self.data_dir)):
                 adapters.append(build_l2_adapter(spec, path=f"l2[{i}]"))
+            # Only a start that got this far advances the incarnation.
+            self.incarnation = next_incarnation(self.data_dir)
+            logger.info(
+                "storage node %s, incarnation %d, data in %s",
+                self.instance_id,
+                self.incarnation,
+                self.data_dir,
+            )
+            self.manager = self._build(config, adapters)
         except BaseException:
             for adapter in adapters:
                 adapter.close()
+            close_transport = getattr(self._event_transport, "close", None)
+            if close_transport is not None:
+                close_transport()
+            self._instance_lock.release()
             raise
+        # Past this point the manager owns the adapters and L1 (stop() closes them).
+        try:
+            self._finish(config)
+        except BaseException:
+            self.manager.close()
+            close_transport = getattr(self._event_transport, "close", None)
+            if close_transport is not None:
+                close_transport()
+            self._instance_lock.release()
+            raise
+
+    def _build(self, config: StorageConfig, adapters: list[L2Adapter]) -> StorageManager:
+        """The event pipeline and the storage manager (L1 and ``adapters``)."""
         self.emitter: CacheEventEmitter | None = None
         self.registrar: Registrar | None = None
         self._handler = _DeferredHandler()
         self._sweeper: asyncio.Task[None] | None = None
-        self._event_transport: EventTransport | None = None
         sink = None
         if config.event_transport == "nats":
             # nats-py is an optional dependency (the "nats" extra).
@@ -297,13 +351,16 @@ class StorageApp:
             prefetch_policy=PrefetchPolicy(config.prefetch_policy),
             prefetch_max_in_flight=config.prefetch_max_in_flight,
         )
-        self.manager = StorageManager(
+        return StorageManager(
             self.instance_id,
             config.l1_size_bytes,
             l2_adapters=adapters,
             event_sink=sink,
             options=options,
         )
+
+    def _finish(self, config: StorageConfig) -> None:
+        """The transfer engine, the copy threads, the node and its servicer."""
         self.transfer = TransferEngine(config.allowed_memory_dir)
         # The data path's copies get threads of their own, sized here: nothing else
         # (waits, L2 I/O, start-up work) may ever queue a store or a retrieve.
@@ -319,6 +376,9 @@ class StorageApp:
         )
         self._handler.node = self.node
         self.servicer = StorageServicer(self.node, self.instance_id, self.incarnation)
+        # P2P: the PeerService, and with a coordinator the fetch of local misses from peers.
+        self.peers = PeerWiring(config, self.node, self.instance_id, self.incarnation)
+        self.servicer.peer_status = self.peers.status
         if self.emitter is not None:
             self.servicer.emitter_status = self._emitter_status
 
@@ -338,7 +398,7 @@ class StorageApp:
         def add(server: grpc.aio.Server) -> None:
             storage_pb2_grpc.add_StorageServiceServicer_to_server(self.servicer, server)
 
-        return [ServiceBinding(SERVICE_NAME, add)]
+        return [ServiceBinding(SERVICE_NAME, add), self.peers.binding()]
 
     def collectors(self) -> Sequence[Collector]:
         return [
@@ -346,13 +406,15 @@ class StorageApp:
                 lambda: _flat_stats(self.node, self.emitter),
                 _SERIES,
                 const_labels={"instance_id": self.instance_id},
-            )
+            ),
+            self.peers.collector({"instance_id": self.instance_id}),
         ]
 
     def on_bound(
         self, storage_address: str, metrics_address: str, gateway_address: str = ""
     ) -> None:
         """Called once the server is bound: start talking to the coordinator."""
+        storage_address = self.peers.advertise(storage_address)  # what peers dial (P2P)
         if not self.config.coordinator_target or self.registrar is not None:
             return
         from kvmesh.storage.events.grpc_membership import GrpcMembershipClient
@@ -361,7 +423,8 @@ class StorageApp:
             self.config.coordinator_target,
             incarnation=self.incarnation,
             storage_address=storage_address,
-            gateway_address=gateway_address,
+            # The configured address wins: what clients dial, not what was bound (0.0.0.0).
+            gateway_address=self.config.gateway_address or gateway_address,
             metrics_address=metrics_address,
         )
         self.registrar = Registrar(
@@ -406,6 +469,7 @@ class StorageApp:
                 await self._sweeper
         if self.registrar is not None:
             self.registrar.stop()
+        self.peers.close()
         self.node.close()
         # Running copies finish before L1 and the engines' mappings go away.
         self.copy_executor.shutdown(wait=True)
@@ -417,3 +481,4 @@ class StorageApp:
         if close_transport is not None:
             # After the emitter: ends the transport's sessions, threads and event loop.
             await _on_own_thread("kvmesh-transport-close", close_transport)
+        self._instance_lock.release()

@@ -9,10 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from kvmesh.common.config import ConfigError, setting
+from kvmesh.common.config import ConfigError, check_creatable, require_module, setting
 from kvmesh.rpc.server import ServerSettings
 
 DEFAULT_PORT = 8301
+_L2_SHORTHANDS = "disk, none"
+# Adapter types that need an optional package (and so an extra of kvmesh).
+_L2_PACKAGES = {"redis": "redis", "s3": "boto3", "nixl": "nixl_cu12"}
+_L2_EXAMPLE = '{"type": "redis", "url": "redis://127.0.0.1:6379"}'
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +29,11 @@ class StorageConfig(ServerSettings):
     )
     coordinator_target: str = setting(
         "", "coordinator address (host:port); '' runs without reporting cache events"
+    )
+    gateway_address: str = setting(
+        "",
+        "this node's gateway as the coordinator lists it (ListInstances, kvmesh status); "
+        "'' = none (kvmesh node: its own address; kvmesh up sets it)",
     )
     data_dir: str = setting(
         "", "node state: incarnation counter, default disk L2 ('' = <tmp>/kvmesh/<instance_id>)"
@@ -72,6 +81,60 @@ class StorageConfig(ServerSettings):
     nats_max_age_seconds: float = setting(
         86400.0, "events kept this long when this node creates the stream (0 = forever)"
     )
+    advertise_address: str = setting(
+        "",
+        "host[:port] where other nodes reach this node's storage (P2P; without a port, the "
+        "bound one); '' = the bound address, required when listening on 0.0.0.0 or ::",
+    )
+    p2p: bool = setting(
+        True,
+        "on a local L1/L2 miss, fetch the prefix from a peer found in the coordinator's "
+        "directory (only with coordinator_target; --no-p2p turns it off)",
+    )
+    p2p_lookup_timeout: float = setting(
+        30.0, "seconds for the directory lookup and the peer's lock (P2P)"
+    )
+    p2p_load_timeout: float = setting(30.0, "seconds for streaming a prefix from a peer (P2P)")
+    p2p_lease_ttl: float = setting(
+        30.0, "seconds a prefix locked for a peer stays locked if the peer never reads it"
+    )
+    p2p_frame_bytes: int = setting(
+        1024**2, "largest frame of a P2P byte stream (1 MiB measured best; kvmesh bench p2p)"
+    )
+    p2p_max_in_flight: int = setting(4, "P2P fetches running at once")
+
+    def validate_p2p(self) -> None:
+        """Raise ConfigError on unusable P2P settings (advertise address, timeouts, sizes)."""
+        if self.p2p_lookup_timeout <= 0 or self.p2p_load_timeout <= 0 or self.p2p_lease_ttl <= 0:
+            raise ConfigError("p2p_lookup_timeout, p2p_load_timeout and p2p_lease_ttl must be > 0")
+        if not 64 * 1024 <= self.p2p_frame_bytes <= 16 * 1024**2:
+            raise ConfigError("p2p_frame_bytes must be in [64KiB, 16MiB]")
+        if self.p2p_frame_bytes > self.max_message_bytes - 4096:
+            raise ConfigError("p2p_frame_bytes must leave room within max_message_bytes")
+        if self.p2p_max_in_flight < 1:
+            raise ConfigError("p2p_max_in_flight must be >= 1")
+        if self.advertise_address:
+            host, port = split_advertise_address(self.advertise_address)
+            if (
+                not host
+                or (port is not None and not 0 < port < 65536)
+                or host in ("0.0.0.0", "::")
+                or any(c.isspace() or c in "/@" for c in host)
+            ):
+                raise ConfigError(
+                    f"advertise_address {self.advertise_address!r} must be host[:port] that "
+                    "other nodes can dial (not a wildcard address)"
+                )
+        elif (
+            self.host in ("0.0.0.0", "::", "")
+            and not self.unix_socket
+            and self.coordinator_target
+            and self.p2p
+        ):
+            raise ConfigError(
+                f"listening on {self.host or 'every address'} needs --advertise-address "
+                "(the host:port other nodes dial for P2P), or --no-p2p"
+            )
 
     def segment_bytes(self) -> int:
         """The L1 segment size in effect."""
@@ -88,9 +151,16 @@ class StorageConfig(ServerSettings):
         return Path(tempfile.gettempdir()) / "kvmesh" / instance_id
 
     def l2_configs(self, data_dir: Path) -> list[dict[str, object]]:
-        """Adapter configs, with the 'disk' shorthand expanded under data_dir."""
+        """Adapter configs, with the 'disk' shorthand expanded under data_dir.
+
+        Each JSON config is checked against its adapter's schema here, so a
+        bad one is a one-line ConfigError at start, before anything is built.
+        """
+        from kvmesh.common.errors import InvalidArgument
+        from kvmesh.storage.core.l2.factory import parse_l2_config
+
         configs: list[dict[str, object]] = []
-        for item in self.l2:
+        for i, item in enumerate(self.l2):
             text = item.strip()
             if text in ("", "none"):
                 continue
@@ -100,9 +170,18 @@ class StorageConfig(ServerSettings):
             try:
                 parsed = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"l2: not JSON and not a shorthand: {item!r}") from exc
-            if not isinstance(parsed, dict) or "type" not in parsed:
-                raise ConfigError(f"l2: an adapter config needs a 'type': {item!r}")
+                raise ConfigError(
+                    f"l2: {item!r} is neither a shorthand ({_L2_SHORTHANDS}) nor JSON such as "
+                    f"{_L2_EXAMPLE}"
+                ) from exc
+            try:
+                parse_l2_config(parsed, path=f"l2[{i}]")
+            except InvalidArgument as exc:
+                about_kind = exc.field in (f"l2[{i}]", f"l2[{i}].type")
+                hint = f"; or a shorthand: {_L2_SHORTHANDS}" if about_kind else ""
+                raise ConfigError(f"{exc.message}{hint}") from exc
+            if parsed["type"] in _L2_PACKAGES:
+                require_module(_L2_PACKAGES[parsed["type"]])
             configs.append(parsed)
         return configs
 
@@ -136,6 +215,25 @@ class StorageConfig(ServerSettings):
                 raise ConfigError("nats_stream must be a JetStream stream name")
             if self.nats_max_age_seconds < 0:
                 raise ConfigError("nats_max_age_seconds must be >= 0")
+            require_module("nats")
+        self.validate_p2p()
         if "/" in self.instance_id or "@" in self.instance_id:
             raise ConfigError("instance_id must not contain '/' or '@'")
         self.l2_configs(Path("."))
+        check_creatable("shm_dir", self.shm_dir, directory=True)
+        if self.data_dir:
+            check_creatable("data_dir", self.data_dir, directory=True)
+
+
+def split_advertise_address(address: str) -> tuple[str, int | None]:
+    """``(host, port)`` of ``host[:port]`` (``[v6]:port`` too); port None when absent or bad."""
+    if address.startswith("["):
+        host, _, rest = address[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif address.count(":") == 1:
+        host, _, port_text = address.partition(":")
+    else:
+        host, port_text = address, ""
+    if not port_text:
+        return host, None
+    return host, int(port_text) if port_text.isdigit() else -1

@@ -23,6 +23,7 @@ LAYOUT_KINDS = {
     common_pb2.KV_LAYOUT_KIND_FLASH_ATTN: "flash_attn",
     common_pb2.KV_LAYOUT_KIND_FLASHINFER: "flashinfer",
     common_pb2.KV_LAYOUT_KIND_MLA: "mla",
+    common_pb2.KV_LAYOUT_KIND_VLLM_CPU: "vllm_cpu",
 }
 MAX_PAGE_SIZE = 10_000
 
@@ -135,6 +136,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
         self.instance_id = instance_id
         self.incarnation = incarnation
         self.emitter_status: Any = None  # set by the app when an emitter runs
+        self.peer_status: Any = None  # set by the app: P2P counters (a PeerStatus)
 
     async def RegisterEngineMemory(
         self, request: storage_pb2.RegisterEngineMemoryRequest, context: Any
@@ -270,6 +272,8 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
             response.salts.append(usage)
         if self.emitter_status is not None:
             response.emitter.CopyFrom(self.emitter_status())
+        if self.peer_status is not None:
+            response.p2p.CopyFrom(self.peer_status())
         return response
 
     async def ListObjects(

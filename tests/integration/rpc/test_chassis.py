@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from kvmesh.gateway.client import GatewayClient
 from kvmesh.gateway.config import GatewayConfig
 from kvmesh.rpc.interceptors import error_info
 from kvmesh.rpc.server import Server
+from kvmesh.storage.app import StorageApp
+from kvmesh.storage.config import StorageConfig
 from tests.support.harness import (
     REPO_ROOT,
     ServerThread,
@@ -41,13 +44,30 @@ from tests.support.waiting import wait_until
 
 
 @pytest.fixture
-def gateway() -> Iterator[tuple[ServerThread, Server]]:
-    dead_storage = f"127.0.0.1:{free_port()}"
-    with server_thread() as thread:
-        server = thread.start(
-            GatewayConfig(port=0, storage_target=dead_storage, chunk_size=16), GatewayApp
-        )
-        yield thread, server
+def gateway(tmp_path: Path) -> Iterator[tuple[ServerThread, Server]]:
+    # A real storage node behind it: a gateway whose storage is unreachable reports
+    # NOT_SERVING (tests/integration/gateway/test_gateway_health.py).
+    shm_dir = Path("/dev/shm") / f"kvmesh-chassis-{uuid.uuid4().hex[:12]}"
+    try:
+        with server_thread() as thread:
+            storage = thread.start(
+                StorageConfig(
+                    port=0,
+                    metrics_port=-1,
+                    instance_id=f"chassis-{uuid.uuid4().hex[:8]}",
+                    data_dir=str(tmp_path / "storage"),
+                    shm_dir=str(shm_dir),
+                    l1_size_bytes=4 << 20,
+                    l2=["none"],
+                ),
+                StorageApp,
+            )
+            server = thread.start(
+                GatewayConfig(port=0, storage_target=storage.target, chunk_size=16), GatewayApp
+            )
+            yield thread, server
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def test_health_reports_serving_for_the_server_and_each_service(gateway) -> None:  # type: ignore[no-untyped-def]
@@ -121,8 +141,16 @@ def test_invalid_argument_carries_error_info_naming_the_field(gateway) -> None: 
     assert info.domain == "kvmesh.dev"
 
 
-def test_storage_down_is_unavailable_quickly_not_a_hang(gateway) -> None:  # type: ignore[no-untyped-def]
-    _, server = gateway
+def test_storage_down_is_unavailable_quickly_not_a_hang() -> None:
+    dead_storage = f"127.0.0.1:{free_port()}"
+    with server_thread() as thread:
+        server = thread.start(
+            GatewayConfig(port=0, storage_target=dead_storage, chunk_size=16), GatewayApp
+        )
+        _register_against_dead_storage(server)
+
+
+def _register_against_dead_storage(server: Server) -> None:
     client = GatewayClient(server.target)
     request = gateway_pb2.RegisterKVCacheRequest(
         engine_id="e",
@@ -258,7 +286,7 @@ def test_a_node_that_cannot_listen_leaves_no_shared_memory_behind(
     ("args", "expected"),
     [
         (["gateway", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-        (["gateway", "--chunk-size", "zero"], "chunk_size"),
+        (["gateway", "--chunk-size", "zero"], "--chunk-size"),
         (["gateway", "--chunk-size", "0"], "chunk_size must be >= 1"),
         (["gateway", "--config", "/nonexistent/kvmesh.yaml"], "cannot read config file"),
         (["gateway", "--hash-memo-entries", "-1"], "hash_memo_entries must be >= 0"),

@@ -389,7 +389,7 @@ with server_thread() as thread:
         client.get_chunk_size(gateway_pb2.GetChunkSizeRequest())
     client.close()
 spans = {{s.name: s for s in exporter.get_finished_spans()}}
-name = "kvmesh.gateway.v1.GatewayService/GetChunkSize"
+name = "/kvmesh.gateway.v1.GatewayService/GetChunkSize"  # as gRPC names it
 finished = [s for s in exporter.get_finished_spans() if s.name == name]
 server_span = [s for s in finished if s.kind.name == "SERVER"]
 client_span = [s for s in finished if s.kind.name == "CLIENT"]

@@ -49,6 +49,9 @@ LAYER_BYTES = 2 * NUM_BLOCKS * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 2
 CHUNK_BYTES = 2 * NUM_LAYERS * CHUNK_TOKENS * KV_HEADS * HEAD_DIM * 2
 MODEL = "test/model"
 
+STORED = storage_pb2.STORE_OUTCOME_STORED
+ALREADY = storage_pb2.STORE_OUTCOME_ALREADY_CACHED
+
 
 class Engine:
     """One engine's paged KV cache in a shared-memory file (flash-attn, fp16)."""
@@ -130,6 +133,11 @@ def chunk_blocks(chunk_index: int, base: int = 0) -> list[int]:
     """Block ids of chunk ``chunk_index`` when chunks use consecutive blocks from ``base``."""
     start = base + chunk_index * BLOCKS_PER_CHUNK
     return list(range(start, start + BLOCKS_PER_CHUNK))
+
+
+def blocks_of(chunks: range, base: int = 0) -> list[int]:
+    """Block ids of every chunk in ``chunks`` (consecutive blocks from ``base``)."""
+    return [b for c in chunks for b in chunk_blocks(c, base)]
 
 
 def new_hashes(n: int) -> list[bytes]:

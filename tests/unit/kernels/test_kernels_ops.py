@@ -267,6 +267,8 @@ def test_reference_follows_the_documented_formula(kind: KVLayoutKind, device: st
             want = layer[plane, b, off].flatten()
         elif kind is KVLayoutKind.FLASHINFER:
             want = layer[b, plane, off].flatten()
+        elif kind is KVLayoutKind.VLLM_CPU:
+            want = _vllm_cpu_block(layer, plane, b)[off]
         else:
             want = layer[b, off]
         assert torch.equal(out[plane, layer_idx, t], want)
@@ -374,7 +376,24 @@ def _block(kind: KVLayoutKind, layer: torch.Tensor, plane: int, block: int) -> t
         return _flat(layer[plane, block])
     if kind is KVLayoutKind.FLASHINFER:
         return _flat(layer[block, plane])
+    if kind is KVLayoutKind.VLLM_CPU:
+        return _vllm_cpu_block(layer, plane, block)
     return layer[block]
+
+
+def _vllm_cpu_block(layer: torch.Tensor, plane: int, block: int) -> torch.Tensor:
+    """``[block_size, kv_heads * head_dim]`` of a VLLM_CPU block, written from the layout's text:
+    per head, K as ``[head_dim][block_size]`` then V as ``[block_size][head_dim]``."""
+    heads, block_size, width = layer.shape[1:]
+    head_dim = width // 2
+    per_head = []
+    for head in range(heads):
+        flat = layer[block, head].reshape(-1)
+        if plane == 0:
+            per_head.append(flat[: head_dim * block_size].reshape(head_dim, block_size).t())
+        else:
+            per_head.append(flat[head_dim * block_size :].reshape(block_size, head_dim))
+    return torch.cat(per_head, dim=1)
 
 
 def _flat(block: torch.Tensor) -> torch.Tensor:

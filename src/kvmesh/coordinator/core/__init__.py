@@ -6,7 +6,7 @@ components for tests and other facades.
 
 from .broadcaster import CacheEventBroadcaster, CacheEventConsumer
 from .capacity import ServerConfigRegistry
-from .coordinator import Coordinator, CoordinatorStatus
+from .coordinator import Coordinator
 from .directory import KeyDirectory
 from .eviction import DeleteDispatcher, FleetEvictionController
 from .gate import Cursor, EventGate
@@ -18,6 +18,7 @@ from .pins import PinTable
 from .quiesce import QuiesceLock, QuiesceTimeout
 from .quotas import QuotaManager
 from .settings import CoordinatorSettings
+from .status import CoordinatorStatus
 from .usage import CacheUsageManager, UsageDelta
 
 __all__ = [

@@ -1,22 +1,12 @@
 """The coordinator core as one object: the typed API the gRPC servicers call.
 
-Wiring (fixed, no plug-in discovery):
+:class:`Coordinator` is :class:`~.components.CoreComponents` (every
+component, built and wired in a load-bearing order described there) plus the
+:class:`~.runtime.CoreRuntime` and one short typed method per servicer call.
+The parts with a job of their own live in sibling modules: operator deletes
+in :mod:`.deletes`, the token-form lookup in :mod:`.tokens`, the status view
+in :mod:`.status`, the memory and quota read models in :mod:`.reports`.
 
-* ``EventGate`` → ``CacheEventBroadcaster`` → consumers, registered in this
-  order, which is load-bearing:
-
-  1. ``KeyDirectory`` — owns placements and, inside its own ``consume`` /
-     ``fence_instance``, applies the resulting byte changes to the
-     ``CacheUsageManager`` (the usage view is therefore always updated
-     before anything registered after the directory runs);
-  2. ``ServerConfigRegistry`` — capacity declarations (CONFIG batches);
-  3. ``FleetEvictionController`` — L2 LRU; on DELETE it asks whether any L2
-     copy remains, which needs the directory and usage already updated.
-
-* ``InstanceRegistry`` is not a consumer. Deregistration and heartbeat
-  expiry both call ``EventGate.drop_instance`` (fence L1 everywhere, forget
-  the cursor) **and** ``ServerConfigRegistry.forget``, and tell the
-  ``ResyncPlanner``.
 * Resyncs: the gate tells the :class:`~.resync.ResyncPlanner` about every
   fresh cursor and every seq gap, the ingest service about every stream
   that opens (:meth:`Coordinator.stream_opened`); the planner decides
@@ -25,26 +15,20 @@ Wiring (fixed, no plug-in discovery):
 * Node commands: every transport reports what it sent and what the nodes
   answered to the :class:`~.commands.CommandLedger` (``Coordinator.commands``),
   which counts the answers and keeps the latest refusals for operators.
-* Persistence: checkpoint sections ``stream_cursors``, ``key_directory``,
-  ``server_config``, ``lru_order`` (captured under the quiesce lock);
-  metadata sections ``pins`` and ``quotas`` (saved on every change, before
-  the call returns). At start metadata loads first (so restored keys are
+* Persistence: checkpoint sections are captured under the quiesce lock;
+  metadata sections ``pins`` and ``quotas`` are saved on every change, before
+  the call returns. At start metadata loads first (so restored keys are
   already pinned), then the checkpoint, then the eviction readiness gate is
   armed for one heartbeat period.
 * Timers (daemon threads, sleep first): health sweep, periodic checkpoint,
-  eviction cycle, sweep of large fences. ``stop()`` stops them, then writes
-  a final checkpoint. Loading, saving and the timers are run by
-  :class:`~.runtime.CoreRuntime`; the memory and quota read models are in
-  :mod:`.reports`.
+  eviction cycle, sweep of large fences, resync retries. ``stop()`` stops
+  them, then writes a final checkpoint. Loading, saving and the timers are
+  run by :class:`~.runtime.CoreRuntime`.
 
 Deletes (fleet eviction and the operator's ``delete_keys``) leave through the
 ``DeleteDispatcher`` the app wires in with :meth:`Coordinator.set_delete_dispatcher`
 (the nodes' command streams; when it also is a ``ResyncDispatcher``, resyncs
 leave through it too); their effects arrive later as DELETE events.
-
-This module is over 500 lines on purpose: it is the core's one facade, one
-short typed method per servicer call, and splitting it would only scatter
-that API; the parts with a job of their own live in the modules above.
 
 Per-entry validation belongs at the servicer edge; :meth:`Coordinator.ingest`
 validates (the safe default) and :meth:`Coordinator.ingest_validated` is the
@@ -57,40 +41,28 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from kvmesh.common.errors import NotFound, Unavailable
+from kvmesh.common.errors import NotFound
 from kvmesh.common.events import CacheEventBatch, IngestResult, Tier, validate_batch
-from kvmesh.common.hashing import TokenHasher
 from kvmesh.common.keys import ObjectKey
 
-from . import reports
-from .broadcaster import CacheEventBroadcaster
-from .capacity import ServerConfigRegistry
-from .commands import CommandLedger
-from .directory import DEFAULT_LIST_LIMIT, KeyDirectory
-from .eviction import DeleteDispatcher, FleetEvictionController
-from .gate import EventGate
-from .keyspace import KeySpaces
-from .lru import IsolatedLRU
-from .membership import InstanceRegistry, evict_stale
-from .persistence import DurableComponent, LoadReport, MetadataStore
-from .pins import PinTable
-from .quiesce import QuiesceLock
-from .quotas import QuotaManager
-from .resync import ResyncDispatcher, ResyncPlanner
+from . import deletes, reports, tokens
+from .components import CoreComponents
+from .directory import DEFAULT_LIST_LIMIT
+from .eviction import DeleteDispatcher
+from .membership import evict_stale
+from .persistence import LoadReport
 from .runtime import CoreRuntime
 from .scheduler import PeriodicTask
 from .settings import CoordinatorSettings
-from .tokens import resolve_token_keys
+from .status import CoordinatorStatus, coordinator_status
 from .types import (
     CheckpointResult,
     ConsumerStats,
     CursorInfo,
     DeleteKeysResult,
-    DeleteRequest,
     DirectoryStats,
     Endpoints,
     EvictionReport,
@@ -107,43 +79,15 @@ from .types import (
     Registration,
     TokenLookup,
 )
-from .usage import CacheUsageManager
+
+__all__ = ["Coordinator", "CoordinatorStatus"]
 
 logger = logging.getLogger(__name__)
 
 _SWEEP_SLICE = 1024
 
 
-@dataclass(frozen=True, slots=True)
-class CoordinatorStatus:
-    """One-call overview for ``kvmesh status`` and the admin service.
-
-    ``started_at`` and ``last_checkpoint_time`` are wall-clock seconds
-    (None: not started / no checkpoint written or restored yet); ``restored``
-    is True when at least one checkpoint section was loaded at start.
-    """
-
-    started: bool
-    started_at: float | None
-    eviction_ready: bool
-    instances: int
-    directory: DirectoryStats
-    cursors: Mapping[str, CursorInfo]
-    consumers: Mapping[str, ConsumerStats]
-    batches_admitted: int
-    batches_duplicate: int
-    batches_stale: int
-    evictions_in_flight: int
-    metadata_save_failures: int
-    checkpoint_path: str
-    last_checkpoint: CheckpointResult | None
-    last_checkpoint_time: float | None
-    restored: bool
-    last_load: LoadReport | None
-    chunk_size: int
-
-
-class Coordinator:
+class Coordinator(CoreComponents):
     """Every coordinator component, wired, with the servicers' typed entry points."""
 
     def __init__(
@@ -154,62 +98,8 @@ class Coordinator:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        self.settings = s = settings if settings is not None else CoordinatorSettings()
-        self.hasher = TokenHasher(s.chunk_size)
-        self.spaces = KeySpaces()
-        self.usage = CacheUsageManager()
-        self.directory = KeyDirectory(
-            self.spaces, self.usage, token_binding_cap=s.token_binding_cap
-        )
-        self.capacity = ServerConfigRegistry()
-        self.registry = InstanceRegistry(clock=clock, wall_clock=wall_clock)
-        self.quotas = QuotaManager()
-        self.pins = PinTable()
-        self.lru = IsolatedLRU(self.spaces)
-        self.eviction = FleetEvictionController(
-            self.spaces,
-            self.directory,
-            self.usage,
-            quotas=self.quotas,
-            pins=self.pins,
-            lru=self.lru,
-            is_live=self.registry.contains,
-            dispatcher=dispatcher,
-            eviction_ratio=s.eviction_ratio,
-            trigger_watermark=s.trigger_watermark,
-            max_delete_batch=s.max_delete_batch,
-            max_victims_per_cycle=s.max_victims_per_cycle,
-            ready_delay=s.heartbeat_interval,
-            redispatch_after=s.redispatch_after,
-            clock=clock,
-        )
-        self.broadcaster = CacheEventBroadcaster()
-        # Order is load-bearing; see the module docstring.
-        self.broadcaster.register(self.directory)
-        self.broadcaster.register(self.capacity)
-        self.broadcaster.register(self.eviction)
-        self.quiesce = QuiesceLock()
-        self.commands = CommandLedger(wall_clock=wall_clock)
-        self.resync = ResyncPlanner(
-            dispatcher=dispatcher if isinstance(dispatcher, ResyncDispatcher) else None,
-            min_interval=s.resync_min_interval,
-            clock=clock,
-        )
-        self.gate = EventGate(
-            self.broadcaster,
-            self.quiesce,
-            wall_clock=wall_clock,
-            on_cursor=self.resync.cursor_event,
-        )
-        self.metadata = MetadataStore(s.metadata_path or None, wall_clock=wall_clock)
-        self.metadata.register(self.pins)
-        self.metadata.register(self.quotas)
-        self.checkpoint_components: list[DurableComponent] = [
-            self.gate,
-            self.directory,
-            self.capacity,
-            self.lru,
-        ]
+        super().__init__(settings, dispatcher=dispatcher, clock=clock, wall_clock=wall_clock)
+        s = self.settings
         self.runtime = CoreRuntime(
             s,
             quiesce=self.quiesce,
@@ -231,11 +121,6 @@ class Coordinator:
         )
 
     # -- lifecycle -----------------------------------------------------------
-
-    def set_delete_dispatcher(self, dispatcher: DeleteDispatcher | None) -> None:
-        """Wire (or unwire) how deletes (and, if it can, resyncs) reach the nodes."""
-        self.eviction.dispatcher = dispatcher
-        self.resync.dispatcher = dispatcher if isinstance(dispatcher, ResyncDispatcher) else None
 
     def load_state(self) -> LoadReport | None:
         """Load metadata, then the checkpoint, once; None without a checkpoint path."""
@@ -329,25 +214,15 @@ class Coordinator:
         with_tokens: bool = True,
     ) -> TokenLookup:
         """Resolve tokens to keys (§2.7), expand across object groups, look each up."""
-        keys, chunks = resolve_token_keys(
-            self.hasher, model_name, world_size, cache_salt, token_ids
+        return tokens.lookup_tokens(
+            self.hasher,
+            self.directory,
+            model_name,
+            world_size,
+            cache_salt,
+            token_ids,
+            with_tokens=with_tokens,
         )
-        if not keys:
-            return TokenLookup(0, ())
-        groups = self.directory.get_keys_across_object_groups(keys)
-        expanded = [k for ks in groups for k in ks]
-        results = tuple(self.directory.lookup(expanded, with_tokens=with_tokens))
-        # Leading chunks where every rank has a placement in some object group.
-        held: list[bool] = []
-        pos = 0
-        for ks in groups:
-            held.append(any(r.placements for r in results[pos : pos + len(ks)]))
-            pos += len(ks)
-        ranks = len(keys) // chunks
-        cached = 0
-        while cached < chunks and all(held[cached * ranks : (cached + 1) * ranks]):
-            cached += 1
-        return TokenLookup(chunks, results, cached)
 
     def list_keys(
         self,
@@ -369,28 +244,7 @@ class Coordinator:
 
     def status(self) -> CoordinatorStatus:
         """Everything an operator's status view shows."""
-        cursors = self.gate.cursors()
-        rt = self.runtime
-        return CoordinatorStatus(
-            started=rt.running,
-            started_at=rt.started_at,
-            eviction_ready=self.eviction.is_ready(),
-            instances=len(self.registry),
-            directory=self.directory.stats(),
-            cursors=cursors,
-            consumers=self.broadcaster.stats(),
-            batches_admitted=sum(c.batches_admitted for c in cursors.values()),
-            batches_duplicate=sum(c.batches_duplicate for c in cursors.values()),
-            batches_stale=sum(c.batches_stale for c in cursors.values()),
-            evictions_in_flight=self.eviction.in_flight_count(),
-            metadata_save_failures=self.metadata.save_failures,
-            checkpoint_path=self.settings.checkpoint_path,
-            last_checkpoint=rt.last_checkpoint,
-            last_checkpoint_time=rt.last_checkpoint_time,
-            restored=bool(rt.last_load is not None and rt.last_load.restored),
-            last_load=rt.last_load,
-            chunk_size=self.settings.chunk_size,
-        )
+        return coordinator_status(self, self.runtime)
 
     # -- membership ------------------------------------------------------------
 
@@ -521,7 +375,7 @@ class Coordinator:
         token_ids: Sequence[int] | np.ndarray,
     ) -> PinResult:
         """Pin every key of a token sequence (resolved locally, §2.7)."""
-        keys, chunks = resolve_token_keys(
+        keys, chunks = tokens.resolve_token_keys(
             self.hasher, model_name, world_size, cache_salt, token_ids
         )
         return PinResult(chunks, self.pin_keys(keys) if keys else 0)
@@ -534,7 +388,7 @@ class Coordinator:
         token_ids: Sequence[int] | np.ndarray,
     ) -> PinResult:
         """Unpin every key of a token sequence."""
-        keys, chunks = resolve_token_keys(
+        keys, chunks = tokens.resolve_token_keys(
             self.hasher, model_name, world_size, cache_salt, token_ids
         )
         return PinResult(chunks, self.unpin_keys(keys) if keys else 0)
@@ -580,38 +434,7 @@ class Coordinator:
         forced L2 delete also drops their pins (persisted). Effects show up
         when the nodes report the DELETE events.
         """
-        if instance_id and not self.registry.contains(instance_id):
-            raise NotFound(f"unknown instance {instance_id}", metadata={"instance_id": instance_id})
-        tiers = (Tier.L1, Tier.L2) if tier is None else (tier,)
-        expanded = [k for ks in self.directory.get_keys_across_object_groups(keys) for k in ks]
-        pin_skipped = 0
-        targets = expanded
-        if Tier.L2 in tiers and not force:
-            targets = self.pins.filter_unpinned(expanded)
-            pin_skipped = len(expanded) - len(targets)
-        requests: list[DeleteRequest] = []
-        for t in tiers:
-            groups: dict[tuple[str, str], list[ObjectKey]] = {}
-            if instance_id:
-                if targets:
-                    groups[(instance_id, "")] = list(targets)
-            else:
-                for key in targets:
-                    ck = self.spaces.find_key(key)
-                    if ck is None:
-                        continue
-                    for dest in self.directory.delete_targets(ck, t, self.registry.contains):
-                        groups.setdefault(dest, []).append(key)
-            requests.extend(self.eviction.send_deletes(groups, t, force=force))
-        if instance_id and requests and not any(r.accepted for r in requests):
-            raise Unavailable(
-                f"instance {instance_id} did not accept the delete (is its event stream open?)",
-                metadata={"instance_id": instance_id},
-            )
-        if force and Tier.L2 in tiers and self.pins.drop_pins(expanded):
-            self.metadata.save()
-        dispatched = sum(len(r.keys) for r in requests if r.accepted)
-        return DeleteKeysResult(len(keys), dispatched, pin_skipped, tuple(requests))
+        return deletes.delete_keys(self, keys, instance_id=instance_id, tier=tier, force=force)
 
     def delete_tokens(
         self,
@@ -625,9 +448,8 @@ class Coordinator:
         force: bool = False,
     ) -> DeleteKeysResult:
         """:meth:`delete_keys` of every key of a token sequence (resolved locally, §2.7)."""
-        if instance_id and not self.registry.contains(instance_id):
-            raise NotFound(f"unknown instance {instance_id}", metadata={"instance_id": instance_id})
-        keys, _chunks = resolve_token_keys(
+        deletes.require_instance(self, instance_id)
+        keys, _chunks = tokens.resolve_token_keys(
             self.hasher, model_name, world_size, cache_salt, token_ids
         )
         if not keys:

@@ -5,6 +5,7 @@ each chunk hash fans out to one key per kv rank ``r`` of ``world_size`` with
 ``kv_rank = worker_kv_rank(world_size, r)``, ``object_group_id = 0`` and the
 request's salt; order is chunk-major, then rank. The input must be the
 request's whole sequence from position 0 (the hash is prefix-chained).
+:func:`lookup_tokens` looks the keys up and measures the cached prefix.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from kvmesh.common.keys import (
     validate_model_name,
     worker_kv_rank,
 )
+
+from .directory import KeyDirectory
+from .types import TokenLookup
 
 MAX_TOKEN_IDS = 1_000_000
 MAX_WORLD_SIZE = 255
@@ -53,3 +57,33 @@ def resolve_token_keys(
     ranks = [worker_kv_rank(world_size, r) for r in range(world_size)]
     keys = [ObjectKey(h, model_name, rank, 0, cache_salt) for h in hashes for rank in ranks]
     return keys, len(hashes)
+
+
+def lookup_tokens(
+    hasher: TokenHasher,
+    directory: KeyDirectory,
+    model_name: str,
+    world_size: int,
+    cache_salt: str,
+    token_ids: Sequence[int] | np.ndarray,
+    *,
+    with_tokens: bool = True,
+) -> TokenLookup:
+    """Resolve tokens to keys, expand across object groups, look each up."""
+    keys, chunks = resolve_token_keys(hasher, model_name, world_size, cache_salt, token_ids)
+    if not keys:
+        return TokenLookup(0, ())
+    groups = directory.get_keys_across_object_groups(keys)
+    expanded = [k for ks in groups for k in ks]
+    results = tuple(directory.lookup(expanded, with_tokens=with_tokens))
+    # Leading chunks where every rank has a placement in some object group.
+    held: list[bool] = []
+    pos = 0
+    for ks in groups:
+        held.append(any(r.placements for r in results[pos : pos + len(ks)]))
+        pos += len(ks)
+    ranks = len(keys) // chunks
+    cached = 0
+    while cached < chunks and all(held[cached * ranks : (cached + 1) * ranks]):
+        cached += 1
+    return TokenLookup(chunks, results, cached)

@@ -95,9 +95,14 @@ class _TransportBase:
         """The call's traceparent, inside a CLIENT span (tracing is on when this is used)."""
         from opentelemetry import trace
 
+        # Named as the gRPC instrumentation names its spans: /package.Service/Method.
+        name = method if method.startswith("/") else "/" + method
+        service, _, rpc = name[1:].rpartition("/")
         tracer = trace.get_tracer("kvmesh.lane")
         with tracer.start_as_current_span(
-            method.lstrip("/"), kind=trace.SpanKind.CLIENT, attributes={"rpc.system": "kvmesh-lane"}
+            name,
+            kind=trace.SpanKind.CLIENT,
+            attributes={"rpc.system": "kvmesh-lane", "rpc.service": service, "rpc.method": rpc},
         ):
             yield current_traceparent().encode("ascii")
 

@@ -200,13 +200,16 @@ def _error_body(code: grpc.StatusCode, message: str, reason: str | None = None) 
 
 @contextlib.contextmanager
 def _server_span(method: str, traceparent: str) -> Iterator[None]:
-    """A SERVER span for the call (the OTel gRPC interceptor's stand-in on the lane)."""
+    """A SERVER span for the call (the OTel gRPC interceptor's stand-in on the lane).
+
+    Named as gRPC's: ``/package.Service/Method`` (``method`` is the full path).
+    """
     from opentelemetry import trace
 
     service, _, name = method.lstrip("/").rpartition("/")
     tracer = trace.get_tracer("kvmesh.lane")
     with tracer.start_as_current_span(
-        method.lstrip("/"),
+        "/" + method.lstrip("/"),
         context=context_from_traceparent(traceparent),
         kind=trace.SpanKind.SERVER,
         attributes={"rpc.system": "kvmesh-lane", "rpc.service": service, "rpc.method": name},

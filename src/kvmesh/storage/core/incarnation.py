@@ -26,10 +26,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from kvmesh.common.errors import FailedPrecondition
+
 logger = logging.getLogger(__name__)
 
 INCARNATION_FILE = "incarnation"
 _LOCK_FILE = "incarnation.lock"
+#: Held (``flock``) by the one live process of an instance for its whole life.
+INSTANCE_LOCK_FILE = "instance.lock"
 
 _process_lock = threading.Lock()
 
@@ -117,3 +121,40 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+class InstanceLock:
+    """One live process per state directory: taken before the incarnation advances.
+
+    A second process given the same state directory (the same instance id or
+    ``--data-dir``) fails here, before it touches the running instance's
+    incarnation file, with the pid of the process that holds it. The lock is
+    an ``flock``, so it dies with its holder: a killed node's successor takes
+    it at once. The holder's pid is written into the file for operators.
+    """
+
+    def __init__(self, state_dir: Path, instance_id: str) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.path = state_dir / INSTANCE_LOCK_FILE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            os.close(fd)
+            raise FailedPrecondition(
+                f"instance {instance_id}: its state directory {state_dir} is in use by the "
+                f"running process {holder}; give each node its own --instance-id or --data-dir"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Let the next process of this instance start. Idempotent."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

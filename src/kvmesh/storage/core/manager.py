@@ -272,10 +272,13 @@ class StorageManager:
         num_kv_readers: int,
         *,
         row_nbytes: Sequence[int] | None = None,
+        allow_peers: bool = True,
     ) -> PrefetchHandle:
         """Look the grid up in L1 and L2 and load the missing prefix; see PrefetchController."""
         self._check_open()
-        return self.prefetch.submit(request_id, key_rows, num_kv_readers, row_nbytes=row_nbytes)
+        return self.prefetch.submit(
+            request_id, key_rows, num_kv_readers, row_nbytes=row_nbytes, allow_peers=allow_peers
+        )
 
     def query_prefetch(self, handle: PrefetchHandle) -> PrefetchResult | None:
         """The result, exactly once; None while running; NotFound when unknown or consumed."""

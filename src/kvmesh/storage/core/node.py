@@ -184,11 +184,14 @@ class StorageNode:
         readers: int,
         wait_ms: int,
         chunk_bytes: int = 0,
+        *,
+        allow_peers: bool = True,
     ) -> PrefetchState:
         """Lock the prefix present in every row (loading L2 hits); maybe wait for it.
 
         ``chunk_bytes`` (0 = unknown) sizes L2 objects this node has not indexed
         (written by another node of a shared pool since this one started).
+        ``allow_peers`` False keeps the lookup on this node (a peer's request).
         """
         if not rows:
             raise InvalidArgument("the key grid has no kv_ranks", field="keys.kv_ranks")
@@ -203,7 +206,7 @@ class StorageNode:
             raise InvalidArgument("chunk_bytes is too large", field="chunk_bytes")
         row_nbytes = [chunk_bytes] * len(rows) if chunk_bytes else None
         handle = self.manager.submit_prefetch(
-            request_id, rows, max(readers, 1), row_nbytes=row_nbytes
+            request_id, rows, max(readers, 1), row_nbytes=row_nbytes, allow_peers=allow_peers
         )
         prefetch_id = self._prefetches.add(handle)
         try:

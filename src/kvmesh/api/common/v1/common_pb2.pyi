@@ -93,6 +93,11 @@ class _KVLayoutKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KVLayout
     """vLLM flashinfer: [num_blocks, 2, block_size, kv_heads, head_dim]."""
     KV_LAYOUT_KIND_MLA: _KVLayoutKind.ValueType  # 3
     """MLA latent cache: [num_blocks, block_size, head_dim] (kv_heads must be 1)."""
+    KV_LAYOUT_KIND_VLLM_CPU: _KVLayoutKind.ValueType  # 4
+    """vLLM's CPU attention backend (x86 without AMX, "vec" ISA):
+    [num_blocks, kv_heads, block_size, 2 * head_dim]. Inside one (block, head),
+    K comes first, transposed ([head_dim][block_size]), then V ([block_size][head_dim]).
+    """
 
 class KVLayoutKind(_KVLayoutKind, metaclass=_KVLayoutKindEnumTypeWrapper):
     """How an engine lays out its paged KV cache, per layer."""
@@ -104,6 +109,11 @@ KV_LAYOUT_KIND_FLASHINFER: KVLayoutKind.ValueType  # 2
 """vLLM flashinfer: [num_blocks, 2, block_size, kv_heads, head_dim]."""
 KV_LAYOUT_KIND_MLA: KVLayoutKind.ValueType  # 3
 """MLA latent cache: [num_blocks, block_size, head_dim] (kv_heads must be 1)."""
+KV_LAYOUT_KIND_VLLM_CPU: KVLayoutKind.ValueType  # 4
+"""vLLM's CPU attention backend (x86 without AMX, "vec" ISA):
+[num_blocks, kv_heads, block_size, 2 * head_dim]. Inside one (block, head),
+K comes first, transposed ([head_dim][block_size]), then V ([block_size][head_dim]).
+"""
 Global___KVLayoutKind: _TypeAlias = KVLayoutKind  # noqa: Y015
 
 @_typing.final

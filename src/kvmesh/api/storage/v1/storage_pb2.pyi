@@ -23,6 +23,7 @@ from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from kvmesh.api.common.v1 import common_pb2 as _common_pb2
+from kvmesh.api.storage.v1 import peer_pb2 as _peer_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -794,6 +795,7 @@ class GetStatusResponse(_message.Message):
     EMITTER_FIELD_NUMBER: _builtins.int
     SALTS_FIELD_NUMBER: _builtins.int
     ACTIVE_PREFETCHES_FIELD_NUMBER: _builtins.int
+    P2P_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     incarnation: _builtins.int
     active_prefetches: _builtins.int
@@ -807,6 +809,10 @@ class GetStatusResponse(_message.Message):
     def emitter(self) -> Global___EmitterStatus: ...
     @_builtins.property
     def salts(self) -> _containers.RepeatedCompositeFieldContainer[Global___SaltUsage]: ...
+    @_builtins.property
+    def p2p(self) -> _peer_pb2.PeerStatus:
+        """P2P fetches and serving (see peer.proto)."""
+
     def __init__(
         self,
         *,
@@ -818,10 +824,11 @@ class GetStatusResponse(_message.Message):
         emitter: Global___EmitterStatus | None = ...,
         salts: _abc.Iterable[Global___SaltUsage] | None = ...,
         active_prefetches: _builtins.int = ...,
+        p2p: _peer_pb2.PeerStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["emitter", b"emitter", "l1", b"l1"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["emitter", b"emitter", "l1", b"l1", "p2p", b"p2p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_prefetches", b"active_prefetches", "emitter", b"emitter", "engine_ids", b"engine_ids", "incarnation", b"incarnation", "instance_id", b"instance_id", "l1", b"l1", "l2", b"l2", "salts", b"salts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_prefetches", b"active_prefetches", "emitter", b"emitter", "engine_ids", b"engine_ids", "incarnation", b"incarnation", "instance_id", b"instance_id", "l1", b"l1", "l2", b"l2", "p2p", b"p2p", "salts", b"salts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

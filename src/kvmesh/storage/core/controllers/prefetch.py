@@ -17,7 +17,13 @@ prefix of counting columns is served (reference mp_server §12.3):
    (freed when their last reader is done) under the ``default`` policy,
    ordinary resident ones under ``retain``. An out-of-memory reservation or a
    failed load shortens the prefix; everything after it is released.
-5. The result is kept until it is queried, exactly once (or until
+5. With a peer source (P2P, :mod:`~kvmesh.storage.core.peer.fetch`) and
+   columns still missing, the request is handed to it: it fetches the
+   missing prefix from another node into L1 (read-locked like an L2 load)
+   on its own threads, so a slow peer never holds a prefetch worker, and
+   the request finishes when it answers. A peer's own request never goes
+   to peers (``allow_peers=False``).
+6. The result is kept until it is queried, exactly once (or until
    ``result_ttl_s`` passes unqueried: then its locks are released). Whoever
    needs to know when it is ready registers ``add_done_callback``; the
    worker calls it on completion, so no thread ever parks waiting for a
@@ -43,7 +49,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvmesh.common.keys import ObjectKey
@@ -66,6 +72,29 @@ class PrefetchPolicy(enum.Enum):
 
 
 DoneCallback = Callable[[PrefetchHandle], None]
+
+
+class PeerSource(Protocol):
+    """Fetches a missing prefix from other nodes into L1 (the P2P fetcher)."""
+
+    def submit(
+        self,
+        request_id: str,
+        rows: Sequence[Sequence[ObjectKey]],
+        readers: int,
+        row_nbytes: Sequence[int] | None,
+        done: Callable[[int], None],
+    ) -> None:
+        """Start fetching; ``done(columns)`` is called once, with the columns now in L1.
+
+        Columns ``[0, columns)`` of ``rows`` are resident and read-locked
+        ``readers`` times for the caller. Raises RuntimeError when closed.
+        """
+        ...
+
+    def close(self) -> None:
+        """Stop: running fetches end early, nothing new starts."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +151,7 @@ class PrefetchController:
         self._results: OrderedDict[int, tuple[float, PrefetchResult]] = OrderedDict()
         self._callbacks: dict[int, list[DoneCallback]] = {}
         self._closing = False
+        self._peers: PeerSource | None = None
         self._loader = PrefetchLoader(
             l1,
             self.tiers,
@@ -140,6 +170,11 @@ class PrefetchController:
         self.completed_l1_only = 0
         self.aborted = 0
         self.expired_results = 0
+        self.peer_requests = 0
+
+    def set_peer_source(self, peers: PeerSource | None) -> None:
+        """Ask ``peers`` for columns that L1 and L2 miss (None: never)."""
+        self._peers = peers
 
     # -- API ----------------------------------------------------------------
 
@@ -150,6 +185,7 @@ class PrefetchController:
         num_kv_readers: int,
         *,
         row_nbytes: Sequence[int] | None = None,
+        allow_peers: bool = True,
     ) -> PrefetchHandle:
         """Start a prefetch of the grid ``key_rows`` (rows × chunks).
 
@@ -177,13 +213,16 @@ class PrefetchController:
             handle = PrefetchHandle(next(self._ids), request_id)
             self.submitted += 1
         job = PrefetchJob(handle, rows, readers, nbytes, [[False] * len(r) for r in rows])
+        job.allow_peers = allow_peers and self._peers is not None
         if job.num_chunks:
             flat = [k for r in rows for k in r]
             held = [res is L1Result.SUCCESS for res in self.l1.reserve_read(flat, readers)]
             width = job.num_chunks
             job.held = [held[i : i + width] for i in range(0, len(held), width)]
         prefix = job.held_prefix()
-        if prefix == job.num_chunks or not any(t.available() for t in self.tiers):
+        if prefix == job.num_chunks or not (
+            job.allow_peers or any(t.available() for t in self.tiers)
+        ):
             with self._cond:
                 self.completed_l1_only += 1
             self._finish(job, prefix)
@@ -276,6 +315,8 @@ class PrefetchController:
             if self._closing:
                 return
             self._closing = True
+        if self._peers is not None:
+            self._peers.close()
         self._executor.shutdown(wait=True, cancel_futures=True)
         with self._cond:
             leftover = list(self._jobs.values())
@@ -296,6 +337,7 @@ class PrefetchController:
                 "completed_l1_only": self.completed_l1_only,
                 "aborted": self.aborted,
                 "expired_results": self.expired_results,
+                "peer_requests": self.peer_requests,
                 "l2_loaded_cells": self._loader.l2_loaded_cells,
                 "l2_failed_cells": self._loader.l2_failed_cells,
                 "oom_cells": self._loader.oom_cells,
@@ -308,13 +350,49 @@ class PrefetchController:
             self.queued -= 1
             self.in_flight += 1
         try:
-            self._finish(job, self._loader.load(job))
+            end = self._loader.load(job)
+            if job.allow_peers and end < job.num_chunks and self._to_peers(job, end):
+                return
+            self._finish(job, end)
         except Exception as exc:
             logger.exception("prefetch %s failed; answering all-miss", job.handle.request_id)
             self._abort(job, f"internal error: {exc!r}")
         finally:
             with self._cond:
                 self.in_flight -= 1
+
+    def _to_peers(self, job: PrefetchJob, end: int) -> bool:
+        """Hand the columns from ``end`` on to the peer source; False when it is closed."""
+        peers = self._peers
+        if peers is None:
+            return False
+        rest = [row[end:] for row in job.rows]
+
+        def done(got: int) -> None:
+            got = max(0, min(got, job.num_chunks - end))
+            with self._cond:
+                alive = job.handle.id in self._jobs
+            if not alive:
+                # Aborted meanwhile (shutdown): give the fetched locks back.
+                if got:
+                    self.l1.finish_read([k for row in rest for k in row[:got]], job.readers)
+                return
+            for row in job.held:
+                for c in range(end, end + got):
+                    row[c] = True
+            try:
+                self._finish(job, end + got)
+            except Exception as exc:
+                logger.exception("prefetch %s failed after P2P", job.handle.request_id)
+                self._abort(job, f"internal error: {exc!r}")
+
+        try:
+            peers.submit(job.handle.request_id, rest, job.readers, job.row_nbytes, done)
+        except RuntimeError:
+            return False
+        with self._cond:
+            self.peer_requests += 1
+        return True
 
     def _finish(self, job: PrefetchJob, end: int, error: str = "") -> None:
         self._loader.drop_after(job, 0 if error else end)

@@ -49,6 +49,8 @@ class PrefetchJob:
     loaded: set[Cell] = field(default_factory=set)
     staged: dict[Cell, tuple[L2Tier, L1Object]] = field(default_factory=dict)
     pins: dict[Cell, L2Tier] = field(default_factory=dict)
+    #: May ask peers for the columns L1 and L2 miss (False for a peer's own request).
+    allow_peers: bool = True
 
     @property
     def num_chunks(self) -> int:

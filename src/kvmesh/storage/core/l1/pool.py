@@ -108,6 +108,7 @@ class L1Pool:
         self.allocation_failures = 0
 
         os.makedirs(shm_dir, exist_ok=True)
+        reclaim_dead_pools(shm_dir)
         self._lock_fd = self._acquire_name_lock()
         try:
             self._remove_stale_segments()
@@ -345,6 +346,9 @@ class L1Pool:
                     "instance names must be unique per host"
                 ) from exc
             raise
+        # The owner's pid, for operators; liveness itself is the flock (it dies with us).
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
         return fd
 
     def _remove_stale_segments(self) -> None:
@@ -366,6 +370,58 @@ class L1Pool:
             os.unlink(lock_path)
         with contextlib.suppress(OSError):
             os.close(self._lock_fd)
+
+
+_LOCK_SUFFIX = ".lock"
+
+
+def reclaim_dead_pools(shm_dir: str) -> list[str]:
+    """Remove the segments and lock files of L1 pools whose owner process is dead.
+
+    A pool's owner holds ``flock`` on its lock file for as long as it lives
+    (a SIGKILL releases it), so a lock file this process can lock belongs to
+    a dead owner: its segments are memory nobody will ever free. Pools of
+    live processes are left alone. Returns the removed paths.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith("kvmesh-l1-") and name.endswith(_LOCK_SUFFIX)):
+            continue
+        lock_path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(lock_path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live owner
+            owner = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            prefix = name[: -len(_LOCK_SUFFIX)]
+            before = len(removed)
+            pattern = re.compile(re.escape(prefix) + r"-(\d+)$")
+            for other in names:
+                if pattern.match(other):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(shm_dir, other))
+                        removed.append(os.path.join(shm_dir, other))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_path)
+                removed.append(lock_path)
+            logger.warning(
+                "reclaimed the L1 pool %s of dead process %s (%d files)",
+                prefix,
+                owner,
+                len(removed) - before,
+            )
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _prefault(mapping: mmap.mmap) -> None:

@@ -1,0 +1,5 @@
+"""``python -m kvmesh.bench.datapath [--json]``."""
+
+from . import main
+
+main()

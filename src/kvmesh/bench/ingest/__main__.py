@@ -1,0 +1,5 @@
+"""``python -m kvmesh.bench.ingest [--json]``."""
+
+from . import main
+
+main()

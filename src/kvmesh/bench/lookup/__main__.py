@@ -1,0 +1,5 @@
+"""``python -m kvmesh.bench.lookup [--json]``."""
+
+from . import main
+
+main()

@@ -1,0 +1,115 @@
+"""One vLLM process: ``python -m kvmesh.bench.vllm.worker SPEC.json``.
+
+Runs each prompt of the spec in turn through a fresh offline ``vllm.LLM`` and
+prints one JSON line per prompt (``{"ttft_s", "token_ids", "logprobs",
+"cached_tokens"}``), then ``{"done": true}``. With one output token, the time of
+``generate`` is the time to first token. Benchmarks and tests run it in a
+subprocess: every run is a fresh engine (nothing cached in vLLM itself unless
+``prefix_caching`` is on), and vLLM's own child processes go away with it.
+
+Spec keys: ``model`` (folder), ``prompts`` (lists of token ids), ``max_tokens``
+(default 1), ``logprobs`` (top-k per token, default 0), ``prefix_caching``
+(default false), ``gateway`` (kvmesh gateway target; absent: no connector),
+``connector`` (extra ``kv_connector_extra_config`` keys), ``kv_cache_gib``,
+``max_num_batched_tokens``, ``repeat`` (run each prompt this many times),
+``pause_before`` (``{"index": i, "path": P}``: before prompt ``i``, create
+``P.ready`` and wait for ``P.go``; tests change the world in between).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+#: Prefix of the result lines on stdout (vLLM logs there too).
+MARK = "KVMESH-RESULT "
+
+
+def engine_env(kv_cache_gib: int) -> dict[str, str]:
+    """Environment of a comparable vLLM CPU run: KV size, threads bound to every core."""
+    cores = os.cpu_count() or 1
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        # vLLM binds its worker to one core unless a connector is set: bind all, always.
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def transfer_config(gateway: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``--kv-transfer-config`` for kvmesh's connector."""
+    return {
+        "kv_connector": "KVMeshConnector",
+        "kv_connector_module_path": "kvmesh.connector.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"gateway": gateway, **(extra or {})},
+    }
+
+
+def run(spec: dict[str, Any]) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict[str, Any] = {
+        "model": spec["model"],
+        "enforce_eager": True,
+        "enable_prefix_caching": bool(spec.get("prefix_caching", False)),
+        "max_model_len": int(spec.get("max_model_len", 16384)),
+        "max_num_batched_tokens": int(spec.get("max_num_batched_tokens", 4096)),
+        "seed": 0,
+    }
+    if spec.get("gateway"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            **transfer_config(spec["gateway"], spec.get("connector"))
+        )
+    llm = LLM(**kwargs)
+    params = SamplingParams(
+        max_tokens=int(spec.get("max_tokens", 1)),
+        temperature=0.0,
+        logprobs=int(spec.get("logprobs", 0)) or None,
+    )
+    pause = spec.get("pause_before") or {}
+    for index, prompt in enumerate(spec["prompts"]):
+        if pause and index == int(pause["index"]):
+            _pause(str(pause["path"]))
+        for _ in range(int(spec.get("repeat", 1))):
+            start = time.perf_counter()
+            out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+            elapsed = time.perf_counter() - start
+            completion = out.outputs[0]
+            logprobs = [
+                {str(k): round(v.logprob, 6) for k, v in step.items()}
+                for step in (completion.logprobs or [])
+            ]
+            line = {
+                "ttft_s": elapsed,
+                "token_ids": list(completion.token_ids),
+                "logprobs": logprobs,
+                "cached_tokens": out.num_cached_tokens or 0,
+            }
+            print(MARK + json.dumps(line), flush=True)
+    print(MARK + json.dumps({"done": True}), flush=True)
+
+
+def _pause(path: str, timeout_s: float = 300.0) -> None:
+    with open(path + ".ready", "w"):
+        pass
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path + ".go"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nobody created {path}.go within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    run(spec)
+
+
+if __name__ == "__main__":
+    main()

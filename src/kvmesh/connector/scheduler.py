@@ -1,0 +1,276 @@
+"""Scheduler half of the connector: lookups, load and store plans, sessions (reference §6.3)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.connector.base import ConnectorBase
+from kvmesh.connector.metadata import (
+    ConnectorMetadata,
+    Request,
+    RetrieveOp,
+    SchedulerOutput,
+    StoreOp,
+)
+from kvmesh.connector.types import (
+    ConnectorError,
+    KVConnectorRole,
+    KVMeshConnectorConfig,
+    LookupResult,
+    rpc_failure,
+)
+from kvmesh.gateway.client import GatewayClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    """Scheduler-side bookkeeping of one request."""
+
+    request: Request
+    lookup_deadline: float
+    lookup_sent: bool = False
+    #: Chunk-aligned tokens kvmesh holds (None until the lookup finished).
+    hit_tokens: int | None = None
+    l1_hit_chunks: int = 0
+    l2_hit_chunks: int = 0
+    #: The engine's own prefix-cache hit when matched (vLLM: num_computed_tokens).
+    local_hit_tokens: int = 0
+    num_external_tokens: int = 0
+    load_pending: bool = False
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    stored_tokens: int = 0
+    stores_emitted: bool = False
+
+
+class SchedulerHooks(ConnectorBase):
+    """The scheduler-side hooks (one instance per engine scheduler)."""
+
+    def __init__(
+        self,
+        config: KVMeshConnectorConfig,
+        role: KVConnectorRole,
+        *,
+        client: GatewayClient | None = None,
+    ) -> None:
+        super().__init__(config, role, client=client)
+        self._requests: dict[str, _RequestState] = {}
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` that kvmesh will load, and whether async.
+
+        Returns ``(None, False)`` while the lookup is still running (ask again
+        later), and ``(0, False)`` when kvmesh cannot help (miss, error,
+        timeout). Never blocks beyond one short RPC.
+        """
+        self._require(KVConnectorRole.SCHEDULER)
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = _RequestState(
+                request, lookup_deadline=time.monotonic() + self.config.lookup_timeout_s
+            )
+            self._requests[request.request_id] = state
+        if state.hit_tokens is None:
+            state.hit_tokens = self._poll_lookup(state)
+            if state.hit_tokens is None:
+                return None, False
+        n = request.num_prompt_tokens
+        # The last prompt token is always recomputed (its logits are needed), and a
+        # load ends on a block boundary (vLLM only counts whole blocks as computed).
+        usable = min(state.hit_tokens, n - 1) if n else 0
+        usable -= usable % self.config.block_size
+        need = max(0, usable - num_computed_tokens)
+        state.local_hit_tokens = num_computed_tokens
+        state.num_external_tokens = need
+        return need, need > 0
+
+    def lookup_result(self, request_id: str) -> LookupResult:
+        """What kvmesh reported for a request's lookup (zeros until it finished)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return LookupResult(0, 0, 0)
+        return LookupResult(state.hit_tokens or 0, state.l1_hit_chunks, state.l2_hit_chunks)
+
+    def _poll_lookup(self, state: _RequestState) -> int | None:
+        """Send the lookup or poll it: hit tokens, or None while it runs."""
+        request = state.request
+        if self.gateway_down():
+            return 0
+        try:
+            chunk = self.chunk_size
+            if request.num_prompt_tokens < chunk:
+                return 0  # no complete chunk: nothing to look up
+            if not state.lookup_sent:
+                resp = self.client.lookup(
+                    gateway_pb2.LookupRequest(
+                        request_id=request.request_id,
+                        model_name=self.config.model_name,
+                        world_size=self.config.world_size,
+                        cache_salt=request.cache_salt,
+                        token_ids=request.prompt_token_ids,
+                        num_kv_readers=self.config.num_kv_readers,
+                        wait_timeout_ms=self.config.lookup_wait_ms,
+                    ),
+                    timeout=self._timeout,
+                )
+                state.lookup_sent = True
+                status = resp.status
+            else:
+                status = self.client.query_prefetch_status(
+                    gateway_pb2.QueryPrefetchStatusRequest(request_id=request.request_id),
+                    timeout=self._timeout,
+                ).status
+        except grpc.RpcError as exc:
+            self._note_failure(f"lookup of {request.request_id}", exc)
+            return 0
+        except ConnectorError as exc:
+            logger.warning("lookup of %s failed, recomputing it: %s", request.request_id, exc)
+            return 0
+        self._note_ok()
+        if status.completed:
+            logger.debug(
+                "lookup %s: %d of %d tokens cached (L1 %d, L2 %d chunks)",
+                request.request_id,
+                status.hit_tokens,
+                request.num_prompt_tokens,
+                status.l1_hit_chunks,
+                status.l2_hit_chunks,
+            )
+            state.l1_hit_chunks = status.l1_hit_chunks
+            state.l2_hit_chunks = status.l2_hit_chunks
+            return int(status.hit_tokens)
+        if time.monotonic() > state.lookup_deadline:
+            logger.warning(
+                "lookup of %s unfinished after %.1f s, recomputing it",
+                request.request_id,
+                self.config.lookup_timeout_s,
+            )
+            return 0
+        return None
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """Record the request's blocks; free the lookup locks of chunks not retrieved."""
+        self._require(KVConnectorRole.SCHEDULER)
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = _RequestState(request, lookup_deadline=0.0, hit_tokens=0)
+            self._requests[request.request_id] = state
+        state.block_ids = list(block_ids)
+        state.num_external_tokens = num_external_tokens
+        hit = state.hit_tokens or 0
+        state.stored_tokens = hit  # what kvmesh holds is never stored again
+        state.num_computed_tokens = state.local_hit_tokens + num_external_tokens
+        if num_external_tokens > 0:
+            state.load_pending = True
+            # Chunks wholly inside the engine's own prefix hit are not retrieved.
+            free_end = (state.local_hit_tokens // self.chunk_size) * self.chunk_size
+        else:
+            free_end = hit
+        if state.lookup_sent and free_end > 0 and not self.gateway_down():
+            try:
+                self.client.free_lookup_locks(
+                    gateway_pb2.FreeLookupLocksRequest(
+                        request_id=request.request_id, start_token=0, end_token=free_end
+                    ),
+                    timeout=self._timeout,
+                )
+            except grpc.RpcError as exc:
+                # Harmless: EndSession (or the session's expiry) releases them.
+                logger.warning(
+                    "freeing lookup locks of %s failed: %s", request.request_id, rpc_failure(exc)
+                )
+
+    def set_block_ids(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """The request's whole block table (vLLM: a new or resumed request's blocks)."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            state.block_ids = list(block_ids)
+
+    def extend_block_ids(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Blocks the engine allocated to a request after its first allocation (chunked prefill)."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            state.block_ids.extend(block_ids)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
+        """The retrieves and stores the workers run in this step."""
+        self._require(KVConnectorRole.SCHEDULER)
+        meta = ConnectorMetadata()
+        bs = self.config.block_size
+        for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(request_id)
+            if state is None:
+                continue
+            request = state.request
+            if state.load_pending:
+                state.load_pending = False
+                chunk = self.chunk_size
+                start = (state.local_hit_tokens // chunk) * chunk
+                end = state.hit_tokens or 0
+                meta.retrieve_ops.append(
+                    RetrieveOp(
+                        request_id=request_id,
+                        token_ids=request.prompt_token_ids[:end],
+                        cache_salt=request.cache_salt,
+                        start=start,
+                        end=end,
+                        skip_first_n_tokens=state.local_hit_tokens - start,
+                        block_ids=state.block_ids[start // bs : end // bs],
+                    )
+                )
+            state.num_computed_tokens += scheduled
+            limit = min(
+                request.num_prompt_tokens,  # only prompt chunks (save_decode_cache = false)
+                len(state.block_ids) * bs,
+                state.num_computed_tokens,
+            )
+            try:
+                end = (limit // self.chunk_size) * self.chunk_size
+            except (grpc.RpcError, ConnectorError) as exc:
+                logger.warning("cannot plan stores of %s: %s", request_id, exc)
+                continue
+            if end > state.stored_tokens:
+                start = state.stored_tokens
+                meta.store_ops.append(
+                    StoreOp(
+                        request_id=request_id,
+                        token_ids=request.prompt_token_ids[:end],
+                        cache_salt=request.cache_salt,
+                        start=start,
+                        end=end,
+                        block_ids=state.block_ids[start // bs : end // bs],
+                    )
+                )
+                state.stored_tokens = end
+                state.stores_emitted = True
+        return meta
+
+    def request_finished(self, request: Request) -> bool:
+        """End the request's session; True when its blocks must wait for a store to finish."""
+        self._require(KVConnectorRole.SCHEDULER)
+        state = self._requests.pop(request.request_id, None)
+        self._end_session(request.request_id)
+        return state is not None and state.stores_emitted
+
+    def _end_session(self, request_id: str) -> None:
+        if self.gateway_down():
+            return  # the gateway's session expiry releases whatever is left
+        try:
+            self.client.end_session(
+                gateway_pb2.EndSessionRequest(request_id=request_id), timeout=self._timeout
+            )
+        except grpc.RpcError as exc:
+            # The gateway's session expiry releases whatever is left.
+            logger.warning("ending session %s failed: %s", request_id, rpc_failure(exc))

@@ -1,0 +1,90 @@
+"""What both halves of the connector share: roles, settings, errors and RPC helpers."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+
+class KVConnectorRole(enum.Enum):
+    """Which half of the connector an instance is (vLLM's ``KVConnectorRole``)."""
+
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+class ConnectorError(RuntimeError):
+    """The connector cannot do what was asked (bad KV tensors, registration refused)."""
+
+
+class ShmRegion(Protocol):
+    """Where one layer's KV tensor lives in a shared-memory file."""
+
+    @property
+    def path(self) -> str:
+        """Absolute path of the file."""
+        ...
+
+    @property
+    def offset_bytes(self) -> int:
+        """Start of the layer in the file."""
+        ...
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the layer."""
+        ...
+
+
+@dataclass(frozen=True)
+class KVMeshConnectorConfig:
+    """Settings of the connector (vLLM: ``kv_connector_extra_config``)."""
+
+    #: Gateway address, ``host:port`` or ``unix:path``.
+    gateway: str
+    #: vLLM's ``model_config.model``: part of every cache key.
+    model_name: str
+    #: Tokens per paged block of the engine.
+    block_size: int = 16
+    world_size: int = 1
+    worker_id: int = 0
+    #: Unique per worker process; generated when empty.
+    engine_id: str = ""
+    num_kv_readers: int = 1
+    #: A lookup unfinished after this long counts as a miss (LMCache: mq_timeout).
+    lookup_timeout_s: float = 30.0
+    #: The first Lookup waits up to this long for its result (L1 hits finish at once);
+    #: 0 returns at once and the result comes from a later poll.
+    lookup_wait_ms: int = 0
+    #: Deadline of each RPC; None keeps the typed client's per-RPC defaults.
+    rpc_timeout_s: float | None = None
+    #: Threads that run the worker's retrieves and stores.
+    transfer_threads: int = 2
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """A finished lookup: cached tokens, and the chunks found in L1 / loaded from L2."""
+
+    hit_tokens: int
+    l1_hit_chunks: int
+    l2_hit_chunks: int
+
+
+def status_code(exc: grpc.RpcError) -> grpc.StatusCode | None:
+    """The status code of a failed call (None for an error raised outside a call)."""
+    code = getattr(exc, "code", None)
+    return code() if callable(code) else None
+
+
+def rpc_failure(exc: grpc.RpcError) -> str:
+    code = status_code(exc)
+    details = getattr(exc, "details", None)
+    text = details() if callable(details) else str(exc)
+    return f"{code.name if code else 'ERROR'}: {text}"

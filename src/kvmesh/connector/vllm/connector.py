@@ -1,0 +1,363 @@
+"""``KVMeshConnector``: kvmesh as a vLLM 0.32 KV connector (``KVConnectorBase_V1``).
+
+Load it by module path::
+
+    --kv-transfer-config '{"kv_connector": "KVMeshConnector",
+                           "kv_connector_module_path": "kvmesh.connector.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"gateway": "127.0.0.1:8100"}}'
+
+This class only translates vLLM's objects; the hooks themselves are
+:class:`kvmesh.connector.KVMeshConnector` (lookups, plans, sessions, loads and
+stores over the typed gateway client). What it adds for vLLM:
+
+- **Zero copy on CPU.** :meth:`get_mem_pool_context` makes vLLM allocate its KV
+  cache in a shared-memory file (:mod:`.shm_pool`); the worker registers that
+  file with layout ``VLLM_CPU`` and storage copies blocks in and out of it.
+- **Loads are synchronous, saves asynchronous.** A hit is loaded in
+  :meth:`start_load_kv`, before the forward pass that needs it. Stores start
+  after the forward (:meth:`wait_for_save`) and finish in the background; a
+  finished request whose stores still run keeps its blocks until
+  :meth:`get_finished` reports it.
+- **kvmesh never fails a request.** Every RPC has a deadline; an unreachable
+  gateway makes lookups misses (one warning, then a back-off); a failed load is
+  reported through :meth:`get_block_ids_with_load_errors` and vLLM recomputes
+  it (the connector sets ``kv_load_failure_policy`` to ``recompute`` unless
+  ``keep_failure_policy`` is set).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorRole as VLLMRole,
+)
+
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.common.dtypes import proto_of_torch
+from kvmesh.connector.core import KVMeshConnector as Hooks
+from kvmesh.connector.metadata import ConnectorMetadata, Request, SchedulerOutput
+from kvmesh.connector.types import KVConnectorRole, KVMeshConnectorConfig, rpc_failure
+from kvmesh.connector.vllm.settings import VLLMSettings, parse_settings
+from kvmesh.connector.vllm.shm_pool import SharedMemoryPool
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput as VLLMSchedulerOutput
+    from vllm.v1.request import Request as VLLMRequest
+
+logger = logging.getLogger(__name__)
+
+
+class KVMeshMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's retrieves and stores, sent from the scheduler to the workers (pickled)."""
+
+    def __init__(self, ops: ConnectorMetadata) -> None:
+        self.ops = ops
+
+
+def cache_salt(request: VLLMRequest) -> str:
+    """The request's salt, with its LoRA adapter: different adapters never share KV."""
+    salt = request.cache_salt or ""
+    lora = request.lora_request
+    if lora is not None:
+        salt = f"{salt}\x1flora:{lora.lora_name}:{lora.lora_int_id}"
+    return salt
+
+
+class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """kvmesh behind vLLM's KV-connector API (one instance per role and process)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: VLLMRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.settings: VLLMSettings = parse_settings(transfer.kv_connector_extra_config)
+        _show_kvmesh_logs(self.settings.log_level)
+        parallel = vllm_config.parallel_config
+        self._on_cpu = vllm_config.device_config.device_type == "cpu"
+        config = KVMeshConnectorConfig(
+            gateway=self.settings.gateway,
+            model_name=self.settings.model_name or str(vllm_config.model_config.model),
+            block_size=vllm_config.cache_config.block_size,
+            world_size=parallel.world_size,
+            worker_id=_worker_rank(),
+            lookup_timeout_s=self.settings.lookup_timeout_s,
+            lookup_wait_ms=self.settings.lookup_wait_ms,
+            rpc_timeout_s=self.settings.rpc_timeout_s,
+            transfer_threads=self.settings.transfer_threads,
+        )
+        is_scheduler = role == VLLMRole.SCHEDULER
+        self.hooks = Hooks(
+            config, KVConnectorRole.SCHEDULER if is_scheduler else KVConnectorRole.WORKER
+        )
+        self._requests: dict[str, Request] = {}
+        self._asked: dict[str, float] = {}
+        self._pool: SharedMemoryPool | None = None
+        self._storing: set[str] = set()
+        self._finished: set[str] = set()
+        if is_scheduler:
+            self._prefer_recompute(transfer)
+        elif self._on_cpu:
+            self._pool = SharedMemoryPool(self.settings.shm_dir)
+        logger.info(
+            "kvmesh connector (%s) for model %s, gateway %s",
+            "scheduler" if is_scheduler else "worker",
+            config.model_name,
+            config.gateway,
+        )
+
+    def _prefer_recompute(self, transfer: Any) -> None:
+        if transfer.kv_load_failure_policy == "fail" and not self.settings.keep_failure_policy:
+            # vLLM's scheduler reads the policy right after building this connector.
+            transfer.kv_load_failure_policy = "recompute"
+            logger.info(
+                "kvmesh is a cache: a block that fails to load is recomputed "
+                "(kv_load_failure_policy=recompute; set keep_failure_policy to keep 'fail')"
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A dropped save is a future miss, never a wrong answer."""
+        return False
+
+    # ------------------------------------------------------------------ scheduler
+
+    def _plain(self, request: VLLMRequest) -> Request:
+        plain = self._requests.get(request.request_id)
+        if plain is None:
+            plain = Request(
+                request_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids or ()),
+                cache_salt=cache_salt(request),
+            )
+            self._requests[request.request_id] = plain
+        return plain
+
+    def get_num_new_matched_tokens(
+        self, request: VLLMRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens kvmesh supplies beyond vLLM's own hit; None while the lookup runs."""
+        if not request.prompt_token_ids:
+            return 0, False  # prompt embeddings: nothing to key on
+        plain = self._plain(request)
+        tokens, _ = self.hooks.get_num_new_matched_tokens(plain, num_computed_tokens)
+        if tokens is not None:
+            first = self._asked.pop(request.request_id, None)
+            logger.debug(
+                "lookup of %s: %d tokens from kvmesh (%.1f ms after the first ask)",
+                request.request_id,
+                tokens,
+                (time.perf_counter() - first) * 1e3 if first is not None else 0.0,
+            )
+        else:
+            self._asked.setdefault(request.request_id, time.perf_counter())
+        return tokens, False  # loaded before the forward pass that needs them
+
+    def update_state_after_alloc(
+        self, request: VLLMRequest, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        block_ids = blocks.get_block_ids()[0] if blocks is not None else []
+        self.hooks.update_state_after_alloc(self._plain(request), block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: VLLMSchedulerOutput) -> KVMeshMetadata:
+        for new in scheduler_output.scheduled_new_reqs:
+            self.hooks.set_block_ids(new.req_id, new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if new_ids is None:
+                continue
+            if request_id in cached.resumed_req_ids:
+                self.hooks.set_block_ids(request_id, new_ids[0])
+            else:
+                self.hooks.extend_block_ids(request_id, new_ids[0])
+        plan = self.hooks.build_connector_meta(
+            SchedulerOutput(num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens))
+        )
+        return KVMeshMetadata(plan)
+
+    def request_finished(
+        self, request: VLLMRequest, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """End the session; keep the blocks while the request's stores still run."""
+        plain = self._requests.pop(request.request_id, None) or self._plain(request)
+        self._requests.pop(request.request_id, None)
+        return self.hooks.request_finished(plain), None
+
+    # --------------------------------------------------------------------- worker
+
+    def get_mem_pool_context(self) -> SharedMemoryPool | None:
+        return self._pool
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register vLLM's KV memory with the gateway (the storage node maps the file)."""
+        described = self._describe(kv_caches)
+        if described is None:
+            return
+        layout, handles = described
+        try:
+            self.hooks.register_memory(layout, handles)
+        except grpc.RpcError as exc:
+            logger.warning(
+                "kvmesh gateway %s did not take the KV registration (%s); requests are "
+                "computed as without kvmesh, and registration is retried when it answers",
+                self.settings.gateway,
+                rpc_failure(exc),
+            )
+
+    def _describe(
+        self, kv_caches: dict[str, torch.Tensor]
+    ) -> tuple[common_pb2.KVLayout, list[common_pb2.MemoryHandle]] | None:
+        """The layout and one handle per layer, or None (with a warning) when unusable."""
+        if self._pool is None or self._pool.buffer is None:
+            logger.warning(
+                "kvmesh: vLLM's KV cache is not in shared memory (device %s); this release "
+                "serves vLLM's CPU backend only, so kvmesh stays off for this engine",
+                "cpu" if self._on_cpu else "accelerator",
+            )
+            return None
+        layers: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for tensor in kv_caches.values():  # layer order; shared layers appear once
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                layers.append(tensor)
+        first = layers[0]
+        problem = _unsupported(first, vllm_block_size=self.hooks.config.block_size)
+        if problem is None and any(
+            t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
+            for t in layers
+        ):
+            problem = "layers differ in shape or dtype, or are not contiguous"
+        offsets = [self._pool.offset_of(t) for t in layers]
+        if problem is None and any(o is None for o in offsets):
+            problem = "a layer lies outside the shared-memory file"
+        dtype = proto_of_torch(first.dtype)
+        if problem is None and dtype is None:
+            problem = f"KV dtype {first.dtype} is not supported"
+        if problem is not None:
+            logger.warning("kvmesh stays off for this engine: %s", problem)
+            return None
+        num_blocks, kv_heads, block_size, width = first.shape
+        layout = common_pb2.KVLayout(
+            kind=common_pb2.KV_LAYOUT_KIND_VLLM_CPU,
+            num_layers=len(layers),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            kv_heads=kv_heads,
+            head_dim=width // 2,
+            dtype=dtype,  # type: ignore[arg-type]
+        )
+        size = first.numel() * first.element_size()
+        handles = [
+            common_pb2.MemoryHandle(
+                shared_memory=common_pb2.SharedMemoryHandle(
+                    path=str(self._pool.path), offset_bytes=offset or 0, size_bytes=size
+                )
+            )
+            for offset in offsets
+        ]
+        return layout, handles
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Load this step's hits into their blocks before the forward pass runs."""
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KVMeshMetadata) and meta.ops.retrieve_ops:
+            start = time.perf_counter()
+            self.hooks.start_load_kv(meta.ops)
+            failed = self.hooks.wait_for_load()
+            logger.debug(
+                "loaded %d tokens for %d requests in %.1f ms (%d fell short)",
+                sum(op.end - op.start - op.skip_first_n_tokens for op in meta.ops.retrieve_ops),
+                len(meta.ops.retrieve_ops),
+                (time.perf_counter() - start) * 1e3,
+                len(failed),
+            )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv already waited
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # the whole step's chunks are stored at once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        """Start storing this step's newly computed chunks; they finish in the background."""
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KVMeshMetadata) and meta.ops.store_ops:
+            self.hooks.save_kv(meta.ops)
+            self._storing.update(op.request_id for op in meta.ops.store_ops)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose stores are done (vLLM may free their blocks now)."""
+        self._finished.update(finished_req_ids & self._storing)
+        _, running = self.hooks.poll_saves()
+        ready = {r for r in self._finished if r not in running}
+        self._finished -= ready
+        self._storing -= ready
+        return (ready or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.hooks.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        self.hooks.shutdown()
+        if self._pool is not None:
+            self._pool.close()
+
+
+def _show_kvmesh_logs(level: str) -> None:
+    """Give kvmesh's loggers a handler in vLLM's processes (vLLM configures only its own)."""
+    root = logging.getLogger("kvmesh")
+    root.setLevel(level.upper())
+    if not any(getattr(h, "kvmesh_vllm", False) for h in root.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(
+            logging.Formatter("%(levelname)s %(asctime)s [kvmesh pid=%(process)d] %(message)s")
+        )
+        handler.kvmesh_vllm = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+        root.propagate = False
+
+
+def _worker_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, ImportError, RuntimeError):
+        return 0  # the scheduler process has no parallel state
+
+
+def _unsupported(first: torch.Tensor, *, vllm_block_size: int) -> str | None:
+    """Why kvmesh cannot move this CPU KV layout, or None when it is ``VLLM_CPU``."""
+    if first.dim() != 4 or first.shape[3] % 2:
+        return (
+            f"unexpected KV tensor shape {tuple(first.shape)} (want [blocks, heads, block, 2*dim])"
+        )
+    if first.shape[2] != vllm_block_size:
+        return f"KV blocks of {first.shape[2]} tokens, vLLM's block size is {vllm_block_size}"
+    head_dim = first.shape[3] // 2
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(first.dtype, vllm_block_size, head_dim)
+    except (ImportError, TypeError):
+        isa = "unknown"
+    if isa != "vec":
+        return f"vLLM's CPU attention uses the {isa!r} KV layout; kvmesh moves the 'vec' layout"
+    return None

@@ -1,0 +1,122 @@
+"""``kv_connector_extra_config`` → the connector's settings, with one clear error per bad key.
+
+Imports nothing from vLLM, so the parsing is tested without an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Where the connector finds the gateway when the config names none.
+DEFAULT_GATEWAY = "127.0.0.1:8100"
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """What an operator sets in ``kv_connector_extra_config`` (all optional)."""
+
+    #: Gateway target: ``host:port``, ``unix:PATH`` or ``lane:PATH`` (the node's local lane).
+    gateway: str = DEFAULT_GATEWAY
+    #: Cache-key model name; vLLM's ``model_config.model`` when empty.
+    model_name: str = ""
+    #: A lookup unfinished after this long is a miss (vLLM recomputes).
+    lookup_timeout_s: float = 30.0
+    #: The first lookup of a request waits this long for its answer before the scheduler
+    #: moves on (an L1 hit answers within it; an L2 load is polled in later steps).
+    lookup_wait_ms: int = 20
+    #: Deadline of every RPC to the gateway: kvmesh slow or down costs at most this.
+    rpc_timeout_s: float = 5.0
+    #: Threads that run the worker's retrieves and stores.
+    transfer_threads: int = 2
+    #: Folder of the shared-memory file vLLM's KV cache is allocated in (storage maps it).
+    shm_dir: str = "/dev/shm"
+    #: Keep vLLM's ``kv_load_failure_policy`` as configured even when it is "fail".
+    keep_failure_policy: bool = False
+    #: Level of kvmesh's own log lines in vLLM's output (DEBUG shows per-request timings).
+    log_level: str = "INFO"
+
+
+_FIELDS: dict[str, type] = {
+    "gateway": str,
+    "model_name": str,
+    "lookup_timeout_s": float,
+    "lookup_wait_ms": int,
+    "rpc_timeout_s": float,
+    "transfer_threads": int,
+    "shm_dir": str,
+    "keep_failure_policy": bool,
+    "log_level": str,
+}
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class SettingsError(ValueError):
+    """A bad ``kv_connector_extra_config`` entry (the message names the key and what is valid)."""
+
+
+def parse_settings(extra: Mapping[str, Any] | None) -> VLLMSettings:
+    """Read the connector's keys; keys may be written bare or as ``kvmesh.<key>``."""
+    values: dict[str, Any] = {}
+    for raw_key, value in (extra or {}).items():
+        key = raw_key.removeprefix("kvmesh.")
+        kind = _FIELDS.get(key)
+        if kind is None:
+            raise SettingsError(
+                f"kv_connector_extra_config: unknown key {raw_key!r} "
+                f"(valid: {', '.join(sorted(_FIELDS))})"
+            )
+        values[key] = _coerce(raw_key, value, kind)
+    settings = VLLMSettings(**values)
+    if not settings.gateway.strip():
+        raise SettingsError("kv_connector_extra_config: 'gateway' must not be empty")
+    for key in ("lookup_timeout_s", "rpc_timeout_s"):
+        number = getattr(settings, key)
+        if not math.isfinite(number) or number <= 0:
+            raise SettingsError(f"kv_connector_extra_config: {key!r} must be > 0, got {number}")
+    if settings.log_level.upper() not in _LEVELS:
+        raise SettingsError(
+            f"kv_connector_extra_config: 'log_level' must be one of {', '.join(_LEVELS)}, "
+            f"got {settings.log_level!r}"
+        )
+    if not 0 <= settings.lookup_wait_ms <= 1000:
+        raise SettingsError(
+            f"kv_connector_extra_config: 'lookup_wait_ms' must be in [0, 1000], "
+            f"got {settings.lookup_wait_ms}"
+        )
+    if settings.transfer_threads < 1:
+        raise SettingsError(
+            f"kv_connector_extra_config: 'transfer_threads' must be >= 1, "
+            f"got {settings.transfer_threads}"
+        )
+    return settings
+
+
+def _coerce(key: str, value: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        raise SettingsError(
+            f"kv_connector_extra_config: {key!r} must be true or false, got {value!r}"
+        )
+    if kind is str:
+        if not isinstance(value, str):
+            raise SettingsError(
+                f"kv_connector_extra_config: {key!r} must be a string, got {value!r}"
+            )
+        return value
+    if isinstance(value, bool):
+        raise SettingsError(f"kv_connector_extra_config: {key!r} must be a number, got {value!r}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise SettingsError(
+            f"kv_connector_extra_config: {key!r} must be {kind.__name__}, got {value!r}"
+        ) from None

@@ -1,0 +1,122 @@
+"""Allocate vLLM's KV cache inside a shared-memory file the storage node can map.
+
+vLLM (``Worker.initialize_from_config``) allocates the whole KV cache as one
+``torch.zeros(n, dtype=int8)`` inside the connector's
+``get_mem_pool_context()``. :class:`SharedMemoryPool` is that context: a torch
+function mode that turns the first large int8 ``zeros`` on the CPU into a
+tensor mapped (``MAP_SHARED``) from a fresh file under ``/dev/shm``. Every
+layer is then a view into that file, and storage copies blocks in and out of
+it directly: no copy through the connector, no bytes over gRPC.
+
+Files are named ``kvmesh-vllm-<pid>-<n>``. The pool deletes its file on
+:meth:`close`; a file whose process died without closing (SIGKILL) is removed
+by the next pool created in the same folder, by checking that its pid is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kvmesh.common.procs import pid_alive
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^kvmesh-vllm-(\d+)-\d+$")
+_counter = itertools.count()
+#: Smaller allocations inside the context are left to torch (vLLM allocates nothing else
+#: there today; the bound keeps a stray small tensor out of the file).
+MIN_BYTES = 1 << 20
+
+
+def reclaim_stale(folder: Path) -> list[Path]:
+    """Delete KV files in ``folder`` whose owning process is gone; the paths removed."""
+    removed = []
+    for path in folder.glob("kvmesh-vllm-*"):
+        match = _NAME.match(path.name)
+        if match is None or pid_alive(int(match.group(1))):
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+        logger.info("removed %s, left by process %s that no longer runs", path, match.group(1))
+    return removed
+
+
+class SharedMemoryPool(TorchFunctionMode):
+    """Context under which vLLM's KV-cache allocation lands in a shared-memory file."""
+
+    def __init__(self, folder: str | Path = "/dev/shm") -> None:
+        super().__init__()
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise FileNotFoundError(f"shared-memory folder {self.folder} does not exist")
+        reclaim_stale(self.folder)
+        self.path = self.folder / f"kvmesh-vllm-{os.getpid()}-{next(_counter)}"
+        self.buffer: torch.Tensor | None = None
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.zeros and self.buffer is None:
+            nbytes = self._int8_cpu_size(args, kwargs)
+            if nbytes is not None and nbytes >= MIN_BYTES:
+                self.buffer = self._map(nbytes)
+                return self.buffer
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _int8_cpu_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+        if kwargs.get("dtype") is not torch.int8:
+            return None
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type != "cpu":
+            return None
+        size: Any = args if len(args) != 1 else args[0]
+        if "size" in kwargs:
+            size = kwargs["size"]
+        if isinstance(size, int):
+            return size
+        if isinstance(size, (tuple, list, torch.Size)) and len(size) == 1:
+            return int(size[0])
+        return None
+
+    def _map(self, nbytes: int) -> torch.Tensor:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)  # a fresh file reads as zeros, as torch.zeros would
+        finally:
+            os.close(fd)
+        logger.info("vLLM's KV cache (%d bytes) lives in %s", nbytes, self.path)
+        return torch.from_file(str(self.path), shared=True, size=nbytes, dtype=torch.int8)
+
+    def offset_of(self, tensor: torch.Tensor) -> int | None:
+        """Byte offset of ``tensor`` in the file, or None when it is not inside it."""
+        if self.buffer is None:
+            return None
+        base = self.buffer.untyped_storage().data_ptr()
+        start = tensor.data_ptr() - base
+        end = start + tensor.numel() * tensor.element_size()
+        if start < 0 or end > self.buffer.numel():
+            return None
+        return start
+
+    def close(self) -> None:
+        """Delete the file (the mapping stays valid while vLLM holds the tensor)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()

@@ -1,0 +1,464 @@
+"""The asking side of P2P: fetch a prefix that L1 and L2 missed from another node.
+
+The prefetch controller hands a request's missing columns to
+:class:`PeerFetcher` (its ``PeerSource``), which on one of its own threads
+(``kvmesh-p2p``, so a slow peer never holds a prefetch worker):
+
+1. asks the coordinator's directory which instances hold each key (in L1 or
+   in a private L2; a shared pool is this node's own L2 already) and which
+   instances are alive, with their advertised address and incarnation;
+2. picks one peer: the one holding the **longest prefix** of the columns in
+   every row; ties go to the highest **rendezvous hash** of (instance id,
+   first chunk hash), so concurrent askers of one prefix agree on a peer
+   and different prefixes spread over the holders;
+3. read-locks the prefix there (``LockPrefix`` with the incarnation the
+   coordinator reported: a restarted peer refuses it), within the lookup
+   timeout;
+4. stages one L1 object per chunk, streams the bytes (``ReadChunks``, bounded
+   frames written straight into the staged objects) within the load timeout,
+   and checks every frame: chunk index in range, offsets in order, no byte
+   beyond the size the peer announced (which must match the request's chunk
+   size when it has one);
+5. publishes the columns that arrived whole, in order, as an ordinary store
+   (resident objects that the node's events report as STORE/L1, written
+   through to L2 like any store), read-locked for the asking prefetch;
+   everything else is discarded: never a torn chunk.
+
+The peer's lease ends with the stream; on any other path it is unlocked
+explicitly (and its TTL is the last resort). Concurrent requests for the same
+keys fetch once (**single flight**): the later ones wait for the running
+fetch, then lock what it left in L1. Every failure (directory down, peer gone,
+evicted, restarted, died mid-stream, timed out) ends as a shorter prefix or a
+miss, and is counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import trace
+
+from kvmesh.common.keys import ObjectKey
+from kvmesh.storage.core.l1.manager import L1Manager, L1Result
+from kvmesh.storage.core.l1.objects import L1Object
+from kvmesh.storage.core.peer.ports import (
+    PeerDirectory,
+    PeerLease,
+    PeerLink,
+    PeerTarget,
+    PeerUnavailable,
+)
+
+logger = logging.getLogger(__name__)
+_tracer = trace.get_tracer("kvmesh.storage.p2p")
+
+DEFAULT_LOOKUP_TIMEOUT_S = 30.0
+DEFAULT_LOAD_TIMEOUT_S = 30.0
+DEFAULT_FRAME_BYTES = 1024 * 1024
+DEFAULT_MAX_IN_FLIGHT = 4
+
+Cell = tuple[int, int]  # (row, column)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchSettings:
+    """Timeouts and sizes of the asking side."""
+
+    lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
+    frame_bytes: int = DEFAULT_FRAME_BYTES
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+
+
+@dataclass
+class _Counters:
+    fetches: int = 0
+    fetched_chunks: int = 0
+    fetched_bytes: int = 0
+    fetch_failures: int = 0
+    directory_lookups: int = 0
+    joined_fetches: int = 0
+    misses: int = 0
+
+
+@dataclass(eq=False)
+class _Transfer:
+    """One fetch's staged objects and bytes received."""
+
+    rows: list[list[ObjectKey]]
+    sizes: list[int]  # column-major, per locked cell
+    tag: str
+    staged: dict[Cell, L1Object] = field(default_factory=dict)
+    local: set[Cell] = field(default_factory=set)
+    received: list[int] = field(default_factory=list)
+    complete: bool = False  # the stream ended normally (the peer ended the lease)
+
+    @property
+    def height(self) -> int:
+        return len(self.rows)
+
+    def cell(self, index: int) -> Cell:
+        return index % self.height, index // self.height
+
+    def key(self, cell: Cell) -> ObjectKey:
+        return self.rows[cell[0]][cell[1]]
+
+
+def rendezvous(instance_id: str, chunk_hash: bytes) -> int:
+    """Rendezvous (highest random weight) score of a peer for a prefix."""
+    digest = hashlib.blake2b(instance_id.encode() + b"\0" + chunk_hash, digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def pick_peer(
+    rows: Sequence[Sequence[ObjectKey]],
+    holders: Sequence[frozenset[str]],
+    peers: dict[str, PeerTarget],
+    self_id: str,
+) -> tuple[PeerTarget | None, int]:
+    """The peer with the longest prefix held in every row (ties: rendezvous hash).
+
+    ``holders`` is row-major (one entry per key of ``rows``). Returns the peer
+    and its prefix in columns, or ``(None, 0)``.
+    """
+    height = len(rows)
+    width = len(rows[0]) if rows else 0
+    best: tuple[int, int, PeerTarget] | None = None
+    candidates = {i for h in holders for i in h if i != self_id and i in peers}
+    for instance in sorted(candidates):
+        prefix = 0
+        for c in range(width):
+            if all(instance in holders[r * width + c] for r in range(height)):
+                prefix = c + 1
+            else:
+                break
+        if prefix == 0:
+            continue
+        score = (prefix, rendezvous(instance, rows[0][0].chunk_hash))
+        if best is None or score > best[:2]:
+            best = (*score, peers[instance])
+    return (best[2], best[0]) if best else (None, 0)
+
+
+class PeerFetcher:
+    """Fetches missing prefixes from peers into L1; the prefetch controller's PeerSource."""
+
+    def __init__(
+        self,
+        l1: L1Manager,
+        directory: PeerDirectory,
+        link: PeerLink,
+        *,
+        instance_id: str,
+        settings: FetchSettings | None = None,
+        max_object_bytes: int | None = None,
+    ) -> None:
+        self.l1 = l1
+        self.directory = directory
+        self.link = link
+        self.instance_id = instance_id
+        self.settings = settings or FetchSettings()
+        self.max_object_bytes = max_object_bytes or l1.pool.max_object_bytes
+        self._lock = threading.Lock()
+        self._flights: dict[tuple[ObjectKey, ...], threading.Event] = {}
+        self._ids = itertools.count(1)
+        self._closing = threading.Event()
+        self._counters = _Counters()
+        self._executor = ThreadPoolExecutor(
+            max_workers=self.settings.max_in_flight, thread_name_prefix="kvmesh-p2p"
+        )
+
+    # -- PeerSource -------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        rows: Sequence[Sequence[ObjectKey]],
+        readers: int,
+        row_nbytes: Sequence[int] | None,
+        done: Callable[[int], None],
+    ) -> None:
+        """Fetch on a P2P thread, then ``done(columns)``; RuntimeError when closed."""
+        if self._closing.is_set():
+            raise RuntimeError("the P2P fetcher is closed")
+        grid = [list(r) for r in rows]
+        nbytes = list(row_nbytes) if row_nbytes is not None else None
+
+        def run() -> None:
+            got = 0
+            try:
+                got = self.fetch(request_id, grid, readers, nbytes)
+            except Exception:
+                logger.exception("P2P fetch of request %s failed", request_id)
+            done(got)
+
+        self._executor.submit(run)
+
+    def close(self) -> None:
+        """Cancel running transfers, wait for their threads to finish. Idempotent."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        self.link.close()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.directory.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the asking side."""
+        with self._lock:
+            c = self._counters
+            return {
+                "fetches": c.fetches,
+                "fetched_chunks": c.fetched_chunks,
+                "fetched_bytes": c.fetched_bytes,
+                "fetch_failures": c.fetch_failures,
+                "directory_lookups": c.directory_lookups,
+                "joined_fetches": c.joined_fetches,
+                "misses": c.misses,
+                "running": len(self._flights),
+            }
+
+    # -- one fetch ----------------------------------------------------------------
+
+    def fetch(
+        self,
+        request_id: str,
+        rows: list[list[ObjectKey]],
+        readers: int,
+        row_nbytes: list[int] | None,
+    ) -> int:
+        """Blocking: columns of ``rows`` now resident and read-locked ``readers`` times."""
+        if not rows or not rows[0] or self._closing.is_set():
+            return 0
+        flight_key = tuple(k for row in rows for k in row)
+        with self._lock:
+            flight = self._flights.get(flight_key)
+            leader = flight is None
+            if leader:
+                flight = self._flights[flight_key] = threading.Event()
+            else:
+                self._counters.joined_fetches += 1
+        assert flight is not None
+        if not leader:
+            flight.wait(self.settings.lookup_timeout_s + self.settings.load_timeout_s)
+            return self._claim_local(rows, readers)
+        try:
+            with _tracer.start_as_current_span("kvmesh.p2p.fetch") as span:
+                span.set_attribute("kvmesh.request_id", request_id)
+                span.set_attribute("kvmesh.p2p.chunks_asked", len(rows[0]))
+                got = self._fetch(request_id, rows, readers, row_nbytes, span)
+                span.set_attribute("kvmesh.p2p.chunks_fetched", got)
+                return got
+        finally:
+            with self._lock:
+                self._flights.pop(flight_key, None)
+            flight.set()
+
+    def _claim_local(self, rows: list[list[ObjectKey]], readers: int) -> int:
+        """Read-lock the columns already resident (what a fetch just left), in order."""
+        for c in range(len(rows[0])):
+            column = [row[c] for row in rows]
+            results = self.l1.reserve_read(column, readers)
+            if all(r is L1Result.SUCCESS for r in results):
+                continue
+            held = [k for k, r in zip(column, results, strict=True) if r is L1Result.SUCCESS]
+            if held:
+                self.l1.finish_read(held, readers)
+            return c
+        return len(rows[0])
+
+    def _fetch(
+        self,
+        request_id: str,
+        rows: list[list[ObjectKey]],
+        readers: int,
+        row_nbytes: list[int] | None,
+        span: Any,
+    ) -> int:
+        settings = self.settings
+        deadline = time.monotonic() + settings.lookup_timeout_s
+        try:
+            with self._lock:
+                self._counters.directory_lookups += 1
+            holders = self.directory.holders([k for row in rows for k in row], _left(deadline))
+            peers = self.directory.peers(_left(deadline))
+        except PeerUnavailable as exc:
+            logger.info("P2P %s: directory unavailable: %s", request_id, exc)
+            self._count(failure=True)
+            return 0
+        peer, prefix = pick_peer(rows, holders, peers, self.instance_id)
+        if peer is None:
+            self._count(miss=True)
+            return 0
+        span.set_attribute("kvmesh.p2p.peer", peer.instance_id)
+        with self._lock:
+            self._counters.fetches += 1
+        try:
+            lease = self.link.lock(
+                peer, [row[:prefix] for row in rows], settings.load_timeout_s, _left(deadline)
+            )
+        except PeerUnavailable as exc:
+            logger.info("P2P %s: lock on %s failed: %s", request_id, peer.instance_id, exc)
+            self._count(failure=True)
+            return 0
+        if lease.locked_chunks == 0 or not lease.lease_id:
+            self._count(miss=True)
+            return 0
+        transfer = _Transfer(
+            [row[: lease.locked_chunks] for row in rows], [], f"p2p:{next(self._ids)}"
+        )
+        try:
+            columns = self._check_sizes(lease, transfer, row_nbytes)
+            columns = self._stage(transfer, columns)
+            if columns:
+                columns = self._receive(peer, lease, transfer, columns)
+            got = self._publish(transfer, columns, readers)
+        finally:
+            self._discard(transfer)
+            if not transfer.complete:
+                try:
+                    self.link.unlock(peer, lease.lease_id, 2.0)
+                except PeerUnavailable as exc:
+                    logger.info("P2P unlock on %s failed (its TTL ends it): %s", peer, exc)
+        nbytes = sum(
+            transfer.sizes[c * transfer.height + r]
+            for c in range(got)
+            for r in range(transfer.height)
+        )
+        with self._lock:
+            self._counters.fetched_chunks += got * transfer.height
+            self._counters.fetched_bytes += nbytes
+            if got < lease.locked_chunks:
+                self._counters.fetch_failures += 1
+        span.set_attribute("kvmesh.p2p.bytes", nbytes)
+        return got
+
+    def _check_sizes(
+        self, lease: PeerLease, transfer: _Transfer, row_nbytes: list[int] | None
+    ) -> int:
+        """Columns whose announced sizes are sane (and match the expected chunk size)."""
+        height = transfer.height
+        sizes = list(lease.chunk_sizes)
+        columns = min(lease.locked_chunks, len(sizes) // height)
+        for c in range(columns):
+            for r in range(height):
+                size = sizes[c * height + r]
+                want = row_nbytes[r] if row_nbytes is not None else None
+                if not 0 < size <= self.max_object_bytes or (want is not None and size != want):
+                    logger.warning("P2P: peer announced chunk size %d (want %s)", size, want)
+                    columns = c
+                    break
+            else:
+                continue
+            break
+        transfer.sizes = sizes[: columns * height]
+        transfer.received = [0] * len(transfer.sizes)
+        return columns
+
+    def _stage(self, transfer: _Transfer, columns: int) -> int:
+        """Reserve an L1 object per cell; a cell already resident here is used as is."""
+        cells = [(r, c) for c in range(columns) for r in range(transfer.height)]
+        if not cells:
+            return 0
+        results, objects = self.l1.reserve_write(
+            [transfer.key(cell) for cell in cells],
+            [transfer.sizes[c * transfer.height + r] for r, c in cells],
+            tag=transfer.tag,
+        )
+        for cell, res in zip(cells, results, strict=True):
+            if res is L1Result.SUCCESS:
+                transfer.staged[cell] = objects[transfer.key(cell)]
+            elif res is L1Result.KEY_NOT_WRITABLE and self.l1.contains([transfer.key(cell)])[0]:
+                transfer.local.add(cell)
+            else:
+                columns = min(columns, cell[1])
+        return columns
+
+    def _receive(self, peer: PeerTarget, lease: PeerLease, t: _Transfer, columns: int) -> int:
+        """Stream the lease into the staged objects; the columns received whole, in order."""
+        limit = columns * t.height
+        frames = self.link.read(
+            peer, lease.lease_id, self.settings.frame_bytes, self.settings.load_timeout_s
+        )
+        try:
+            for index, offset, data in frames:
+                if self._closing.is_set():
+                    break
+                if not 0 <= index < len(t.sizes) or offset != t.received[index]:
+                    logger.warning("P2P: %s sent frame %d@%d out of order", peer, index, offset)
+                    break
+                if offset + len(data) > t.sizes[index]:
+                    logger.warning("P2P: %s sent more bytes than chunk %d holds", peer, index)
+                    break
+                if index >= limit:
+                    break  # beyond what this node could stage: the rest is not needed
+                obj = t.staged.get(t.cell(index))
+                if obj is not None:
+                    obj.view()[offset : offset + len(data)] = data
+                t.received[index] = offset + len(data)
+            else:
+                t.complete = True
+        except PeerUnavailable as exc:
+            logger.info("P2P: stream from %s ended early: %s", peer.instance_id, exc)
+        finally:
+            close = getattr(frames, "close", None)
+            if close is not None:
+                close()  # cancels the call when we stopped early: the peer ends the lease
+        whole = 0
+        for c in range(columns):
+            cells = range(c * t.height, (c + 1) * t.height)
+            if any(t.received[i] != t.sizes[i] for i in cells):
+                break
+            whole = c + 1
+        return whole
+
+    def _publish(self, t: _Transfer, columns: int, readers: int) -> int:
+        """Publish staged cells of the whole columns, lock local ones; the columns kept."""
+        cells = [(r, c) for c in range(columns) for r in range(t.height)]
+        staged = [cell for cell in cells if cell in t.staged]
+        local = [cell for cell in cells if cell in t.local]
+        ok: dict[Cell, bool] = {}
+        if staged:
+            results = self.l1.finish_write_and_reserve_read(
+                [t.key(c) for c in staged], readers, tag=t.tag
+            )
+            for cell, res in zip(staged, results, strict=True):
+                ok[cell] = res is L1Result.SUCCESS
+                del t.staged[cell]
+        if local:
+            results = self.l1.reserve_read([t.key(c) for c in local], readers)
+            for cell, res in zip(local, results, strict=True):
+                ok[cell] = res is L1Result.SUCCESS
+        kept = columns
+        for r, c in cells:
+            if not ok.get((r, c), False):
+                kept = min(kept, c)
+        late = [t.key(cell) for cell in cells if cell[1] >= kept and ok.get(cell, False)]
+        if late:
+            self.l1.finish_read(late, readers)
+        return kept
+
+    def _discard(self, t: _Transfer) -> None:
+        if t.staged:
+            self.l1.finish_write_and_delete([t.key(c) for c in t.staged], tag=t.tag)
+            t.staged.clear()
+
+    def _count(self, *, failure: bool = False, miss: bool = False) -> None:
+        with self._lock:
+            if failure:
+                self._counters.fetch_failures += 1
+            if miss:
+                self._counters.misses += 1
+
+
+def _left(deadline: float) -> float:
+    """Seconds to ``deadline`` (at least a millisecond, so a call fails fast, not never)."""
+    return max(0.001, deadline - time.monotonic())

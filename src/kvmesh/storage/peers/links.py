@@ -1,0 +1,210 @@
+"""gRPC implementations of the P2P ports: the coordinator's directory, and peers.
+
+Both are blocking (the P2P fetcher calls them on its own threads) and turn
+every failure into :class:`~kvmesh.storage.core.peer.ports.PeerUnavailable`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.coordinator.v1 import directory_pb2, membership_pb2
+from kvmesh.api.storage.v1 import peer_pb2
+from kvmesh.common.convert import key_to_proto
+from kvmesh.common.keys import ObjectKey
+from kvmesh.coordinator.client import DirectoryClient, MembershipClient
+from kvmesh.rpc.client import create_channel
+from kvmesh.storage.core.peer.ports import PeerLease, PeerTarget, PeerUnavailable
+from kvmesh.storage.peer_client import PeerClient
+
+#: Membership is cached this long (a dead peer then costs one failed lock, no more).
+MEMBERSHIP_TTL_S = 1.0
+#: The largest directory lookup, in keys (the coordinator's limit is 100 000).
+MAX_LOOKUP_KEYS = 100_000
+
+
+class CoordinatorPeerDirectory:
+    """Who holds which key (DirectoryService.Lookup), who is alive (ListInstances)."""
+
+    def __init__(self, target: str) -> None:
+        self._channel = create_channel(target)
+        self._directory = DirectoryClient(target, channel=self._channel)
+        self._membership = MembershipClient(target, channel=self._channel)
+        self._lock = threading.Lock()
+        self._peers: dict[str, PeerTarget] = {}
+        self._peers_at = -1e9
+
+    def holders(self, keys: Sequence[ObjectKey], timeout: float) -> list[frozenset[str]]:
+        if len(keys) > MAX_LOOKUP_KEYS:
+            keys = keys[:MAX_LOOKUP_KEYS]
+        request = directory_pb2.LookupRequest(
+            keys=directory_pb2.KeyList(keys=[key_to_proto(k) for k in keys])
+        )
+        try:
+            response = self._directory.lookup(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise PeerUnavailable(f"directory lookup failed: {_describe(exc)}") from None
+        out: list[frozenset[str]] = []
+        for result in response.results:
+            out.append(
+                frozenset(
+                    p.instance_id
+                    for p in result.placements
+                    if p.tier == common_pb2.TIER_L1
+                    or (p.tier == common_pb2.TIER_L2 and not p.shared)
+                )
+            )
+        if len(out) != len(keys):
+            raise PeerUnavailable(f"directory answered {len(out)} results for {len(keys)} keys")
+        return out
+
+    def peers(self, timeout: float) -> dict[str, PeerTarget]:
+        with self._lock:
+            if time.monotonic() - self._peers_at < MEMBERSHIP_TTL_S:
+                return dict(self._peers)
+        try:
+            response = self._membership.list_instances(
+                membership_pb2.ListInstancesRequest(), timeout=timeout
+            )
+        except grpc.RpcError as exc:
+            raise PeerUnavailable(f"membership listing failed: {_describe(exc)}") from None
+        peers = {
+            i.instance_id: PeerTarget(i.instance_id, i.endpoints.storage_address, i.incarnation)
+            for i in response.instances
+            if i.endpoints.storage_address and not i.endpoints.storage_address.startswith("lane:")
+        }
+        with self._lock:
+            self._peers = peers
+            self._peers_at = time.monotonic()
+        return dict(peers)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class GrpcPeerLink:
+    """Other nodes' PeerService, one channel per peer address (kept until close)."""
+
+    def __init__(self, instance_id: str, *, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+        self.instance_id = instance_id
+        self.max_message_bytes = max_message_bytes
+        self._lock = threading.Lock()
+        self._clients: dict[str, PeerClient] = {}
+        self._calls: set[Any] = set()
+        self._closed = False
+
+    def _client(self, peer: PeerTarget) -> PeerClient:
+        with self._lock:
+            if self._closed:
+                raise PeerUnavailable("the P2P link is closed")
+            client = self._clients.get(peer.address)
+            if client is None:
+                client = PeerClient(peer.address, max_message_bytes=self.max_message_bytes)
+                self._clients[peer.address] = client
+            return client
+
+    def lock(
+        self,
+        peer: PeerTarget,
+        rows: Sequence[Sequence[ObjectKey]],
+        ttl_s: float,
+        timeout: float,
+    ) -> PeerLease:
+        first = rows[0][0]
+        if any(
+            k.model_name != first.model_name
+            or k.cache_salt != first.cache_salt
+            or k.object_group_id != first.object_group_id
+            or k.chunk_hash != rows[0][c].chunk_hash
+            for row in rows
+            for c, k in enumerate(row)
+        ):
+            raise PeerUnavailable("the rows do not form one key grid")
+        request = peer_pb2.LockPrefixRequest(
+            keys=common_pb2.KeyGrid(
+                model_name=first.model_name,
+                cache_salt=first.cache_salt,
+                object_group_id=first.object_group_id,
+                kv_ranks=[row[0].kv_rank for row in rows],
+                chunk_hashes=[k.chunk_hash for k in rows[0]],
+            ),
+            lease_ttl_ms=max(1, min(600_000, int(ttl_s * 1000))),
+            expected_incarnation=peer.incarnation,
+            requester_id=self.instance_id,
+        )
+        try:
+            response = self._client(peer).lock_prefix(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise PeerUnavailable(f"{peer.instance_id}: {_describe(exc)}") from None
+        if response.instance_id != peer.instance_id:
+            if response.lease_id:
+                self.unlock(peer, response.lease_id, 2.0)
+            raise PeerUnavailable(
+                f"{peer.address} is {response.instance_id!r}, not {peer.instance_id!r}"
+            )
+        return PeerLease(response.lease_id, response.locked_chunks, tuple(response.chunk_sizes))
+
+    def read(
+        self, peer: PeerTarget, lease_id: str, frame_bytes: int, timeout: float
+    ) -> Iterator[tuple[int, int, memoryview]]:
+        client = self._client(peer)
+        request = peer_pb2.ReadChunksRequest(lease_id=lease_id, max_frame_bytes=frame_bytes)
+        try:
+            call = client.read_chunks(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise PeerUnavailable(f"{peer.instance_id}: {_describe(exc)}") from None
+        # A traced channel hands back a generator around the call (no cancel()):
+        # closing it ends the stream, and the fetcher unlocks a lease it did not finish.
+        cancel = getattr(call, "cancel", None)
+        with self._lock:
+            if self._closed:
+                _end(call, cancel)
+                raise PeerUnavailable("the P2P link is closed")
+            if cancel is not None:
+                self._calls.add(call)
+        try:
+            yield from call
+        except grpc.RpcError as exc:
+            raise PeerUnavailable(f"{peer.instance_id}: {_describe(exc)}") from None
+        finally:
+            _end(call, cancel)  # a no-op after a normal end
+            with self._lock:
+                self._calls.discard(call)
+
+    def unlock(self, peer: PeerTarget, lease_id: str, timeout: float) -> None:
+        try:
+            self._client(peer).unlock(peer_pb2.UnlockRequest(lease_id=lease_id), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise PeerUnavailable(f"{peer.instance_id}: {_describe(exc)}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            calls = list(self._calls)
+            clients = list(self._clients.values())
+            self._clients.clear()
+        for call in calls:
+            call.cancel()
+        for client in clients:
+            client.close()
+
+
+def _end(call: Any, cancel: Any) -> None:
+    if cancel is not None:
+        cancel()
+    else:
+        close = getattr(call, "close", None)
+        if close is not None:
+            close()
+
+
+def _describe(exc: grpc.RpcError) -> str:
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    return f"{code.name if code else 'ERROR'}: {details}"

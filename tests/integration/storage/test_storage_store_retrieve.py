@@ -1,0 +1,187 @@
+"""StorageService over a real socket: registration, store, retrieve, the L2 round trip.
+
+Every RPC behaves as the .proto comments promise.
+
+Data-path tests check bytes, not just counts: what lands in L1 is compared
+with the chunk format computed from the engine's array, and what a retrieve
+writes is compared block by block with the source blocks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.storage.v1 import storage_pb2
+from tests.integration.storage.conftest import NodeFactory
+from tests.integration.storage.support import (
+    ALREADY,
+    STORED,
+    Engine,
+    Node,
+    blocks_of,
+    chunk_blocks,
+    grid,
+    new_hashes,
+)
+from tests.support.waiting import wait_until
+
+# -- registration -------------------------------------------------------------------------
+
+
+def test_register_is_idempotent_and_unregister_forgets_the_engine(
+    make_node: NodeFactory, engine: Engine
+) -> None:
+    node = make_node()
+    first = node.register(engine)
+    assert not first.already_registered
+    assert first.instance_id == node.app.instance_id
+    assert node.register(engine).already_registered
+    assert engine.engine_id in node.status().engine_ids
+
+    gone = node.call(
+        "unregister_engine_memory",
+        storage_pb2.UnregisterEngineMemoryRequest(engine_id=engine.engine_id),
+    )
+    assert gone.existed
+    again = node.call(
+        "unregister_engine_memory",
+        storage_pb2.UnregisterEngineMemoryRequest(engine_id=engine.engine_id),
+    )
+    assert not again.existed
+    assert engine.engine_id not in node.status().engine_ids
+
+
+# -- store / retrieve ---------------------------------------------------------------------
+
+
+def test_store_copies_engine_blocks_into_l1_and_reports_already_cached_on_repeat(
+    node: Node, engine: Engine
+) -> None:
+    hashes = new_hashes(3)
+    assert node.store(engine, hashes, blocks_of(range(3))) == [STORED] * 3
+    assert node.l1_bytes(hashes) == [engine.chunk(chunk_blocks(c)) for c in range(3)]
+
+    # The first two again plus a new one: only the new one is stored.
+    more = [*hashes[:2], *new_hashes(1)]
+    assert node.store(engine, more, blocks_of(range(3, 6))) == [ALREADY, ALREADY, STORED]
+    # An already-cached chunk keeps its first bytes (blocks 6..9 differ from 0..3).
+    assert node.l1_bytes(hashes[:2]) == [engine.chunk(chunk_blocks(c)) for c in range(2)]
+    assert node.l1_bytes(more[2:]) == [engine.chunk(chunk_blocks(5))]
+
+
+def test_retrieve_scatters_exact_bytes_into_the_requested_blocks(
+    node: Node, engine: Engine
+) -> None:
+    hashes = new_hashes(3)
+    node.store(engine, hashes, blocks_of(range(3)))
+    source = engine.blocks_bytes(blocks_of(range(3)))
+    target = blocks_of(range(3), base=40)
+    engine.fill(target, 0.0)
+    untouched_before = engine.blocks_bytes(range(8, 40))
+
+    assert node.retrieve(engine, hashes, target) == 3
+    assert engine.blocks_bytes(target) == source
+    assert engine.blocks_bytes(range(8, 40)) == untouched_before
+    assert node.read_locked_objects() == 0
+
+
+def test_retrieve_copies_only_the_resident_prefix(node: Node, engine: Engine) -> None:
+    hashes = new_hashes(3)
+    node.store(engine, [hashes[0], hashes[2]], blocks_of(range(2)))
+    target = blocks_of(range(3), base=40)
+    engine.fill(target, 0.0)
+
+    assert node.retrieve(engine, hashes, target) == 1
+    assert engine.blocks_bytes(chunk_blocks(0, 40)) == engine.blocks_bytes(chunk_blocks(0))
+    assert not np.asarray(engine.kv[:, :, blocks_of(range(1, 3), 40)]).any()
+
+
+def test_retrieve_skip_first_n_tokens_leaves_the_skipped_blocks_untouched(
+    node: Node, engine: Engine
+) -> None:
+    hashes = new_hashes(2)
+    node.store(engine, hashes, blocks_of(range(2)))
+    target = blocks_of(range(2), base=40)  # blocks 40..43
+    for skip, skipped_blocks in ((16, 1), (40, 2)):  # 40 tokens round down to 2 blocks
+        engine.fill(target, 7.0)
+        sentinel = engine.blocks_bytes(target[:skipped_blocks])
+        assert node.retrieve(engine, hashes, target, skip=skip) == 2
+        assert engine.blocks_bytes(target[:skipped_blocks]) == sentinel
+        assert engine.blocks_bytes(target[skipped_blocks:]) == engine.blocks_bytes(
+            blocks_of(range(2))[skipped_blocks:]
+        )
+
+
+def test_retrieve_release_mask_releases_lookup_locks(node: Node, engine: Engine) -> None:
+    hashes = new_hashes(2)
+    node.store(engine, hashes, blocks_of(range(2)))
+    assert node.lookup(hashes).result.hit_chunks == 2
+    # Locked by the lookup: a delete without force skips them.
+    assert node.delete(hashes) == (0, 2)
+
+    # Release only chunk 0's lookup lock.
+    assert node.retrieve(engine, hashes, blocks_of(range(2), 40), release=[True]) == 2
+    assert node.delete(hashes) == (1, 1)
+    assert node.l1_hashes() == {hashes[1]}
+
+    assert node.retrieve(engine, hashes[1:], blocks_of(range(1), 50), release=[True]) == 1
+    assert node.delete(hashes[1:]) == (1, 0)
+    assert node.l1_hashes() == set()
+
+
+# -- L2 round trip ------------------------------------------------------------------------
+
+
+def test_l2_round_trip_after_l1_is_cleared(disk_node: Node, engine: Engine) -> None:
+    node = disk_node
+    hashes = new_hashes(4)
+    node.store(engine, hashes, blocks_of(range(4)))
+    expected = [engine.chunk(chunk_blocks(c)) for c in range(4)]
+    deadline = time.monotonic() + 10
+    while node.status().l2[0].object_count < 4 or node.status().l2[0].pending_stores:
+        assert time.monotonic() < deadline, "write-through to disk did not finish"
+        time.sleep(0.02)
+    assert node.l2_hashes() == set(hashes)
+
+    assert node.call("clear", storage_pb2.ClearRequest(force=True)).cleared_objects == 4
+    assert node.l1_hashes() == set()
+
+    response = node.lookup(hashes, wait_ms=5000)
+    assert response.completed
+    assert (response.result.hit_chunks, response.result.l2_hit_chunks) == (4, 4)
+    assert response.result.l1_hit_chunks == 0
+    assert node.l1_bytes(hashes) == expected
+
+    target = blocks_of(range(4), base=40)
+    engine.fill(target, 0.0)
+    assert node.retrieve(engine, hashes, target, release=[True] * 4) == 4
+    assert engine.blocks_bytes(target) == engine.blocks_bytes(blocks_of(range(4)))
+    # Loaded chunks are temporary (default prefetch policy): gone with their last reader.
+    assert node.read_locked_objects() == 0
+    assert node.l1_hashes() == set()
+    assert node.l2_hashes() == set(hashes)
+
+
+def test_lookup_mixes_l1_and_l2_hits_and_stops_at_the_first_miss(
+    disk_node: Node, engine: Engine
+) -> None:
+    node = disk_node
+    hashes = new_hashes(4)
+    node.store(engine, hashes[:3], blocks_of(range(3)))
+    wait_until(lambda: node.l2_hashes() == set(hashes[:3]))
+    node.delete(hashes[1:3], common_pb2.TIER_L1)  # chunk 0 in L1, chunks 1-2 only on disk
+    node.store(engine, hashes[3:], chunk_blocks(3))  # chunk 3: L1 only
+
+    # A miss at chunk 1: chunk 2 (on disk) is after it and is never loaded.
+    response = node.lookup([hashes[0], new_hashes(1)[0], hashes[2]])
+    assert (response.result.hit_chunks, response.result.l2_hit_chunks) == (1, 0)
+    assert node.l1_hashes() == {hashes[0], hashes[3]}
+    node.call("release_locks", storage_pb2.ReleaseLocksRequest(keys=grid(hashes[:1])))
+
+    response = node.lookup(hashes)
+    assert (response.result.hit_chunks, response.result.l1_hit_chunks) == (4, 2)
+    assert response.result.l2_hit_chunks == 2
+    assert node.l1_bytes(hashes) == [engine.chunk(chunk_blocks(c)) for c in range(4)]
