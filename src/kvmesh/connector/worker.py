@@ -192,7 +192,7 @@ class WorkerHooks(ConnectorBase):
             )
         return self._pool
 
-    def _retrieve(self, op: RetrieveOp) -> list[int]:
+    def _retrieve(self, op: RetrieveOp, producer_event: bytes = b"") -> list[int]:
         """Run one retrieve; the block ids it could not fill (empty on success)."""
         skip_blocks = op.skip_first_n_tokens // self.config.block_size
         if self._registration is None:
@@ -203,6 +203,7 @@ class WorkerHooks(ConnectorBase):
             range=self._prompt_range(op),
             block_ids=op.block_ids,
             skip_first_n_tokens=op.skip_first_n_tokens,
+            producer_event_handle=producer_event,
         )
         try:
             resp = self._with_reregister(
@@ -220,7 +221,7 @@ class WorkerHooks(ConnectorBase):
         )
         return list(op.block_ids[first_missing:])
 
-    def _store(self, op: StoreOp) -> list[int]:
+    def _store(self, op: StoreOp, producer_event: bytes = b"") -> list[int]:
         """Run one store; [] on success, else the op's block ids."""
         if self._registration is None:
             logger.warning("store of %s before register_kv_caches", op.request_id)
@@ -228,7 +229,10 @@ class WorkerHooks(ConnectorBase):
         if self.gateway_down():
             return list(op.block_ids)
         request = gateway_pb2.StoreRequest(
-            engine_id=self.engine_id, range=self._prompt_range(op), block_ids=op.block_ids
+            engine_id=self.engine_id,
+            range=self._prompt_range(op),
+            block_ids=op.block_ids,
+            producer_event_handle=producer_event,
         )
         try:
             resp = self._with_reregister(
@@ -244,13 +248,16 @@ class WorkerHooks(ConnectorBase):
             )
         return []
 
-    def start_load_kv(self, metadata: ConnectorMetadata) -> None:
-        """Start the step's retrieves (before the forward pass)."""
+    def start_load_kv(self, metadata: ConnectorMetadata, producer_event: bytes = b"") -> None:
+        """Start the step's retrieves (before the forward pass).
+
+        ``producer_event`` (GPU): IPC handle of a CUDA event recorded on the
+        engine's stream; storage's copies into the blocks wait for it.
+        """
         self._require(KVConnectorRole.WORKER)
         for op in metadata.retrieve_ops:
-            self._loads.append(
-                _Transfer(op.request_id, self._executor().submit(self._retrieve, op))
-            )
+            future = self._executor().submit(self._retrieve, op, producer_event)
+            self._loads.append(_Transfer(op.request_id, future))
 
     def wait_for_load(self) -> set[str]:
         """Wait for the started retrieves; the ids of requests whose load fell short."""
@@ -268,11 +275,16 @@ class WorkerHooks(ConnectorBase):
         blocks, self._load_error_blocks = self._load_error_blocks, set()
         return blocks
 
-    def save_kv(self, metadata: ConnectorMetadata) -> None:
-        """Start the step's stores (after the forward pass wrote the KV)."""
+    def save_kv(self, metadata: ConnectorMetadata, producer_event: bytes = b"") -> None:
+        """Start the step's stores (after the forward pass wrote the KV).
+
+        ``producer_event`` (GPU): IPC handle of a CUDA event recorded after the
+        forward; storage's copies out of the blocks wait for it.
+        """
         self._require(KVConnectorRole.WORKER)
         for op in metadata.store_ops:
-            self._saves.append(_Transfer(op.request_id, self._executor().submit(self._store, op)))
+            future = self._executor().submit(self._store, op, producer_event)
+            self._saves.append(_Transfer(op.request_id, future))
 
     def poll_saves(self) -> tuple[set[str], set[str]]:
         """Without blocking: (requests whose started stores all finished, requests still storing).

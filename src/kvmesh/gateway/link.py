@@ -126,11 +126,20 @@ class GrpcNodeStorage:
         )
 
     async def store_chunks(
-        self, engine_id: str, row: KeyRow, block_ids: Sequence[int], chunk_tokens: int
+        self,
+        engine_id: str,
+        row: KeyRow,
+        block_ids: Sequence[int],
+        chunk_tokens: int,
+        producer_event: bytes = b"",
     ) -> list[StoreOutcome]:
         response = await self.client.store_chunks(
             storage_pb2.StoreChunksRequest(
-                engine_id=engine_id, keys=_row(row), block_ids=block_ids, chunk_tokens=chunk_tokens
+                engine_id=engine_id,
+                keys=_row(row),
+                block_ids=block_ids,
+                chunk_tokens=chunk_tokens,
+                producer_event_handle=producer_event,
             )
         )
         return [StoreOutcome(o) for o in response.outcomes]
@@ -143,6 +152,7 @@ class GrpcNodeStorage:
         chunk_tokens: int,
         skip_first_n_tokens: int,
         release_mask: Sequence[bool],
+        producer_event: bytes = b"",
     ) -> int:
         try:
             response = await self.client.retrieve_chunks(
@@ -153,6 +163,7 @@ class GrpcNodeStorage:
                     chunk_tokens=chunk_tokens,
                     skip_first_n_tokens=skip_first_n_tokens,
                     release_lookup_locks=release_mask,
+                    producer_event_handle=producer_event,
                 )
             )
         except grpc.RpcError as exc:

@@ -89,7 +89,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, request: gateway_pb2.StoreRequest, context: Any
     ) -> gateway_pb2.StoreResponse:
         result = await self.core.store(
-            request.engine_id, wire.prompt_range(request.range), request.block_ids
+            request.engine_id,
+            wire.prompt_range(request.range),
+            request.block_ids,
+            request.producer_event_handle,
         )
         return gateway_pb2.StoreResponse(
             stored_chunks=result.stored_chunks,
@@ -105,6 +108,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             wire.prompt_range(request.range),
             request.block_ids,
             request.skip_first_n_tokens,
+            request.producer_event_handle,
         )
         return gateway_pb2.RetrieveResponse(
             retrieved_chunks=chunks, retrieved_tokens=chunks * self.core.chunk_size

@@ -8,6 +8,9 @@ The engine (vLLM) keeps one paged tensor per layer:
 - ``VLLM_CPU``:   ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; inside one
   (block, head) K comes first, transposed (``[head_dim][block_size]``), then V
   (``[block_size][head_dim]``). vLLM's CPU attention backend ("vec" ISA).
+- ``VLLM_CPU_AMX``: the same shape, vLLM's CPU backend on x86 with AMX ("amx"
+  ISA): K in 16-token tiles ``[head_dim / 2][16][2]``, then V in 16-dim tiles
+  ``[block_size / 2][16][2]`` (offsets in :func:`kvmesh.kernels.vllm_cpu.head_offsets`).
 
 The L1 chunk object of ``num_tokens`` tokens is
 ``[kv_size, num_layers, num_tokens, kv_heads * head_dim]`` (token-major,
@@ -43,6 +46,12 @@ class KVLayoutKind(enum.Enum):
     FLASHINFER = "flashinfer"
     MLA = "mla"
     VLLM_CPU = "vllm_cpu"
+    VLLM_CPU_AMX = "vllm_cpu_amx"
+
+    @property
+    def is_vllm_cpu(self) -> bool:
+        """vLLM's CPU layouts: ``[num_blocks, kv_heads, block_size, 2 * head_dim]``."""
+        return self in (KVLayoutKind.VLLM_CPU, KVLayoutKind.VLLM_CPU_AMX)
 
     @property
     def kv_size(self) -> int:
@@ -73,7 +82,7 @@ def paged_layer_shape(
         return (2, num_blocks, block_size, kv_heads, head_dim)
     if kind is KVLayoutKind.FLASHINFER:
         return (num_blocks, 2, block_size, kv_heads, head_dim)
-    if kind is KVLayoutKind.VLLM_CPU:
+    if kind.is_vllm_cpu:
         return (num_blocks, kv_heads, block_size, 2 * head_dim)
     return (num_blocks, block_size, head_dim)
 
@@ -98,7 +107,9 @@ class PagedKVCache:
 
     def __init__(self, layers: Sequence[torch.Tensor], kind: KVLayoutKind) -> None:
         if not isinstance(kind, KVLayoutKind):
-            raise InvalidArgument(f"kind must be a KVLayoutKind, got {kind!r}", field="kind")
+            raise InvalidArgument(
+                f"kind must be a KVLayoutKind, got {type(kind).__name__}", field="kind"
+            )
         if isinstance(layers, torch.Tensor) or len(layers) == 0:
             raise InvalidArgument(
                 "layers must be a non-empty sequence of per-layer tensors", field="layers"
@@ -106,7 +117,7 @@ class PagedKVCache:
         first = layers[0]
         if not isinstance(first, torch.Tensor):
             raise InvalidArgument("layers[0] is not a tensor", field="layers")
-        expected_rank = {KVLayoutKind.MLA: 3, KVLayoutKind.VLLM_CPU: 4}.get(kind, 5)
+        expected_rank = 3 if kind is KVLayoutKind.MLA else 4 if kind.is_vllm_cpu else 5
         if first.dim() != expected_rank:
             raise InvalidArgument(
                 f"{kind.name} layers must have rank {expected_rank}, got shape "
@@ -134,14 +145,20 @@ class PagedKVCache:
                     field="layers",
                 )
             num_blocks, block_size, kv_heads, head_dim = shape[0], shape[2], shape[3], shape[4]
-        elif kind is KVLayoutKind.VLLM_CPU:
+        elif kind.is_vllm_cpu:
             if shape[3] % 2:
                 raise InvalidArgument(
-                    f"VLLM_CPU layers are [num_blocks, kv_heads, block_size, 2 * head_dim], "
+                    f"{kind.name} layers are [num_blocks, kv_heads, block_size, 2 * head_dim], "
                     f"got {shape} (odd last dimension)",
                     field="layers",
                 )
             num_blocks, kv_heads, block_size, head_dim = shape[0], shape[1], shape[2], shape[3] // 2
+            if kind is KVLayoutKind.VLLM_CPU_AMX and (block_size % 16 or head_dim % 16):
+                raise InvalidArgument(
+                    f"VLLM_CPU_AMX tiles 16 tokens and 16 dims: block_size {block_size} and "
+                    f"head_dim {head_dim} must be multiples of 16",
+                    field="layers",
+                )
         else:
             num_blocks, block_size, head_dim = shape
             kv_heads = 1
@@ -179,8 +196,8 @@ class PagedKVCache:
             self._geometry = _RowGeometry(kv_stride=strides[0], block_stride=strides[1])
         elif kind is KVLayoutKind.FLASHINFER:
             self._geometry = _RowGeometry(kv_stride=strides[1], block_stride=strides[0])
-        elif kind is KVLayoutKind.VLLM_CPU:
-            # Not row-copyable (K is transposed): the ops use strided views instead.
+        elif kind.is_vllm_cpu:
+            # Not row-copyable (K is transposed or tiled): kernels.vllm_cpu moves them.
             self._geometry = _RowGeometry(kv_stride=0, block_stride=strides[0])
         else:
             self._geometry = _RowGeometry(kv_stride=0, block_stride=strides[0])

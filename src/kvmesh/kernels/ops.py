@@ -64,7 +64,7 @@ import torch
 
 from kvmesh.kernels import native, vllm_cpu
 from kvmesh.kernels._plan import BlockIds, ChunkPlan, plan_chunks
-from kvmesh.kernels.layouts import KVLayoutKind, PagedKVCache
+from kvmesh.kernels.layouts import PagedKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -496,7 +496,7 @@ def gather_chunks(
     block id outside ``[0, num_blocks)``.
     """
     plans = plan_chunks(kv, block_ids, outs, chunks_field="outs")
-    if kv.kind is KVLayoutKind.VLLM_CPU:
+    if kv.kind.is_vllm_cpu:
         for plan in plans:
             vllm_cpu.gather(kv, plan)
         return
@@ -536,7 +536,7 @@ def scatter_chunks(
         skip_first_n_tokens=skip_first_n_tokens,
         forbid_duplicates=True,
     )
-    if kv.kind is KVLayoutKind.VLLM_CPU:
+    if kv.kind.is_vllm_cpu:
         for plan in plans:
             vllm_cpu.scatter(kv, plan)
         return

@@ -34,6 +34,26 @@ def _head_tokens(kv: PagedKVCache, layer: int, plane: int, block: int, head: int
     return t[block]
 
 
+def _amx_token(
+    kv: PagedKVCache, layer: int, plane: int, block: int, head: int, token: int
+) -> torch.Tensor:
+    """One token's ``head_dim`` values of a ``VLLM_CPU_AMX`` (block, head), as a view.
+
+    Straight from the layout's text: K tiles of 16 tokens ``[head_dim / 2][16][2]``
+    (the view ``[16-token tile, token in tile, dim pair, dim in pair]``), then V
+    tiles of 16 dims ``[block_size / 2][16][2]`` (``[token pair, token in pair,
+    16-dim tile, dim in tile]``). The view's elements, in order, are dims 0, 1, ...
+    """
+    bs, hd = kv.block_size, kv.head_dim
+    flat = kv.layers[layer][block, head].reshape(-1)
+    base = int(flat.storage_offset())
+    if plane == 0:
+        k = flat.as_strided((bs // 16, 16, hd // 2, 2), (16 * hd, 2, 32, 1), base)
+        return k[token // 16, token % 16]
+    v = flat.as_strided((bs // 2, 2, hd // 16, 16), (32, 1, 16 * bs, 2), base + bs * hd)
+    return v[token // 2, token % 2]
+
+
 def _chunk_head(
     chunk: torch.Tensor, kv: PagedKVCache, plane: int, layer: int, head: int
 ) -> torch.Tensor:
@@ -53,8 +73,13 @@ def ref_gather_chunks(
                 for j, block in enumerate(plan.block_ids):
                     count = min(bs, plan.num_tokens - j * bs)
                     for head in range(kv.kv_heads):
-                        src = _head_tokens(kv, layer, plane, block, head)[:count]
                         dst = _chunk_head(plan.chunk, kv, plane, layer, head)
+                        if kv.kind is KVLayoutKind.VLLM_CPU_AMX:
+                            for t in range(count):
+                                row = _amx_token(kv, layer, plane, block, head, t)
+                                dst[j * bs + t] = row.reshape(-1).to(plan.chunk.device)
+                            continue
+                        src = _head_tokens(kv, layer, plane, block, head)[:count]
                         dst[j * bs : j * bs + count] = src.to(plan.chunk.device)
 
 
@@ -83,5 +108,10 @@ def ref_scatter_chunks(
                     count = min(bs, plan.num_tokens - j * bs)
                     for head in range(kv.kv_heads):
                         src = _chunk_head(plan.chunk, kv, plane, layer, head)
+                        if kv.kind is KVLayoutKind.VLLM_CPU_AMX:
+                            for t in range(count):
+                                row = _amx_token(kv, layer, plane, block, head, t)
+                                row.copy_(src[j * bs + t].view(row.shape).to(kv.device))
+                            continue
                         dst = _head_tokens(kv, layer, plane, block, head)
                         dst[:count] = src[j * bs : j * bs + count].to(kv.device)

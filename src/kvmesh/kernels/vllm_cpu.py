@@ -1,16 +1,26 @@
-"""Gather and scatter for vLLM's CPU layout (``KVLayoutKind.VLLM_CPU``).
+"""Gather and scatter for vLLM's CPU layouts (``VLLM_CPU`` and ``VLLM_CPU_AMX``).
 
-One layer is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``. Inside one
-(block, head) K comes first, stored transposed (``[head_dim][block_size]``),
-then V (``[block_size][head_dim]``). K's transposition rules out the row copies
-of :mod:`kvmesh.kernels.ops`, so each plane is read through a strided view
-``[num_blocks, block_size, kv_heads, head_dim]`` over the same memory: one
-indexed copy per (layer, plane) moves all of a chunk's whole blocks, and a
-partial last block takes one more slice copy.
+One layer is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; inside one
+(block, head) K comes first, then V, each ``block_size * head_dim`` elements.
+
+- ``VLLM_CPU`` ("vec" ISA): K transposed (``[head_dim][block_size]``), V
+  ``[block_size][head_dim]``. Each plane is read through a strided view
+  ``[num_blocks, block_size, kv_heads, head_dim]`` over the same memory: one
+  indexed copy per (layer, plane) moves all of a chunk's whole blocks, and a
+  partial last block takes one more slice copy.
+- ``VLLM_CPU_AMX`` ("amx" ISA, the layout vLLM's AMX tiles read): K in tiles of
+  16 tokens, each ``[head_dim / 2][16][2]``; V in tiles of 16 dims, each
+  ``[block_size / 2][16][2]``. No strided view spans a whole block, so each
+  plane moves through a table of element offsets (:func:`head_offsets`): one
+  indexed read (or write) per (layer, plane) for all of a chunk's blocks.
+
+The offsets were read off vLLM 0.32's own ``cpu_attn_reshape_and_cache`` (a
+test writes K/V through it and reads them back with these kernels).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -40,8 +50,35 @@ def _index(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64, device=device)
 
 
+@functools.lru_cache(maxsize=64)
+def _offsets_cpu(kind: KVLayoutKind, block_size: int, head_dim: int) -> torch.Tensor:
+    t = torch.arange(block_size).view(-1, 1)
+    d = torch.arange(head_dim).view(1, -1)
+    plane = block_size * head_dim
+    if kind is KVLayoutKind.VLLM_CPU_AMX:
+        k = (t // 16) * 16 * head_dim + (d // 2) * 32 + (t % 16) * 2 + d % 2
+        v = plane + (d // 16) * 16 * block_size + (t // 2) * 32 + (d % 16) * 2 + t % 2
+    else:
+        k = d * block_size + t
+        v = plane + t * head_dim + d
+    return torch.stack([k, v])
+
+
+def head_offsets(kv: PagedKVCache) -> torch.Tensor:
+    """``[2, block_size, head_dim]``: where K/V element (token, dim) sits in one (block, head).
+
+    Offsets count elements from the start of the (block, head) region of
+    ``2 * block_size * head_dim`` elements; plane 0 is K, plane 1 is V.
+    """
+    assert kv.kind.is_vllm_cpu
+    return _offsets_cpu(kv.kind, kv.block_size, kv.head_dim).to(kv.device)
+
+
 def gather(kv: PagedKVCache, plan: ChunkPlan) -> None:
     """Copy one chunk's blocks into ``plan.chunk`` (``[2, layers, tokens, hidden]``)."""
+    if kv.kind is KVLayoutKind.VLLM_CPU_AMX:
+        _gather_tiled(kv, plan)
+        return
     bs, heads, hd = kv.block_size, kv.kv_heads, kv.head_dim
     full, rem = divmod(plan.num_tokens, bs)
     out = (
@@ -63,6 +100,9 @@ def gather(kv: PagedKVCache, plan: ChunkPlan) -> None:
 
 def scatter(kv: PagedKVCache, plan: ChunkPlan) -> None:
     """Copy ``plan.chunk`` into its blocks, leaving the first ``plan.skip_blocks`` untouched."""
+    if kv.kind is KVLayoutKind.VLLM_CPU_AMX:
+        _scatter_tiled(kv, plan)
+        return
     bs, heads, hd = kv.block_size, kv.kv_heads, kv.head_dim
     full, rem = divmod(plan.num_tokens, bs)
     skip = plan.skip_blocks
@@ -76,3 +116,51 @@ def scatter(kv: PagedKVCache, plan: ChunkPlan) -> None:
                 dst.index_put_((index,), rows)
             if rem and full >= skip:
                 dst[plan.block_ids[full], :rem] = src[full * bs :].view(rem, heads, hd)
+
+
+def _regions(kv: PagedKVCache, layer: int) -> torch.Tensor:
+    """One layer as ``[num_blocks, kv_heads, 2 * block_size * head_dim]`` (a view)."""
+    return kv.layers[layer].view(kv.num_blocks, kv.kv_heads, -1)
+
+
+def _gather_tiled(kv: PagedKVCache, plan: ChunkPlan) -> None:
+    bs, heads, hd = kv.block_size, kv.kv_heads, kv.head_dim
+    n = plan.num_tokens
+    blocks = -(-n // bs)
+    offsets = head_offsets(kv).view(2, -1)
+    index = _index(plan.block_ids[:blocks], kv.device)
+    out = plan.chunk
+    for layer in range(kv.num_layers):
+        regions = _regions(kv, layer).index_select(0, index)  # [blocks, heads, 2*bs*hd]
+        for plane in range(2):
+            values = regions[:, :, offsets[plane]].view(blocks, heads, bs, hd)
+            rows = values.permute(0, 2, 1, 3).reshape(blocks * bs, heads * hd)
+            out[plane, layer].copy_(rows[:n])
+
+
+def _scatter_tiled(kv: PagedKVCache, plan: ChunkPlan) -> None:
+    bs, heads, hd = kv.block_size, kv.kv_heads, kv.head_dim
+    full, rem = divmod(plan.num_tokens, bs)
+    skip = plan.skip_blocks
+    chunk = plan.chunk if plan.chunk.device == kv.device else plan.chunk.to(kv.device)
+    offsets = head_offsets(kv)
+    head_index = torch.arange(heads, device=kv.device)
+    for layer in range(kv.num_layers):
+        regions = _regions(kv, layer)
+        for plane in range(2):
+            src = chunk[plane, layer]
+            if full > skip:
+                ids = _index(plan.block_ids[skip:full], kv.device)
+                values = src[skip * bs : full * bs].view(full - skip, bs, heads, hd)
+                values = values.permute(0, 2, 1, 3).reshape(full - skip, heads, bs * hd)
+                where = (
+                    ids.view(-1, 1, 1),
+                    head_index.view(1, -1, 1),
+                    offsets[plane].view(1, 1, -1),
+                )
+                regions.index_put_(where, values)
+            if rem and full >= skip:
+                values = src[full * bs :].view(rem, heads, hd).permute(1, 0, 2).reshape(heads, -1)
+                block = plan.block_ids[full]
+                where2 = (head_index.view(-1, 1), offsets[plane][:rem].reshape(1, -1))
+                regions[block].index_put_(where2, values)

@@ -73,9 +73,16 @@ class LocalNodeStorage:
         self.node.release_prefetch(prefetch_id)
 
     async def store_chunks(
-        self, engine_id: str, row: KeyRow, block_ids: Sequence[int], chunk_tokens: int
+        self,
+        engine_id: str,
+        row: KeyRow,
+        block_ids: Sequence[int],
+        chunk_tokens: int,
+        producer_event: bytes = b"",
     ) -> list[StoreOutcome]:
-        return await self.node.store_chunks(engine_id, _row_keys(row), block_ids, chunk_tokens)
+        return await self.node.store_chunks(
+            engine_id, _row_keys(row), block_ids, chunk_tokens, producer_event
+        )
 
     async def retrieve_chunks(
         self,
@@ -85,6 +92,7 @@ class LocalNodeStorage:
         chunk_tokens: int,
         skip_first_n_tokens: int,
         release_mask: Sequence[bool],
+        producer_event: bytes = b"",
     ) -> int:
         try:
             return await self.node.retrieve_chunks(
@@ -94,6 +102,7 @@ class LocalNodeStorage:
                 chunk_tokens,
                 skip_first_n_tokens,
                 release_mask,
+                producer_event,
             )
         except _REFUSED as exc:
             raise StorageRejected(exc) from None

@@ -221,13 +221,18 @@ class Server:
         if self._stopped:
             return health_pb2.HealthCheckResponse.NOT_SERVING
         down = {n for n, ok in self._app_health.items() if not ok}
-        # The whole server ("") is NOT_SERVING while any of its services is.
-        if (name and name in down) or (not name and down):
+        # The whole server ("") is NOT_SERVING while any of its gRPC services is. A
+        # health-only name (a storage node's CoordinatorLink) tells its own state only.
+        if (name and name in down) or (not name and down & set(self.service_names)):
             return health_pb2.HealthCheckResponse.NOT_SERVING
         return serving
 
     def set_serving(self, service: str, serving: bool) -> None:
-        """Mark one of the app's services (not) serving; the overall status follows."""
+        """Mark one of the app's services (not) serving; the overall status follows.
+
+        ``service`` may also be a name that only health serves (no gRPC service of
+        that name): it is answered as reported and leaves the overall status alone.
+        """
         self._app_health[service] = serving
         if self._stopped:
             return

@@ -92,6 +92,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SERVICE_NAME = "kvmesh.storage.v1.StorageService"
+#: A health-only name (no gRPC service): SERVING while the node's event link to its
+#: coordinator is up, NOT_SERVING while it is down. A node without a coordinator does
+#: not serve it (Check answers NOT_FOUND). It leaves the overall status and
+#: StorageService alone: the node serves its engines with or without a coordinator.
+COORDINATOR_LINK = "kvmesh.storage.v1.CoordinatorLink"
+#: How often the node looks at its event link (a lock and a flag; no network).
+LINK_CHECK_SECONDS = 0.25
 
 
 async def _on_own_thread(name: str, fn: Callable[..., T], *args: Any) -> T:
@@ -312,6 +319,11 @@ class StorageApp:
         self.registrar: Registrar | None = None
         self._handler = _DeferredHandler()
         self._sweeper: asyncio.Task[None] | None = None
+        self._link_watcher: asyncio.Task[None] | None = None
+        self._report: Callable[[str, bool], None] | None = None
+        #: Whether the event link to the coordinator is up (False until it first is).
+        self.coordinator_connected = False
+        self._link_target = ""
         sink = None
         if config.event_transport == "nats":
             # nats-py is an optional dependency (the "nats" extra).
@@ -329,6 +341,11 @@ class StorageApp:
 
             self._event_transport = GrpcEventTransport(config.coordinator_target)
         if self._event_transport is not None:
+            self._link_target = (
+                f"NATS {config.nats_url}"
+                if config.event_transport == "nats"
+                else config.coordinator_target
+            )
             self.emitter = CacheEventEmitter(
                 EmitterConfig(
                     instance_id=self.instance_id,
@@ -448,6 +465,50 @@ class StorageApp:
         if self.registrar is not None:
             self.registrar.start()
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="storage-txn-sweeper")
+        if self.emitter is not None:
+            self._link_watcher = asyncio.create_task(
+                self._link_loop(), name="storage-coordinator-link"
+            )
+
+    def watch_health(self, report: Callable[[str, bool], None]) -> None:
+        """Called by the server once: ``report(service, serving)`` on every change."""
+        if self.emitter is None:
+            return  # no coordinator: CoordinatorLink is not served
+        self._report = report
+        report(COORDINATOR_LINK, self.coordinator_connected)
+
+    def check_coordinator_link(self) -> bool:
+        """Look at the event link once; log and report a change. Returns whether it is up."""
+        assert self.emitter is not None
+        stats = self.emitter.stats()
+        connected = bool(getattr(stats, "connected", False))
+        if connected != self.coordinator_connected:
+            if connected:
+                logger.info(
+                    "event link to the coordinator at %s is up; %s is SERVING",
+                    self._link_target,
+                    COORDINATOR_LINK,
+                )
+            else:
+                logger.warning(
+                    "event link to the coordinator at %s is down (%s); %s reports NOT_SERVING "
+                    "until it reconnects",
+                    self._link_target,
+                    getattr(stats, "last_error", "") or "no reason given",
+                    COORDINATOR_LINK,
+                )
+            self.coordinator_connected = connected
+            if self._report is not None:
+                self._report(COORDINATOR_LINK, connected)
+        return connected
+
+    async def _link_loop(self) -> None:
+        while True:
+            try:
+                self.check_coordinator_link()
+            except Exception:
+                logger.exception("checking the event link to the coordinator failed")
+            await asyncio.sleep(LINK_CHECK_SECONDS)
 
     async def _sweep_loop(self) -> None:
         period = max(0.5, min(self.config.read_ttl_seconds, self.config.write_ttl_seconds) / 4)
@@ -463,10 +524,11 @@ class StorageApp:
         await self.stop()
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        for task in (self._link_watcher, self._sweeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.registrar is not None:
             self.registrar.stop()
         self.peers.close()

@@ -24,6 +24,7 @@ LAYOUT_KINDS = {
     common_pb2.KV_LAYOUT_KIND_FLASHINFER: "flashinfer",
     common_pb2.KV_LAYOUT_KIND_MLA: "mla",
     common_pb2.KV_LAYOUT_KIND_VLLM_CPU: "vllm_cpu",
+    common_pb2.KV_LAYOUT_KIND_VLLM_CPU_AMX: "vllm_cpu_amx",
 }
 MAX_PAGE_SIZE = 10_000
 
@@ -158,7 +159,11 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
         self, request: storage_pb2.StoreChunksRequest, context: Any
     ) -> storage_pb2.StoreChunksResponse:
         outcomes = await self.node.store_chunks(
-            request.engine_id, row_keys(request.keys), request.block_ids, request.chunk_tokens
+            request.engine_id,
+            row_keys(request.keys),
+            request.block_ids,
+            request.chunk_tokens,
+            request.producer_event_handle,
         )
         return storage_pb2.StoreChunksResponse(
             outcomes=[storage_pb2.StoreOutcome.ValueType(o) for o in outcomes]
@@ -202,6 +207,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
             request.chunk_tokens,
             request.skip_first_n_tokens,
             list(request.release_lookup_locks),
+            request.producer_event_handle,
         )
         return storage_pb2.RetrieveChunksResponse(retrieved_chunks=retrieved)
 

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.integration.coordinator.support import CliProcess
-from tests.integration.p2p.support import PeerNode, coordinator_args, storage_args
+from tests.integration.p2p.support import (
+    PeerNode,
+    WideEngine,
+    coordinator_args,
+    storage_args,
+)
 from tests.integration.storage.support import Engine
 from tests.support.harness import free_port
 
@@ -35,26 +41,63 @@ def shm_root() -> Iterator[Path]:
 
 
 def make_node(
-    name: str, tmp_path: Path, shm_root: Path, coordinator: str, seed: int, *extra: str
+    name: str,
+    tmp_path: Path,
+    shm_root: Path,
+    coordinator: str,
+    seed: int,
+    *extra: str,
+    port: int | None = None,
+    wide: bool = False,
+    metrics: bool = False,
 ) -> PeerNode:
+    """A node (not started): ``extra`` flags after the defaults (the last one wins);
+    ``wide`` gives it a :class:`WideEngine`; ``metrics`` serves its /metrics."""
+    metrics_port = free_port() if metrics else -1
+    flags = [*extra, *(("--metrics-port", str(metrics_port)) if metrics else ())]
     proc = CliProcess(
-        "storage", free_port(), storage_args(tmp_path, shm_root, name, coordinator, *extra)
+        "storage", port or free_port(), storage_args(tmp_path, shm_root, name, coordinator, *flags)
     )
-    return PeerNode(name, proc, Engine(shm_root / "engine", f"engine-{name}", seed=seed))
+    directory = shm_root / "engine"
+    engine = (
+        WideEngine(directory, f"engine-{name}", seed=seed)
+        if wide
+        else Engine(directory, f"engine-{name}", seed=seed)
+    )
+    return PeerNode(name, proc, engine, metrics_port=metrics_port)
 
 
-@pytest.fixture
-def fleet(tmp_path: Path, shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
-    """Coordinator + nodes A and B, started, engines registered; every span they make is
-    appended to ``tmp_path / "spans.jsonl"``. Tests that need other node flags restart a
-    node themselves."""
-    monkeypatch.setenv("KVMESH_TRACE_FILE", str(tmp_path / "spans.jsonl"))
+@contextmanager
+def running_fleet(
+    tmp_path: Path,
+    shm_root: Path,
+    *,
+    a_args: Sequence[str] = (),
+    b_args: Sequence[str] = (),
+    a_port: int | None = None,
+    wide: bool = False,
+    b_metrics: bool = False,
+) -> Iterator[Fleet]:
+    """Coordinator + nodes A and B, started, engines registered (node flags appended)."""
     coordinator = CliProcess("coordinator", free_port(), coordinator_args(tmp_path))
     nodes: list[PeerNode] = []
     try:
         coordinator.start()
-        for name, seed in (("a", 1), ("b", 2)):
-            node = make_node(name, tmp_path, shm_root, coordinator.target, seed)
+        for name, seed, extra, port, metrics in (
+            ("a", 1, a_args, a_port, False),
+            ("b", 2, b_args, None, b_metrics),
+        ):
+            node = make_node(
+                name,
+                tmp_path,
+                shm_root,
+                coordinator.target,
+                seed,
+                *extra,
+                port=port,
+                wide=wide,
+                metrics=metrics,
+            )
             nodes.append(node)
             node.proc.start()
             node.connect()
@@ -66,3 +109,20 @@ def fleet(tmp_path: Path, shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> It
             node.proc.kill()
             node.engine.close()
         coordinator.kill()
+
+
+@pytest.fixture
+def trace_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every span the processes started from now on make is appended here."""
+    path = tmp_path / "spans.jsonl"
+    monkeypatch.setenv("KVMESH_TRACE_FILE", str(path))
+    return path
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, shm_root: Path, trace_file: Path) -> Iterator[Fleet]:
+    """Coordinator + nodes A and B, started, engines registered; every span they make is
+    appended to ``tmp_path / "spans.jsonl"``. Tests that need other node flags start
+    their own with :func:`running_fleet`."""
+    with running_fleet(tmp_path, shm_root) as running:
+        yield running

@@ -58,6 +58,8 @@ def test_node_b_gets_node_a_prefix_with_equal_bytes(fleet: Fleet, tmp_path: Path
     span = wait_until(fetch_span, timeout=30, message="no kvmesh.p2p.fetch span was exported")
     assert span["attributes"]["kvmesh.p2p.peer"] == _instance(a)
     assert span["attributes"]["kvmesh.p2p.chunks_fetched"] == 6
+    assert span["attributes"]["kvmesh.p2p.outcome"] == "hit"
+    assert span["status"] != "ERROR"  # failures set ERROR (see test_p2p_faults.py)
     names = {s.get("name") for s in spans()}
     wait_until(
         lambda: "/kvmesh.storage.v1.PeerService/LockPrefix" in {s.get("name") for s in spans()},

@@ -80,5 +80,7 @@ def test_served_traffic_shows_in_metrics_and_status(tmp_path: Path, shm_root: Pa
             assert sample("kvmesh_storage_p2p_active_leases", labels) == 0
             assert sample("kvmesh_storage_p2p_enabled", labels) == 0
             assert sample("kvmesh_storage_p2p_fetched_chunks_total", labels) == 0
+            assert sample("kvmesh_storage_p2p_misses_total", labels) == 0
+            assert sample("kvmesh_storage_p2p_received_bytes_total", labels) == 0
     finally:
         engine.close()

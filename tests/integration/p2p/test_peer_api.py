@@ -121,8 +121,32 @@ def test_malformed_peer_requests_are_invalid_argument_and_change_nothing(fleet: 
         lock(a, grid(hashes), expected_incarnation=before.incarnation + 1)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert error_info(info.value).reason == "INCARNATION_MISMATCH"  # type: ignore[union-attr]
-    # A frame size beyond the limit; an unknown lease.
-    granted = lock(a, grid(hashes))
+    # A frame size beyond the limit (on an unknown lease); an unknown lease.
+    with pytest.raises(grpc.RpcError) as info:
+        list(
+            a.peer.ReadChunks(
+                peer_pb2.ReadChunksRequest(lease_id="lease-nope", max_frame_bytes=1 << 25),
+                timeout=5,
+            )
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as info:
+        list(a.peer.ReadChunks(peer_pb2.ReadChunksRequest(lease_id="lease-nope"), timeout=5))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    # Nothing changed: same objects, no lock, no lease.
+    after = a.status()
+    assert after.l1.resident_objects == before.l1.resident_objects == 2
+    assert after.l1.read_locked_objects == 0
+    assert after.p2p.active_leases == 0
+
+
+def test_a_read_refused_for_its_frame_size_ends_the_lease_at_once(fleet: Fleet) -> None:
+    a = fleet.a
+    hashes = new_hashes(3)
+    a.store(hashes)
+    granted = lock(a, grid(hashes), lease_ttl_ms=600_000)  # a TTL far beyond the test
+    assert granted.locked_chunks == 3
+    assert a.read_locked() == 3
     with pytest.raises(grpc.RpcError) as info:
         list(
             a.peer.ReadChunks(
@@ -131,15 +155,23 @@ def test_malformed_peer_requests_are_invalid_argument_and_change_nothing(fleet: 
             )
         )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(grpc.RpcError) as info:
-        list(a.peer.ReadChunks(peer_pb2.ReadChunksRequest(lease_id="lease-nope"), timeout=5))
-    assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    assert a.peer.Unlock(peer_pb2.UnlockRequest(lease_id=granted.lease_id), timeout=5).existed
-    # Nothing changed: same objects, no lock, no lease.
-    after = a.status()
-    assert after.l1.resident_objects == before.l1.resident_objects == 2
-    assert after.l1.read_locked_objects == 0
-    assert after.p2p.active_leases == 0
+    details = error_info(info.value)
+    assert details is not None
+    assert details.metadata["field"] == "max_frame_bytes"
+    # The refused stream ended its lease: no lock waits for the TTL.
+    status = a.status()
+    assert status.l1.read_locked_objects == 0
+    assert status.p2p.active_leases == 0
+    assert status.p2p.leases_expired == 0
+    assert not a.peer.Unlock(peer_pb2.UnlockRequest(lease_id=granted.lease_id), timeout=5).existed
+    # The chunks stay, unlocked, and can be leased and read again.
+    assert status.l1.resident_objects == 3
+    again = lock(a, grid(hashes))
+    frames = list(
+        a.peer.ReadChunks(peer_pb2.ReadChunksRequest(lease_id=again.lease_id), timeout=10)
+    )
+    assert sum(len(f.data) for f in frames) == 3 * CHUNK_BYTES
+    assert a.read_locked() == 0
 
 
 def test_a_peer_serves_only_the_model_and_salt_asked(fleet: Fleet) -> None:

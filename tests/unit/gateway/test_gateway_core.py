@@ -43,6 +43,7 @@ class FakeStorage:
         self.touched: list[ObjectKey] = []
         self.next_id = 0
         self.retrieve_masks: list[list[bool]] = []
+        self.producer_events: list[bytes] = []
 
     @staticmethod
     def keys(grid: KeyGridSpec) -> list[list[ObjectKey]]:
@@ -108,8 +109,14 @@ class FakeStorage:
         self.abandoned.add(prefetch_id)
 
     async def store_chunks(
-        self, engine_id: str, row: KeyRow, block_ids: Sequence[int], chunk_tokens: int
+        self,
+        engine_id: str,
+        row: KeyRow,
+        block_ids: Sequence[int],
+        chunk_tokens: int,
+        producer_event: bytes = b"",
     ) -> list[StoreOutcome]:
+        self.producer_events.append(producer_event)
         out = []
         for h in row.chunk_hashes:
             key = ObjectKey(h, row.model_name, row.kv_rank, 0, row.cache_salt)
@@ -128,7 +135,9 @@ class FakeStorage:
         chunk_tokens: int,
         skip_first_n_tokens: int,
         release_mask: Sequence[bool],
+        producer_event: bytes = b"",
     ) -> int:
+        self.producer_events.append(producer_event)
         self.retrieve_masks.append(list(release_mask))
         keys = [
             ObjectKey(h, row.model_name, row.kv_rank, 0, row.cache_salt) for h in row.chunk_hashes
@@ -343,6 +352,19 @@ def test_retrieve_without_lookup_releases_nothing() -> None:
     rng = PromptRangeSpec("r2", MODEL, 1, "", toks, 0, 2 * CHUNK)
     assert run(gw.retrieve("e0", rng, list(range(8)), 0)) == 2
     assert storage.retrieve_masks == [[False, False]]
+
+
+def test_the_engines_cuda_event_reaches_storage_with_its_copy() -> None:
+    """GPU engines order storage's copies after their stream through an IPC event."""
+    gw, storage, _ = make()
+    register(gw)
+    toks = tokens(2 * CHUNK)
+    event = bytes(range(64))
+    rng = PromptRangeSpec("r1", MODEL, 1, "", toks, 0, 2 * CHUNK)
+    run(gw.store("e0", rng, list(range(8)), event))
+    rng = PromptRangeSpec("r2", MODEL, 1, "", toks, 0, 2 * CHUNK)
+    assert run(gw.retrieve("e0", rng, list(range(8)), 0, event)) == 2
+    assert storage.producer_events == [event, event]
 
 
 def test_new_lookup_for_same_request_releases_the_previous_locks() -> None:

@@ -25,7 +25,8 @@ from kvmesh.kernels import (
 )
 
 # ---- parameter grids ------------------------------------------------------------------------
-LAYOUTS = list(KVLayoutKind)
+#: VLLM_CPU_AMX tiles 16 tokens and 16 dims: its grid is in test_vllm_cpu_layouts.py.
+LAYOUTS = [kind for kind in KVLayoutKind if kind is not KVLayoutKind.VLLM_CPU_AMX]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 BLOCK_SIZES = [1, 16]
 #: (chunk tokens as a multiple of block_size, tokens of the batch's last chunk less than full)

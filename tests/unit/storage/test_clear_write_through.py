@@ -15,7 +15,7 @@ import pytest
 
 from kvmesh.common.errors import Unavailable
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.core.l1.manager import L1Result
+from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.l2.base import L2Adapter
 from kvmesh.storage.core.manager import StorageManager, StorageOptions
 from tests.support.waiting import wait_until

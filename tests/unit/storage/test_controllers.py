@@ -12,7 +12,7 @@ from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.controllers.prefetch import PrefetchPolicy, PrefetchResult
 from kvmesh.storage.core.controllers.store import StorePolicy
-from kvmesh.storage.core.l1.manager import L1Result
+from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.l2.base import L2Adapter
 from kvmesh.storage.core.manager import StorageManager, StorageOptions
 from tests.unit.storage.helpers import MIB, FakeClock, FakeL2, RecordingSink, make_key

@@ -17,8 +17,9 @@ from kvmesh.storage.core.eviction import (
     Quota,
     QuotaManager,
 )
-from kvmesh.storage.core.l1.manager import L1Manager, L1Result, RemovalReason
+from kvmesh.storage.core.l1.manager import L1Manager
 from kvmesh.storage.core.l1.pool import L1Pool
+from kvmesh.storage.core.l1.results import L1Result, RemovalReason
 from kvmesh.storage.core.lru import ByteLRU
 from kvmesh.storage.core.pins import PinTable
 from tests.unit.storage.helpers import MIB, FakeClock, FakeL2, RecordingSink, make_key

@@ -9,8 +9,10 @@ import pytest
 
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.core.l1.manager import L1Manager, L1Result, RemovalReason, TTLLock
+from kvmesh.storage.core.l1.manager import L1Manager
 from kvmesh.storage.core.l1.pool import L1Pool
+from kvmesh.storage.core.l1.results import L1Result, RemovalReason
+from kvmesh.storage.core.l1.table import TTLLock
 from tests.unit.storage.helpers import MIB, FakeClock, Recorder, make_key
 
 S = L1Result.SUCCESS

@@ -11,9 +11,14 @@ import threading
 from collections.abc import Iterator, Sequence
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.l1.manager import L1Manager
+from kvmesh.storage.core.peer import fetch as fetch_module
 from kvmesh.storage.core.peer.fetch import FetchSettings, PeerFetcher, pick_peer, rendezvous
 from kvmesh.storage.core.peer.ports import PeerLease, PeerTarget, PeerUnavailable
 from tests.unit.storage.helpers import make_key
@@ -248,3 +253,68 @@ def test_a_closed_fetcher_refuses_new_work(l1: L1Manager) -> None:
     f.close()
     with pytest.raises(RuntimeError):
         f.submit("r", [keys(1)], 1, None, lambda n: None)
+
+
+@pytest.fixture
+def spans(monkeypatch: pytest.MonkeyPatch) -> InMemorySpanExporter:
+    """The fetcher's spans, kept in memory (a tracer of its own: no global provider)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(fetch_module, "_tracer", provider.get_tracer("test"))
+    return exporter
+
+
+def test_the_fetch_span_records_failures_and_misses(
+    l1: L1Manager, spans: InMemorySpanExporter
+) -> None:
+    ks = keys(4)
+    link = Link(held=4)
+    link.die_after_frames = 5  # two whole chunks, then the peer dies
+    f = fetcher(l1, link, ks)
+    try:
+        assert f.fetch("dies", [ks], 1, None) == 2
+        (span,) = spans.get_finished_spans()
+        assert span.name == "kvmesh.p2p.fetch"
+        assert span.status.status_code is StatusCode.ERROR
+        assert "node-a" in (span.status.description or "")
+        assert span.attributes is not None
+        assert span.attributes["kvmesh.p2p.outcome"] == "failed"
+        assert span.attributes["kvmesh.p2p.chunks_fetched"] == 2
+        exceptions = [e for e in span.events if e.name == "exception"]
+        assert exceptions
+        assert exceptions[0].attributes is not None
+        assert str(exceptions[0].attributes["exception.type"]).endswith("PeerUnavailable")
+        assert f.stats()["received_bytes"] == 5 * link.frame
+        spans.clear()
+
+        f.directory.fail = True  # type: ignore[attr-defined]
+        assert f.fetch("no directory", [keys(6)[4:]], 1, None) == 0
+        (span,) = spans.get_finished_spans()
+        assert span.status.status_code is StatusCode.ERROR
+        assert any(e.name == "exception" for e in span.events)
+        spans.clear()
+
+        f.directory.fail = False  # type: ignore[attr-defined]
+        assert f.fetch("nobody has it", [keys(6)[4:]], 1, None) == 0  # no holder: a miss
+        (span,) = spans.get_finished_spans()
+        assert span.status.status_code is not StatusCode.ERROR
+        assert span.attributes is not None
+        assert span.attributes["kvmesh.p2p.outcome"] == "miss"
+        assert f.stats()["misses"] == 1
+    finally:
+        f.close()
+
+
+def test_a_peer_that_locks_nothing_is_a_counted_miss(l1: L1Manager) -> None:
+    ks = keys(2)
+    link = Link(held=0)  # the directory still names the peer; it evicted the keys
+    f = fetcher(l1, link, ks)
+    try:
+        assert f.fetch("r", [ks], 1, None) == 0
+        assert link.locks == 1
+        stats = f.stats()
+        assert (stats["misses"], stats["fetch_failures"], stats["received_bytes"]) == (1, 0, 0)
+        assert l1.staging_count == 0
+    finally:
+        f.close()

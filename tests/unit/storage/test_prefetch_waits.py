@@ -11,7 +11,7 @@ import pytest
 
 from kvmesh.common.errors import NotFound
 from kvmesh.storage.core.controllers.prefetch_job import PrefetchHandle
-from kvmesh.storage.core.l1.manager import L1Result
+from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.l2.base import L2Adapter
 from kvmesh.storage.core.manager import StorageManager, StorageOptions
 from kvmesh.storage.core.node import StorageNode

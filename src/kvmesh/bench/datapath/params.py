@@ -24,12 +24,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="chunks per StoreChunks/RetrieveChunks (0 = all chunks in one request)",
     )
-    parser.add_argument("--chunk-tokens", type=int, default=256)
-    parser.add_argument("--num-layers", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=256, help="tokens per chunk (default: 256)"
+    )
+    parser.add_argument(
+        "--num-layers", type=int, default=32, help="model layers per chunk (default: 32)"
+    )
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer (default: 8)")
+    parser.add_argument(
+        "--head-dim", type=int, default=128, help="elements per head (default: 128)"
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per paged-KV block of the engine (default: 16)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default="bf16",
+        help="element type of the KV cache (default: bf16)",
+    )
     parser.add_argument(
         "--copy-threads",
         type=int,
@@ -39,7 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shm-dir", default="/dev/shm", help="where the engine file and L1 segments live"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the chunks' block order and hashes (default: 0)",
+    )
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokens", action="store_true", help="stamp 256 token ids on every entry (bigger batches)"
     )
     parser.add_argument("--lookups", type=int, default=2000, help="16-key lookups timed")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the generated keys and the timed lookups (default: 0)",
+    )
     parser.add_argument(
         "--coordinator-arg",
         action="append",

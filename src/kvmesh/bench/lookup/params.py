@@ -44,10 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the gateway's memo of recent prefix hashes (its default; 0 hashes every "
         "lookup's 32 chunks with blake3 afresh)",
     )
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=16)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--num-layers", type=int, default=2, help="model layers per chunk (default: 2)"
+    )
+    parser.add_argument("--kv-heads", type=int, default=2, help="KV heads per layer (default: 2)")
+    parser.add_argument("--head-dim", type=int, default=16, help="elements per head (default: 16)")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per paged-KV block of the engine (default: 16)",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -55,7 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--profile-top", type=int, default=12, help="functions per profile")
     parser.add_argument("--shm-dir", default="/dev/shm", help="engine file and L1 segments")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the stored prompt's tokens and KV contents (default: 0)",
+    )
 
 
 @dataclass(frozen=True)

@@ -182,10 +182,14 @@ class Gateway:
     # ---------------------------------------------------------------- transfers
 
     async def store(
-        self, engine_id: str, rng: PromptRangeSpec, block_ids: Sequence[int]
+        self,
+        engine_id: str,
+        rng: PromptRangeSpec,
+        block_ids: Sequence[int],
+        producer_event: bytes = b"",
     ) -> StoreResult:
         """Copy the range's chunks from the engine's blocks into the cache."""
-        return await self.transfers.store(engine_id, rng, block_ids)
+        return await self.transfers.store(engine_id, rng, block_ids, producer_event)
 
     async def retrieve(
         self,
@@ -193,9 +197,12 @@ class Gateway:
         rng: PromptRangeSpec,
         block_ids: Sequence[int],
         skip_first_n_tokens: int,
+        producer_event: bytes = b"",
     ) -> int:
         """Copy the range's cached prefix into the engine's blocks; chunks retrieved."""
-        return await self.transfers.retrieve(engine_id, rng, block_ids, skip_first_n_tokens)
+        return await self.transfers.retrieve(
+            engine_id, rng, block_ids, skip_first_n_tokens, producer_event
+        )
 
     async def prepare_store(self, engine_id: str, rng: PromptRangeSpec) -> PreparedSlots:
         """Reserve slots for the range's uncached chunks."""

@@ -98,9 +98,14 @@ class NodeStorage(Protocol):
         ...
 
     async def store_chunks(
-        self, engine_id: str, row: KeyRow, block_ids: Sequence[int], chunk_tokens: int
+        self,
+        engine_id: str,
+        row: KeyRow,
+        block_ids: Sequence[int],
+        chunk_tokens: int,
+        producer_event: bytes = b"",
     ) -> list[StoreOutcome]:
-        """Copy chunks from the engine's blocks into L1."""
+        """Copy chunks from the engine's blocks into L1 (after ``producer_event``, CUDA only)."""
         ...
 
     async def retrieve_chunks(
@@ -111,6 +116,7 @@ class NodeStorage(Protocol):
         chunk_tokens: int,
         skip_first_n_tokens: int,
         release_mask: Sequence[bool],
+        producer_event: bytes = b"",
     ) -> int:
         """Copy the cached prefix of the row into the engine's blocks; chunks copied.
 

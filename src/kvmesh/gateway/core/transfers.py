@@ -91,7 +91,11 @@ class Transfers:
     # ----------------------------------------------------------- LMCache-driven
 
     async def store(
-        self, engine_id: str, rng: PromptRangeSpec, block_ids: Sequence[int]
+        self,
+        engine_id: str,
+        rng: PromptRangeSpec,
+        block_ids: Sequence[int],
+        producer_event: bytes = b"",
     ) -> StoreResult:
         """Copy the range's chunks from the engine's blocks into the cache."""
         engine = self.engines.get(engine_id, engine_driven=False)
@@ -102,7 +106,9 @@ class Transfers:
         self.counters.stores += 1
         if last == first:
             return StoreResult(0, 0, 0)
-        outcomes = await self.storage.store_chunks(engine_id, row, block_ids, self.chunk_size)
+        outcomes = await self.storage.store_chunks(
+            engine_id, row, block_ids, self.chunk_size, producer_event
+        )
         stored = sum(1 for o in outcomes if o is StoreOutcome.STORED)
         cached = sum(1 for o in outcomes if o is StoreOutcome.ALREADY_CACHED)
         skipped = len(outcomes) - stored - cached
@@ -116,6 +122,7 @@ class Transfers:
         rng: PromptRangeSpec,
         block_ids: Sequence[int],
         skip_first_n_tokens: int,
+        producer_event: bytes = b"",
     ) -> int:
         """Copy the range's cached prefix into the engine's blocks; chunks retrieved."""
         engine = self.engines.get(engine_id, engine_driven=False)
@@ -135,7 +142,13 @@ class Transfers:
             return 0
         try:
             got = await self.storage.retrieve_chunks(
-                engine_id, row, block_ids, self.chunk_size, skip_first_n_tokens, mask
+                engine_id,
+                row,
+                block_ids,
+                self.chunk_size,
+                skip_first_n_tokens,
+                mask,
+                producer_event,
             )
         except StorageRejected as rejected:
             await self.lookups.restore_mask(session, lookup, worker, first, mask)

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 from kvmesh.common.keys import ObjectKey
 from kvmesh.common.node_types import StoreOutcome
-from kvmesh.storage.core.l1.manager import L1Result
+from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.manager import StorageManager
 from kvmesh.storage.core.transfer.engine import TransferEngine
 
@@ -64,6 +64,7 @@ class ChunkCopier:
         blocks: list[list[int]],
         chunk_tokens: int,
         nbytes: int,
+        producer_event: bytes = b"",
     ) -> list[StoreOutcome]:
         """Gather each chunk into a new L1 object and publish it; one outcome per key."""
         present = self.manager.l1.contains(keys)
@@ -79,6 +80,7 @@ class ChunkCopier:
                         [blocks[i] for i in todo],
                         [chunk_tokens] * len(todo),
                         [reserved[k].view() for k in chosen],
+                        producer_event,
                     )
                 )
             except BaseException:
@@ -106,6 +108,7 @@ class ChunkCopier:
         nbytes: int,
         skip_first_n_tokens: int,
         release_mask: Sequence[bool],
+        producer_event: bytes = b"",
     ) -> int:
         """Scatter the resident prefix of ``keys`` into the engine; chunks copied."""
         results = self.manager.reserve_read(keys, 1) if keys else []
@@ -135,6 +138,7 @@ class ChunkCopier:
                         [chunk_tokens] * usable,
                         [objects[k].view() for k in keys[:usable]],
                         skip_first_n_tokens,
+                        producer_event,
                     )
                 )
         finally:

@@ -30,8 +30,9 @@ from typing import Any
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.keys import ObjectKey, validate_cache_salt
 from kvmesh.storage.core.controllers.l2tier import L2Tier
-from kvmesh.storage.core.l1.manager import L1Manager, RemovalReason
+from kvmesh.storage.core.l1.manager import L1Manager
 from kvmesh.storage.core.l1.pool import L1Pool
+from kvmesh.storage.core.l1.results import RemovalReason
 from kvmesh.storage.core.l2.base import L2Unavailable
 from kvmesh.storage.core.lru import DEFAULT_BATCH_KEYS, ByteLRU
 from kvmesh.storage.core.pins import PinTable

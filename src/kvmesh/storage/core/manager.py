@@ -52,11 +52,10 @@ from kvmesh.storage.core.l1.manager import (
     DEFAULT_WRITE_TTL_S,
     STORE_TAG,
     L1Manager,
-    L1Result,
-    RemovalReason,
 )
 from kvmesh.storage.core.l1.objects import L1Object
 from kvmesh.storage.core.l1.pool import DEFAULT_SEGMENT_BYTES, DEFAULT_SHM_DIR, L1Pool
+from kvmesh.storage.core.l1.results import L1Result, RemovalReason
 from kvmesh.storage.core.l2.base import L2Adapter, L2Unavailable
 from kvmesh.storage.core.pins import PinTable
 from kvmesh.storage.core.ports import CapacityModule, EventSink

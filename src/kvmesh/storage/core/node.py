@@ -40,7 +40,7 @@ from kvmesh.common.keys import (
 )
 from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
 from kvmesh.storage.core.copies import ChunkCopier
-from kvmesh.storage.core.l1.manager import L1Result
+from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.manager import L1_BACKEND, StorageManager
 from kvmesh.storage.core.prefetch_ids import PrefetchIds
 from kvmesh.storage.core.transactions import EngineTransactions
@@ -161,6 +161,7 @@ class StorageNode:
         keys: Sequence[ObjectKey],
         block_ids: Sequence[int],
         chunk_tokens: int,
+        producer_event: bytes = b"",
     ) -> list[StoreOutcome]:
         """Gather each chunk into a new L1 object and publish it; one outcome per key."""
         layout = self._layout(engine_id)
@@ -169,7 +170,9 @@ class StorageNode:
         if not keys:
             return []
         nbytes = chunk_nbytes(layout, chunk_tokens)
-        return await self._copier.store(engine_id, keys, blocks, chunk_tokens, nbytes)
+        return await self._copier.store(
+            engine_id, keys, blocks, chunk_tokens, nbytes, producer_event
+        )
 
     # ---------------------------------------------------------------- lookups
 
@@ -235,6 +238,7 @@ class StorageNode:
         chunk_tokens: int,
         skip_first_n_tokens: int,
         release_mask: Sequence[bool],
+        producer_event: bytes = b"",
     ) -> int:
         """Scatter the resident prefix of ``keys`` into the engine; chunks copied."""
         layout = self._layout(engine_id)
@@ -250,7 +254,14 @@ class StorageNode:
         blocks = self._chunk_blocks(layout, len(keys), block_ids, chunk_tokens)
         nbytes = chunk_nbytes(layout, chunk_tokens)
         return await self._copier.retrieve(
-            engine_id, keys, blocks, chunk_tokens, nbytes, skip_first_n_tokens, release_mask
+            engine_id,
+            keys,
+            blocks,
+            chunk_tokens,
+            nbytes,
+            skip_first_n_tokens,
+            release_mask,
+            producer_event,
         )
 
     # ------------------------------------------------------------ locks & misc

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from kvmesh.common.errors import NotFound, ResourceExhausted
 from kvmesh.common.keys import ObjectKey
 from kvmesh.common.node_types import Slot
-from kvmesh.storage.core.l1.manager import L1Result
+from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.manager import StorageManager
 
 logger = logging.getLogger(__name__)

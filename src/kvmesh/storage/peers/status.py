@@ -49,6 +49,18 @@ SERIES = [
         "counter",
     ),
     Series(
+        "kvmesh_storage_p2p_misses",
+        "P2P fetches that ended as a clean miss (no live peer held the keys, or it locked none).",
+        "p2p_misses",
+        "counter",
+    ),
+    Series(
+        "kvmesh_storage_p2p_received_bytes",
+        "Bytes of chunk frames received from peers, whole chunks or not.",
+        "p2p_received_bytes",
+        "counter",
+    ),
+    Series(
         "kvmesh_storage_p2p_leases_granted",
         "Prefixes locked for peers.",
         "p2p_leases_granted",
@@ -84,6 +96,8 @@ def flat_stats(leases: PeerLeases, fetcher: PeerFetcher | None) -> dict[str, Any
         "fetch_failures",
         "directory_lookups",
         "joined_fetches",
+        "misses",
+        "received_bytes",
     ):
         out[f"p2p_{name}"] = int(fetched.get(name, 0))
     for name, value in leases.stats().items():
@@ -111,4 +125,6 @@ def peer_status(
         active_leases=stats["p2p_active_leases"],
         leases_expired=stats["p2p_leases_expired"],
         joined_fetches=stats["p2p_joined_fetches"],
+        misses=stats["p2p_misses"],
+        received_bytes=stats["p2p_received_bytes"],
     )

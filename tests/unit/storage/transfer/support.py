@@ -32,7 +32,8 @@ def make_layout(
     block_size: int = 16,
 ) -> KVLayout:
     kv_heads = 1 if kind is KVLayoutKind.MLA else 2
-    return KVLayout(kind, num_layers, num_blocks, block_size, kv_heads, 8, dtype)
+    head_dim = 16 if kind is KVLayoutKind.VLLM_CPU_AMX else 8  # AMX tiles 16 dims
+    return KVLayout(kind, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype)
 
 
 @dataclass

@@ -134,3 +134,22 @@ def test_read_only_buffers_are_refused_as_gather_destinations(
         engine.gather_chunks("engine-0", [[1]], [16], [read_only])  # type: ignore[list-item]
     assert err.value.field == "outs[0]"
     assert read_only == bytes(len(read_only))
+
+
+def test_a_cuda_event_for_shared_memory_kv_is_rejected_and_nothing_moves(
+    engine: TransferEngine, shm_root: Path
+) -> None:
+    """``producer_event_handle`` orders copies against a GPU stream: on shm KV it is a mistake."""
+    layout = make_layout()
+    kv = make_shm_kv(shm_root / "allowed", layout)
+    engine.register("engine-0", layout, kv.handles)
+    before = kv.file_bytes()
+    (chunk,) = _chunks(layout, 16)
+    out = torch.zeros_like(chunk)
+    with pytest.raises(InvalidArgument, match="CUDA device") as err:
+        engine.scatter_chunks("engine-0", [[1]], [16], [chunk], producer_event=b"\x01" * 64)
+    assert err.value.field == "producer_event_handle"
+    with pytest.raises(InvalidArgument, match="CUDA device"):
+        engine.gather_chunks("engine-0", [[1]], [16], [out], producer_event=b"\x01" * 64)
+    assert kv.file_bytes() == before
+    assert not out.any()

@@ -98,6 +98,16 @@ class _KVLayoutKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KVLayout
     [num_blocks, kv_heads, block_size, 2 * head_dim]. Inside one (block, head),
     K comes first, transposed ([head_dim][block_size]), then V ([block_size][head_dim]).
     """
+    KV_LAYOUT_KIND_VLLM_CPU_AMX: _KVLayoutKind.ValueType  # 5
+    """vLLM's CPU attention backend on x86 with AMX ("amx" ISA; bf16, block_size
+    and head_dim multiples of 32 in vLLM): the same shape as VLLM_CPU, other order
+    inside one (block, head). K in tiles of 16 tokens, each [head_dim / 2][16][2]
+    (two dims side by side): element (t, d) at (t / 16) * 16 * head_dim +
+    (d / 2) * 32 + (t % 16) * 2 + d % 2. V after K, in tiles of 16 dims, each
+    [block_size / 2][16][2] (two tokens side by side): (t, d) at
+    block_size * head_dim + (d / 16) * 16 * block_size + (t / 2) * 32 +
+    (d % 16) * 2 + t % 2.
+    """
 
 class KVLayoutKind(_KVLayoutKind, metaclass=_KVLayoutKindEnumTypeWrapper):
     """How an engine lays out its paged KV cache, per layer."""
@@ -113,6 +123,16 @@ KV_LAYOUT_KIND_VLLM_CPU: KVLayoutKind.ValueType  # 4
 """vLLM's CPU attention backend (x86 without AMX, "vec" ISA):
 [num_blocks, kv_heads, block_size, 2 * head_dim]. Inside one (block, head),
 K comes first, transposed ([head_dim][block_size]), then V ([block_size][head_dim]).
+"""
+KV_LAYOUT_KIND_VLLM_CPU_AMX: KVLayoutKind.ValueType  # 5
+"""vLLM's CPU attention backend on x86 with AMX ("amx" ISA; bf16, block_size
+and head_dim multiples of 32 in vLLM): the same shape as VLLM_CPU, other order
+inside one (block, head). K in tiles of 16 tokens, each [head_dim / 2][16][2]
+(two dims side by side): element (t, d) at (t / 16) * 16 * head_dim +
+(d / 2) * 32 + (t % 16) * 2 + d % 2. V after K, in tiles of 16 dims, each
+[block_size / 2][16][2] (two tokens side by side): (t, d) at
+block_size * head_dim + (d / 16) * 16 * block_size + (t / 2) * 32 +
+(d % 16) * 2 + t % 2.
 """
 Global___KVLayoutKind: _TypeAlias = KVLayoutKind  # noqa: Y015
 

@@ -219,6 +219,8 @@ class PeerStatus(_message.Message):
     ACTIVE_LEASES_FIELD_NUMBER: _builtins.int
     LEASES_EXPIRED_FIELD_NUMBER: _builtins.int
     JOINED_FETCHES_FIELD_NUMBER: _builtins.int
+    MISSES_FIELD_NUMBER: _builtins.int
+    RECEIVED_BYTES_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     transport: _builtins.str
     """"grpc-stream" (NIXL backends cannot run here)."""
@@ -242,6 +244,14 @@ class PeerStatus(_message.Message):
     leases_expired: _builtins.int
     joined_fetches: _builtins.int
     """Fetches that joined one already running for the same keys."""
+    misses: _builtins.int
+    """Asking side: fetches that ended as a clean miss (no live peer held the
+    keys, or the peer the directory named locked nothing).
+    """
+    received_bytes: _builtins.int
+    """Asking side: bytes of chunk frames received from peers, counted as they
+    arrive (whole or not; only whole chunks are kept, see fetched_bytes).
+    """
     def __init__(
         self,
         *,
@@ -259,10 +269,12 @@ class PeerStatus(_message.Message):
         active_leases: _builtins.int = ...,
         leases_expired: _builtins.int = ...,
         joined_fetches: _builtins.int = ...,
+        misses: _builtins.int = ...,
+        received_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "advertise_address", b"advertise_address", "directory_lookups", b"directory_lookups", "enabled", b"enabled", "fetch_failures", b"fetch_failures", "fetched_bytes", b"fetched_bytes", "fetched_chunks", b"fetched_chunks", "fetches", b"fetches", "joined_fetches", b"joined_fetches", "leases_expired", b"leases_expired", "leases_granted", b"leases_granted", "served_bytes", b"served_bytes", "served_chunks", b"served_chunks", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "advertise_address", b"advertise_address", "directory_lookups", b"directory_lookups", "enabled", b"enabled", "fetch_failures", b"fetch_failures", "fetched_bytes", b"fetched_bytes", "fetched_chunks", b"fetched_chunks", "fetches", b"fetches", "joined_fetches", b"joined_fetches", "leases_expired", b"leases_expired", "leases_granted", b"leases_granted", "misses", b"misses", "received_bytes", b"received_bytes", "served_bytes", b"served_bytes", "served_chunks", b"served_chunks", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

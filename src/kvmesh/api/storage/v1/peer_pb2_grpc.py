@@ -74,10 +74,12 @@ class PeerServiceServicer:
     def ReadChunks(self, request, context):
         """Streams the bytes of a lease's chunks, column by column (within a
         column, row by row), each chunk in frames of at most max_frame_bytes.
-        Releases the lease when the stream ends, whatever the reason.
-        Errors: NOT_FOUND (unknown, expired or released lease; a lease is read
-        once), INVALID_ARGUMENT (max_frame_bytes above 16 MiB). Deadline: none
-        of its own; the caller sets its load timeout (default 30 s).
+        Releases the lease when the stream ends, whatever the reason: also when
+        the stream is refused with INVALID_ARGUMENT (a lease that another stream
+        is reading is left alone). Errors: NOT_FOUND (unknown, expired or
+        released lease; a lease is read once), INVALID_ARGUMENT (max_frame_bytes
+        above 16 MiB). Deadline: none of its own; the caller sets its load
+        timeout (default 30 s).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

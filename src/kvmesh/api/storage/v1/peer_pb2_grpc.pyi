@@ -63,10 +63,12 @@ class PeerServiceStub:
     ReadChunks: _grpc.UnaryStreamMultiCallable[_peer_pb2.ReadChunksRequest, _peer_pb2.ChunkFrame]
     """Streams the bytes of a lease's chunks, column by column (within a
     column, row by row), each chunk in frames of at most max_frame_bytes.
-    Releases the lease when the stream ends, whatever the reason.
-    Errors: NOT_FOUND (unknown, expired or released lease; a lease is read
-    once), INVALID_ARGUMENT (max_frame_bytes above 16 MiB). Deadline: none
-    of its own; the caller sets its load timeout (default 30 s).
+    Releases the lease when the stream ends, whatever the reason: also when
+    the stream is refused with INVALID_ARGUMENT (a lease that another stream
+    is reading is left alone). Errors: NOT_FOUND (unknown, expired or
+    released lease; a lease is read once), INVALID_ARGUMENT (max_frame_bytes
+    above 16 MiB). Deadline: none of its own; the caller sets its load
+    timeout (default 30 s).
     """
     Unlock: _grpc.UnaryUnaryMultiCallable[_peer_pb2.UnlockRequest, _peer_pb2.UnlockResponse]
     """Releases a lease that will not be read. Idempotent: an unknown or
@@ -92,10 +94,12 @@ class PeerServiceAsyncStub(PeerServiceStub):
     ReadChunks: _aio.UnaryStreamMultiCallable[_peer_pb2.ReadChunksRequest, _peer_pb2.ChunkFrame]  # type: ignore[assignment]
     """Streams the bytes of a lease's chunks, column by column (within a
     column, row by row), each chunk in frames of at most max_frame_bytes.
-    Releases the lease when the stream ends, whatever the reason.
-    Errors: NOT_FOUND (unknown, expired or released lease; a lease is read
-    once), INVALID_ARGUMENT (max_frame_bytes above 16 MiB). Deadline: none
-    of its own; the caller sets its load timeout (default 30 s).
+    Releases the lease when the stream ends, whatever the reason: also when
+    the stream is refused with INVALID_ARGUMENT (a lease that another stream
+    is reading is left alone). Errors: NOT_FOUND (unknown, expired or
+    released lease; a lease is read once), INVALID_ARGUMENT (max_frame_bytes
+    above 16 MiB). Deadline: none of its own; the caller sets its load
+    timeout (default 30 s).
     """
     Unlock: _aio.UnaryUnaryMultiCallable[_peer_pb2.UnlockRequest, _peer_pb2.UnlockResponse]  # type: ignore[assignment]
     """Releases a lease that will not be read. Idempotent: an unknown or
@@ -130,10 +134,12 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_peer_pb2.ChunkFrame], _abc.AsyncIterator[_peer_pb2.ChunkFrame]]:
         """Streams the bytes of a lease's chunks, column by column (within a
         column, row by row), each chunk in frames of at most max_frame_bytes.
-        Releases the lease when the stream ends, whatever the reason.
-        Errors: NOT_FOUND (unknown, expired or released lease; a lease is read
-        once), INVALID_ARGUMENT (max_frame_bytes above 16 MiB). Deadline: none
-        of its own; the caller sets its load timeout (default 30 s).
+        Releases the lease when the stream ends, whatever the reason: also when
+        the stream is refused with INVALID_ARGUMENT (a lease that another stream
+        is reading is left alone). Errors: NOT_FOUND (unknown, expired or
+        released lease; a lease is read once), INVALID_ARGUMENT (max_frame_bytes
+        above 16 MiB). Deadline: none of its own; the caller sets its load
+        timeout (default 30 s).
         """
 
     @_abc_1.abstractmethod

@@ -55,7 +55,8 @@ from kvmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.controllers.l2tier import L2Tier
 from kvmesh.storage.core.controllers.prefetch_job import PrefetchHandle, PrefetchJob, PrefetchLoader
-from kvmesh.storage.core.l1.manager import MAX_READ_LOCKS_PER_CALL, L1Manager, L1Result
+from kvmesh.storage.core.l1.manager import MAX_READ_LOCKS_PER_CALL, L1Manager
+from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.pins import PinTable
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.controllers.l2tier import L2Tier
-from kvmesh.storage.core.l1.manager import L1Manager, L1Result
+from kvmesh.storage.core.l1.manager import L1Manager
 from kvmesh.storage.core.l1.objects import L1Object
+from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.l2.base import L2Unavailable
 from kvmesh.storage.core.pins import PinTable
 

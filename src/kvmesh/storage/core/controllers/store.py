@@ -31,7 +31,8 @@ from typing import Any
 
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.controllers.l2tier import L2Tier
-from kvmesh.storage.core.l1.manager import L1Manager, L1Result, RemovalReason
+from kvmesh.storage.core.l1.manager import L1Manager
+from kvmesh.storage.core.l1.results import L1Result, RemovalReason
 from kvmesh.storage.core.l2.base import L2Unavailable
 
 logger = logging.getLogger(__name__)

@@ -5,14 +5,12 @@ from kvmesh.storage.core.l1.manager import (
     DEFAULT_READ_TTL_S,
     DEFAULT_WRITE_TTL_S,
     STORE_TAG,
-    L1Listener,
     L1Manager,
-    L1Result,
-    RemovalReason,
-    TTLLock,
 )
 from kvmesh.storage.core.l1.objects import ALIGNMENT, L1Object, ShmLocation, align_up
 from kvmesh.storage.core.l1.pool import DEFAULT_SEGMENT_BYTES, DEFAULT_SHM_DIR, L1Pool
+from kvmesh.storage.core.l1.results import L1Listener, L1Result, RemovalReason
+from kvmesh.storage.core.l1.table import TTLLock
 
 __all__ = [
     "ALIGNMENT",

@@ -27,9 +27,12 @@ The prefetch controller hands a request's missing columns to
 The peer's lease ends with the stream; on any other path it is unlocked
 explicitly (and its TTL is the last resort). Concurrent requests for the same
 keys fetch once (**single flight**): the later ones wait for the running
-fetch, then lock what it left in L1. Every failure (directory down, peer gone,
-evicted, restarted, died mid-stream, timed out) ends as a shorter prefix or a
-miss, and is counted.
+fetch, then lock what it left in L1 (counted as ``joined_fetches``). Every
+failure (directory down, peer gone, evicted, restarted, died mid-stream,
+timed out) ends as a shorter prefix or a miss, and is counted; a fetch's
+``kvmesh.p2p.fetch`` span then has an ERROR status (with the exception as an
+event when there is one) and ``kvmesh.p2p.outcome`` says ``hit``, ``miss``
+(no peer held the keys, or the peer locked nothing) or ``failed``.
 """
 
 from __future__ import annotations
@@ -45,10 +48,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.core.l1.manager import L1Manager, L1Result
+from kvmesh.storage.core.l1.manager import L1Manager
 from kvmesh.storage.core.l1.objects import L1Object
+from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.peer.ports import (
     PeerDirectory,
     PeerLease,
@@ -87,6 +92,7 @@ class _Counters:
     directory_lookups: int = 0
     joined_fetches: int = 0
     misses: int = 0
+    received_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -100,6 +106,8 @@ class _Transfer:
     local: set[Cell] = field(default_factory=set)
     received: list[int] = field(default_factory=list)
     complete: bool = False  # the stream ended normally (the peer ended the lease)
+    error: Exception | None = None  # why the stream broke, when it did
+    problem: str = ""  # what cut the prefix short, for the span
 
     @property
     def height(self) -> int:
@@ -223,6 +231,7 @@ class PeerFetcher:
                 "directory_lookups": c.directory_lookups,
                 "joined_fetches": c.joined_fetches,
                 "misses": c.misses,
+                "received_bytes": c.received_bytes,
                 "running": len(self._flights),
             }
 
@@ -293,10 +302,12 @@ class PeerFetcher:
         except PeerUnavailable as exc:
             logger.info("P2P %s: directory unavailable: %s", request_id, exc)
             self._count(failure=True)
+            _failed(span, "the directory is unavailable", exc)
             return 0
         peer, prefix = pick_peer(rows, holders, peers, self.instance_id)
         if peer is None:
             self._count(miss=True)
+            span.set_attribute("kvmesh.p2p.outcome", "miss")
             return 0
         span.set_attribute("kvmesh.p2p.peer", peer.instance_id)
         with self._lock:
@@ -308,9 +319,12 @@ class PeerFetcher:
         except PeerUnavailable as exc:
             logger.info("P2P %s: lock on %s failed: %s", request_id, peer.instance_id, exc)
             self._count(failure=True)
+            _failed(span, f"lock on {peer.instance_id} failed", exc)
             return 0
         if lease.locked_chunks == 0 or not lease.lease_id:
+            # The directory was stale (evicted, deleted since): a clean miss.
             self._count(miss=True)
+            span.set_attribute("kvmesh.p2p.outcome", "miss")
             return 0
         transfer = _Transfer(
             [row[: lease.locked_chunks] for row in rows], [], f"p2p:{next(self._ids)}"
@@ -339,6 +353,16 @@ class PeerFetcher:
             if got < lease.locked_chunks:
                 self._counters.fetch_failures += 1
         span.set_attribute("kvmesh.p2p.bytes", nbytes)
+        span.set_attribute("kvmesh.p2p.chunks_locked", lease.locked_chunks)
+        if got < lease.locked_chunks:
+            why = transfer.problem or "the transfer ended short"
+            _failed(
+                span,
+                f"{peer.instance_id}: {why} ({got} of {lease.locked_chunks} chunks)",
+                transfer.error,
+            )
+        else:
+            span.set_attribute("kvmesh.p2p.outcome", "hit")
         return got
 
     def _check_sizes(
@@ -354,6 +378,7 @@ class PeerFetcher:
                 want = row_nbytes[r] if row_nbytes is not None else None
                 if not 0 < size <= self.max_object_bytes or (want is not None and size != want):
                     logger.warning("P2P: peer announced chunk size %d (want %s)", size, want)
+                    transfer.problem = f"announced chunk size {size} (want {want})"
                     columns = c
                     break
             else:
@@ -379,6 +404,8 @@ class PeerFetcher:
             elif res is L1Result.KEY_NOT_WRITABLE and self.l1.contains([transfer.key(cell)])[0]:
                 transfer.local.add(cell)
             else:
+                if cell[1] < columns:
+                    transfer.problem = f"chunk {cell[1]} could not be staged here ({res.name})"
                 columns = min(columns, cell[1])
         return columns
 
@@ -391,12 +418,15 @@ class PeerFetcher:
         try:
             for index, offset, data in frames:
                 if self._closing.is_set():
+                    t.problem = "this node is closing"
                     break
                 if not 0 <= index < len(t.sizes) or offset != t.received[index]:
                     logger.warning("P2P: %s sent frame %d@%d out of order", peer, index, offset)
+                    t.problem = f"frame {index}@{offset} out of order"
                     break
                 if offset + len(data) > t.sizes[index]:
                     logger.warning("P2P: %s sent more bytes than chunk %d holds", peer, index)
+                    t.problem = f"more bytes than chunk {index} holds"
                     break
                 if index >= limit:
                     break  # beyond what this node could stage: the rest is not needed
@@ -404,10 +434,14 @@ class PeerFetcher:
                 if obj is not None:
                     obj.view()[offset : offset + len(data)] = data
                 t.received[index] = offset + len(data)
+                with self._lock:
+                    self._counters.received_bytes += len(data)
             else:
                 t.complete = True
         except PeerUnavailable as exc:
             logger.info("P2P: stream from %s ended early: %s", peer.instance_id, exc)
+            t.error = exc
+            t.problem = "the stream ended early"
         finally:
             close = getattr(frames, "close", None)
             if close is not None:
@@ -457,6 +491,14 @@ class PeerFetcher:
                 self._counters.fetch_failures += 1
             if miss:
                 self._counters.misses += 1
+
+
+def _failed(span: Any, message: str, exc: Exception | None = None) -> None:
+    """Mark a fetch's span failed (ERROR status, the exception as an event)."""
+    span.set_attribute("kvmesh.p2p.outcome", "failed")
+    if exc is not None:
+        span.record_exception(exc)
+    span.set_status(Status(StatusCode.ERROR, message))
 
 
 def _left(deadline: float) -> float:

@@ -6,8 +6,9 @@ hits in this node's own L2 adapters loaded into L1; never another peer:
 engine's lookup locks it, once per key. The locks are held by a *lease*
 that ends, releasing every lock once, on the first of:
 
-- the end of its ``ReadChunks`` stream (finished, failed or cancelled by
-  the peer: the generator's ``finally``);
+- the end of its ``ReadChunks`` stream (finished, failed, refused or
+  cancelled by the peer: the generator's ``finally``, or the refusal of a
+  bad frame size);
 - ``Unlock``;
 - its TTL (a timer on the event loop; the TTL is clamped to the L1 read-lock
   TTL so the lease always ends before the L1 locks could lapse).
@@ -145,13 +146,20 @@ class PeerLeases:
     async def read(
         self, lease_id: str, frame_bytes: int
     ) -> AsyncGenerator[tuple[int, int, bytes], None]:
-        """The lease's chunks as ``(chunk_index, offset, data)`` frames; ends the lease."""
+        """The lease's chunks as ``(chunk_index, offset, data)`` frames; ends the lease.
+
+        A refused stream ends its lease too (a frame size beyond the limit): the
+        caller has no stream to read it with, so its locks are released now, not
+        at the TTL. A lease another stream is reading is never touched.
+        """
+        lease = self._leases.get(lease_id)
         if frame_bytes > MAX_FRAME_BYTES:
+            if lease is not None and not lease.reading:
+                self.release(lease_id)
             raise InvalidArgument(
                 f"max_frame_bytes must be <= {MAX_FRAME_BYTES}", field="max_frame_bytes"
             )
         frame = frame_bytes or DEFAULT_FRAME_BYTES
-        lease = self._leases.get(lease_id)
         if lease is None or lease.reading:
             raise NotFound(
                 f"lease {lease_id!r} is unknown, expired, released or already read",

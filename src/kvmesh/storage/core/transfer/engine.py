@@ -204,6 +204,7 @@ class TransferEngine:
         block_ids: Sequence[BlockIds] | BlockIds,
         num_tokens: Sequence[int],
         outs: Sequence[ChunkBuffer],
+        producer_event: bytes = b"",
     ) -> None:
         """Copy chunks from the instance's paged KV cache into ``outs`` (store direction).
 
@@ -213,6 +214,8 @@ class TransferEngine:
         ``chunk_nbytes(layout, num_tokens[i])`` bytes (see :data:`ChunkBuffer`).
         Raises :class:`FailedPrecondition` for an unregistered instance and
         :class:`InvalidArgument` (naming the field, before any copy) otherwise.
+        ``producer_event`` (CUDA only): the IPC handle of an event the engine
+        recorded after writing the blocks; the copies wait for it on the device.
         """
         instance = self._instance(instance_id)
         _check_buffer_list(outs, "outs")
@@ -221,6 +224,7 @@ class TransferEngine:
             _as_chunk(buf, instance.layout, n, f"outs[{i}]", writable=True)
             for i, (buf, n) in enumerate(zip(outs, tokens, strict=True))
         ]
+        _wait_for_producer(instance.kv, producer_event)
         gather_chunks(instance.kv, ids, chunks)
         _wait_for_device(instance.kv)
 
@@ -231,13 +235,15 @@ class TransferEngine:
         num_tokens: Sequence[int],
         srcs: Sequence[ChunkSource],
         skip_first_n_tokens: int = 0,
+        producer_event: bytes = b"",
     ) -> None:
         """Copy ``srcs`` into the instance's paged KV cache (retrieve direction).
 
         Same arguments as :meth:`gather_chunks`; the first
         ``skip_first_n_tokens // block_size`` blocks of the batch's range are
         not written (LMCache's rounding). Read-only buffers (``bytes``) are
-        fine as sources.
+        fine as sources. ``producer_event`` (CUDA only): the copies wait for it
+        (the engine's work that last used those blocks).
         """
         instance = self._instance(instance_id)
         _check_buffer_list(srcs, "srcs")
@@ -246,6 +252,7 @@ class TransferEngine:
             _as_chunk(buf, instance.layout, n, f"srcs[{i}]", writable=False)
             for i, (buf, n) in enumerate(zip(srcs, tokens, strict=True))
         ]
+        _wait_for_producer(instance.kv, producer_event)
         scatter_chunks(instance.kv, ids, chunks, skip_first_n_tokens=skip_first_n_tokens)
         _wait_for_device(instance.kv)
 
@@ -280,12 +287,49 @@ class TransferEngine:
         logger.debug("re-register of instance %s with the same layout: no-op", instance_id)
 
 
+#: Bytes of a ``cudaIpcEventHandle_t``.
+CUDA_IPC_EVENT_BYTES = 64
+
+
+def _wait_for_producer(kv: PagedKVCache, handle: bytes) -> None:
+    """Order this process's copies after the engine's event (reference §7.6).
+
+    The engine records an interprocess event on its stream after the forward
+    that wrote (or last read) the blocks and sends its IPC handle; the copy
+    stream waits for it on the device, so neither side blocks a CPU thread on
+    the other's work.
+    """
+    if not handle:
+        return
+    if kv.device.type != "cuda":
+        raise InvalidArgument(
+            "producer_event_handle is for KV memory on a CUDA device; this engine's KV cache "
+            "is in shared memory (send none)",
+            field="producer_event_handle",
+        )
+    if len(handle) != CUDA_IPC_EVENT_BYTES:
+        raise InvalidArgument(
+            f"producer_event_handle must be a {CUDA_IPC_EVENT_BYTES}-byte cudaIpcEventHandle_t, "
+            f"got {len(handle)} bytes",
+            field="producer_event_handle",
+        )
+    try:
+        event = torch.cuda.Event.from_ipc_handle(kv.device, handle)  # type: ignore[no-untyped-call]
+    except RuntimeError as exc:
+        raise InvalidArgument(
+            f"producer_event_handle does not open as a CUDA IPC event: {exc}",
+            field="producer_event_handle",
+        ) from None
+    torch.cuda.current_stream(kv.device).wait_event(event)
+
+
 def _wait_for_device(kv: PagedKVCache) -> None:
     """Return only when the copies are done: the engine reads (or frees) the memory next.
 
-    CUDA ops are stream-ordered and return early; ordering against the engine's
-    own streams through IPC events (reference §7.6) is not implemented yet, so
-    the call is synchronous on the device.
+    CUDA ops are stream-ordered and return early. The reply is sent after the
+    copies finished on the device, so an engine may use its blocks as soon as
+    the RPC returns and needs no completion event (``completion_event_handle``
+    stays empty).
     """
     if kv.device.type == "cuda":
         torch.cuda.synchronize(kv.device)
