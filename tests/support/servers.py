@@ -56,7 +56,13 @@ def _missing(what: str) -> None:
     """Skip, or fail under KVMESH_REQUIRE_SERVICES=1, because a service cannot run."""
     if os.environ.get("KVMESH_REQUIRE_SERVICES") == "1":
         pytest.fail(f"{what} (KVMESH_REQUIRE_SERVICES=1 requires it)", pytrace=False)
-    pytest.skip(what)
+    pytest.skip(what, allow_module_level=True)
+
+
+def require_vllm() -> None:
+    """Skip, or fail under KVMESH_REQUIRE_SERVICES=1, while vLLM is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        _missing("vLLM is not installed (pip install 'kvmesh[vllm]')")
 
 
 def free_port() -> int:

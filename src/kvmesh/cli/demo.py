@@ -20,6 +20,8 @@ that served an earlier demo.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -33,6 +35,8 @@ import torch
 
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.cli import fleetfile
+from kvmesh.cli.demo_vllm import report as vllm_report
+from kvmesh.cli.demo_vllm import run_vllm_demo, wait_events_acked
 from kvmesh.cli.fleet import Fleet, FleetOptions
 from kvmesh.common.config import ConfigError, parse_size
 from kvmesh.engine import Engine, EngineConfig, ModelConfig, RequestOutput, blocks_needed
@@ -111,6 +115,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--own-fleet",
         action="store_true",
         help="start a local fleet for the demo even when kvmesh up is running one",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("tiny", "vllm"),
+        default="tiny",
+        help="tiny: kvmesh's own small transformer (no extra needed); vllm: real vLLM "
+        "(pip install 'kvmesh[vllm]'), cold and then warm in a fresh vLLM process "
+        "(default: tiny)",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="nodes of the demo's own fleet; with 2 or more the fleet has no L2 and the warm "
+        "run is on the last node, so the prefix travels node to node (P2P) (default: 1)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="with --engine vllm: a local Hugging Face model directory (default: a tiny "
+        "random-weight Llama made in a temporary directory)",
     )
     p.add_argument(
         "--prompt-tokens", type=int, default=8192, help="length of the prompts (default: 8192)"
@@ -247,8 +273,15 @@ def _same(a: RequestOutput, b: RequestOutput) -> bool:
 
 
 def _run(
-    args: argparse.Namespace, gateway: str, chunk: int, progress: Progress, fleet: bool
+    args: argparse.Namespace,
+    gateway: str,
+    chunk: int,
+    progress: Progress,
+    fleet: bool,
+    warm_on: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
+    """Cold on ``gateway``; warm there too, or on ``warm_on`` (another node's gateway and
+    the storage node behind ``gateway``, whose events must reach the coordinator first)."""
     model = _model_config(args)
     n = args.prompt_tokens
     shared = args.shared_prefix_tokens
@@ -272,9 +305,17 @@ def _run(
         )
 
     progress.phase("loading the model and registering its KV cache")
-    with Engine(config) as engine:
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(Engine(config))
         cold = run(engine, "cold prefill", first, salt)
-        warm = run(engine, "warm prefill (prefix from kvmesh)", first, salt)
+        where = ""
+        if warm_on is not None:
+            warm_gateway, cold_storage = warm_on
+            if not wait_events_acked(cold_storage):
+                logger.warning("node 0's events were not acked in time: the warm run may miss")
+            where = " on the last node, over P2P"
+            engine = stack.enter_context(Engine(dataclasses.replace(config, gateway=warm_gateway)))
+        warm = run(engine, f"warm prefill (prefix from kvmesh{where})", first, salt)
         with_prefix = run(engine, "second prompt, shared prefix from kvmesh", second, salt)
     with Engine(EngineConfig(model=model, num_blocks=num_blocks, prefill_chunk_size=chunk)) as ref:
         reference = run(ref, "second prompt without kvmesh", second, "")
@@ -309,6 +350,7 @@ def _run(
             "kv_bytes_per_token": model.kv_bytes_per_token,
             "gateway": gateway,
             "local_fleet": fleet,
+            "warm_gateway": warm_on[0] if warm_on else gateway,
             "cache_salt": salt,
             "torch_threads": torch.get_num_threads(),
             "decode_tokens": DECODE_TOKENS,
@@ -333,6 +375,11 @@ def _report(result: dict[str, Any]) -> str:
             f"prompt of {result['prompt_tokens']} tokens",
             f"  cold  time to first token {result['ttft_cold_ms']:10.1f} ms   "
             f"({result['cold']['tokens_from_cache']} tokens from kvmesh)",
+            *(
+                [f"  (warm runs on another node, {p['warm_gateway']}: the prefix came over P2P)"]
+                if p["warm_gateway"] != p["gateway"]
+                else []
+            ),
             f"  warm  time to first token {result['ttft_warm_ms']:10.1f} ms   "
             f"({result['tokens_from_cache']} tokens from kvmesh, "
             f"the last {warm['tokens_computed']} recomputed; load {warm['load_ms']:.1f} ms)",
@@ -360,6 +407,14 @@ def run_demo(args: argparse.Namespace) -> int:
         raise ConfigError("--shared-prefix-tokens must be in [0, --prompt-tokens)")
     if args.threads < 1:
         raise ConfigError("--threads must be >= 1")
+    if args.nodes < 1:
+        raise ConfigError("--nodes must be >= 1")
+    if args.nodes > 1 and (args.gateway is not None or not args.own_fleet):
+        if args.gateway is not None:
+            raise ConfigError("--nodes needs the demo's own fleet: drop --gateway")
+        args.own_fleet = True  # a running `kvmesh up` fleet may share through L2
+    if args.model is not None and args.engine != "vllm":
+        raise ConfigError("--model is for --engine vllm (the tiny engine has its own model)")
     torch.set_num_threads(args.threads)
     _model_config(args)
     progress = Progress(sys.stderr, enabled=not args.no_progress)
@@ -371,20 +426,36 @@ def run_demo(args: argparse.Namespace) -> int:
             progress.phase(f"using the fleet of {running[1]} (gateway {running[0]})")
     try:
         if args.gateway is None:
-            progress.phase("starting a local fleet (coordinator, storage, gateway)")
+            nodes = args.nodes
+            progress.phase(
+                f"starting a local fleet (coordinator, {nodes} x storage + gateway"
+                + (", no L2: nodes share only node to node)" if nodes > 1 else ")")
+            )
             l1 = parse_size(args.l1_size)
-            fleet = Fleet(FleetOptions(l1_size_bytes=l1, chunk_size=args.chunk_size))
+            fleet = Fleet(
+                FleetOptions(
+                    l1_size_bytes=l1,
+                    chunk_size=args.chunk_size,
+                    nodes=nodes,
+                    l2=["none"] if nodes > 1 else [],
+                )
+            )
             fleet.start()
-            # The engine runs on the fleet's host: it dials the gateway's local lane.
-            gateway = fleet.endpoint("node-0-gateway", "lane")
+            # The engine runs on the fleet's host: it dials the gateways' local lanes.
+            gateways = [fleet.endpoint(f"node-{i}-gateway", "lane") for i in range(nodes)]
+            storages = [fleet.endpoint(f"node-{i}-storage") for i in range(nodes)]
             if args.engine_dir == DEFAULT_ENGINE_DIR:
                 # Inside the fleet's own directory: removed with the fleet, even when
                 # this process is killed (the fleet's reaper removes the directory).
                 args.engine_dir = str(fleet.shm_dir)
         else:
-            gateway = args.gateway
-        chunk = _gateway_chunk_size(gateway)
-        result = _run(args, gateway, chunk, progress, fleet is not None)
+            gateways, storages = [args.gateway], []
+        if args.engine == "vllm":
+            result = run_vllm_demo(args, gateways, storages, progress)
+        else:
+            chunk = _gateway_chunk_size(gateways[0])
+            warm_on = (gateways[-1], storages[0]) if len(gateways) > 1 else None
+            result = _run(args, gateways[0], chunk, progress, fleet is not None, warm_on)
     except (RuntimeError, grpc.RpcError) as exc:
         progress.done()
         # A client error names the hop it could not reach (kvmesh.rpc.client.located).
@@ -399,7 +470,11 @@ def run_demo(args: argparse.Namespace) -> int:
             progress.done()
     if args.json:
         print(json.dumps(result))
+    elif args.engine == "vllm":
+        print(vllm_report(result))
     else:
         print(_report(result))
+    if args.engine == "vllm":
+        return 0 if result["outputs_match"] else 1
     ok = result["logits_match"] and result["shared_prefix"]["logits_match"]
     return 0 if ok else 1

@@ -130,6 +130,10 @@ BENCHES = {
         "gateway lookup p50/p99 of a 32-chunk prefix in L1, empty RTT",
     ),
     "p2p": ("kvmesh.bench.p2p", "node B fetching node A's 32 MiB chunks over P2P vs loopback TCP"),
+    "vllm": (
+        "kvmesh.bench.vllm",
+        "real vLLM's TTFT: cold, kvmesh miss, warm from kvmesh, vLLM's own prefix-cache hit",
+    ),
 }
 
 

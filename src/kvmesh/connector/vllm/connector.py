@@ -47,6 +47,7 @@ from kvmesh.common.dtypes import proto_of_torch
 from kvmesh.connector.core import KVMeshConnector as Hooks
 from kvmesh.connector.metadata import ConnectorMetadata, Request, SchedulerOutput
 from kvmesh.connector.types import KVConnectorRole, KVMeshConnectorConfig, rpc_failure
+from kvmesh.connector.vllm.cuda import StreamEvents, gpu_layout_kind, ipc_handle, layout_fields
 from kvmesh.connector.vllm.settings import VLLMSettings, parse_settings
 from kvmesh.connector.vllm.shm_pool import SharedMemoryPool
 
@@ -108,6 +109,8 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pool: SharedMemoryPool | None = None
         self._storing: set[str] = set()
         self._finished: set[str] = set()
+        # GPU: events on vLLM's stream that order storage's copies (None on CPU).
+        self._events: StreamEvents | None = None
         if is_scheduler:
             self._prefer_recompute(transfer)
         elif self._on_cpu:
@@ -222,13 +225,6 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, kv_caches: dict[str, torch.Tensor]
     ) -> tuple[common_pb2.KVLayout, list[common_pb2.MemoryHandle]] | None:
         """The layout and one handle per layer, or None (with a warning) when unusable."""
-        if self._pool is None or self._pool.buffer is None:
-            logger.warning(
-                "kvmesh: vLLM's KV cache is not in shared memory (device %s); this release "
-                "serves vLLM's CPU backend only, so kvmesh stays off for this engine",
-                "cpu" if self._on_cpu else "accelerator",
-            )
-            return None
         layers: list[torch.Tensor] = []
         seen: set[int] = set()
         for tensor in kv_caches.values():  # layer order; shared layers appear once
@@ -236,7 +232,17 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 seen.add(tensor.data_ptr())
                 layers.append(tensor)
         first = layers[0]
-        problem = _unsupported(first, vllm_block_size=self.hooks.config.block_size)
+        if first.device.type == "cuda":
+            return self._describe_cuda(layers)
+        if self._pool is None or self._pool.buffer is None:
+            logger.warning(
+                "kvmesh: vLLM's KV cache is not in shared memory (device %s); kvmesh serves "
+                "vLLM's CPU backend (shared memory) and CUDA (IPC handles) only, so it stays "
+                "off for this engine",
+                first.device.type,
+            )
+            return None
+        kind, problem = _cpu_layout(first, vllm_block_size=self.hooks.config.block_size)
         if problem is None and any(
             t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
             for t in layers
@@ -253,7 +259,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return None
         num_blocks, kv_heads, block_size, width = first.shape
         layout = common_pb2.KVLayout(
-            kind=common_pb2.KV_LAYOUT_KIND_VLLM_CPU,
+            kind=kind,
             num_layers=len(layers),
             num_blocks=num_blocks,
             block_size=block_size,
@@ -272,12 +278,42 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ]
         return layout, handles
 
+    def _describe_cuda(
+        self, layers: list[torch.Tensor]
+    ) -> tuple[common_pb2.KVLayout, list[common_pb2.MemoryHandle]] | None:
+        """GPU: the layout, and one CUDA IPC handle per layer (storage opens them)."""
+        first = layers[0]
+        kind, problem = gpu_layout_kind(first, block_size=self.hooks.config.block_size)
+        dtype = proto_of_torch(first.dtype)
+        if problem is None and any(
+            t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
+            for t in layers
+        ):
+            problem = "layers differ in shape or dtype, or are not contiguous"
+        if problem is None and dtype is None:
+            problem = f"KV dtype {first.dtype} is not supported"
+        if problem is not None:
+            logger.warning("kvmesh stays off for this engine: %s", problem)
+            return None
+        layout = common_pb2.KVLayout(
+            kind=kind,
+            num_layers=len(layers),
+            dtype=dtype,  # type: ignore[arg-type]
+            **layout_fields(kind, tuple(first.shape)),
+        )
+        self._events = StreamEvents()
+        return layout, [ipc_handle(t) for t in layers]
+
+    def _producer_event(self) -> bytes:
+        """GPU: an event after the work queued on vLLM's stream so far (b"" on CPU)."""
+        return self._events.record() if self._events is not None else b""
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Load this step's hits into their blocks before the forward pass runs."""
         meta = self._get_connector_metadata()
         if isinstance(meta, KVMeshMetadata) and meta.ops.retrieve_ops:
             start = time.perf_counter()
-            self.hooks.start_load_kv(meta.ops)
+            self.hooks.start_load_kv(meta.ops, self._producer_event())
             failed = self.hooks.wait_for_load()
             logger.debug(
                 "loaded %d tokens for %d requests in %.1f ms (%d fell short)",
@@ -299,7 +335,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Start storing this step's newly computed chunks; they finish in the background."""
         meta = self._get_connector_metadata()
         if isinstance(meta, KVMeshMetadata) and meta.ops.store_ops:
-            self.hooks.save_kv(meta.ops)
+            self.hooks.save_kv(meta.ops, self._producer_event())
             self._storing.update(op.request_id for op in meta.ops.store_ops)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -343,21 +379,38 @@ def _worker_rank() -> int:
         return 0  # the scheduler process has no parallel state
 
 
-def _unsupported(first: torch.Tensor, *, vllm_block_size: int) -> str | None:
-    """Why kvmesh cannot move this CPU KV layout, or None when it is ``VLLM_CPU``."""
+#: vLLM's CPU attention ISA → the KV layout it stores (kvmesh.kernels.vllm_cpu).
+_CPU_LAYOUTS = {
+    "vec": common_pb2.KV_LAYOUT_KIND_VLLM_CPU,
+    "amx": common_pb2.KV_LAYOUT_KIND_VLLM_CPU_AMX,
+}
+
+
+def _cpu_layout(
+    first: torch.Tensor, *, vllm_block_size: int
+) -> tuple[common_pb2.KVLayoutKind.ValueType, str | None]:
+    """The kvmesh layout of vLLM's CPU KV cache, or why kvmesh cannot move it."""
+    unspecified = common_pb2.KV_LAYOUT_KIND_UNSPECIFIED
     if first.dim() != 4 or first.shape[3] % 2:
-        return (
+        return unspecified, (
             f"unexpected KV tensor shape {tuple(first.shape)} (want [blocks, heads, block, 2*dim])"
         )
     if first.shape[2] != vllm_block_size:
-        return f"KV blocks of {first.shape[2]} tokens, vLLM's block size is {vllm_block_size}"
+        return unspecified, (
+            f"KV blocks of {first.shape[2]} tokens, vLLM's block size is {vllm_block_size}"
+        )
     head_dim = first.shape[3] // 2
     try:
+        # The ISA decides how vLLM's CPU attention lays out K and V inside a block.
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        isa = _get_attn_isa(first.dtype, vllm_block_size, head_dim)
-    except (ImportError, TypeError):
+        isa = str(_get_attn_isa(first.dtype, vllm_block_size, head_dim))
+    except (ImportError, TypeError, NotImplementedError):
         isa = "unknown"
-    if isa != "vec":
-        return f"vLLM's CPU attention uses the {isa!r} KV layout; kvmesh moves the 'vec' layout"
-    return None
+    kind = _CPU_LAYOUTS.get(isa)
+    if kind is None:
+        return unspecified, (
+            f"vLLM's CPU attention uses the {isa!r} KV layout; kvmesh moves "
+            f"{' and '.join(repr(k) for k in _CPU_LAYOUTS)}"
+        )
+    return kind, None

@@ -1,4 +1,4 @@
-"""Run :mod:`kvmesh.bench.vllm.worker` in a subprocess and read its results."""
+"""Run :mod:`kvmesh.engine.vllm.worker` in a subprocess and read its results."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvmesh.bench.vllm.worker import MARK, engine_env
+from kvmesh.engine.vllm.worker import MARK, engine_env
 
 
 class EngineRunError(RuntimeError):
@@ -24,7 +24,7 @@ def start_engine(spec: dict[str, Any]) -> subprocess.Popen[str]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     return subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.bench.vllm.worker", f.name],
+        [sys.executable, "-m", "kvmesh.engine.vllm.worker", f.name],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

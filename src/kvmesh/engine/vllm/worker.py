@@ -1,4 +1,4 @@
-"""One vLLM process: ``python -m kvmesh.bench.vllm.worker SPEC.json``.
+"""One vLLM process: ``python -m kvmesh.engine.vllm.worker SPEC.json``.
 
 Runs each prompt of the spec in turn through a fresh offline ``vllm.LLM`` and
 prints one JSON line per prompt (``{"ttft_s", "token_ids", "logprobs",

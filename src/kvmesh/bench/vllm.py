@@ -1,0 +1,177 @@
+"""``kvmesh bench vllm``: real vLLM's time to first token, cold, from kvmesh, and its own floor.
+
+Needs ``pip install 'kvmesh[vllm]'`` (the CPU build of vLLM on these
+machines). Every figure comes from fresh vLLM processes of one run, each bound
+to every core (:func:`kvmesh.engine.vllm.worker.engine_env`), over the same
+``--prompts`` random prompts of ``--prompt-tokens`` tokens and one output
+token, so ``generate``'s wall time is the time to first token. Each process
+first runs a short warm-up prompt of its own, so no figure pays vLLM's first
+call.
+
+1. ``cold``: no connector, vLLM's prefix caching off (the cost of a prefill);
+2. ``prefix_cache``: no connector, vLLM's prefix caching on, each prompt twice in
+   one process: the second run is vLLM's own prefix-cache hit (the floor);
+3. ``miss``: kvmesh's connector against an empty cache: every lookup misses and
+   the prompt's chunks are stored (what kvmesh costs when it cannot help);
+4. ``warm``: a fresh process with the connector: the prompts come from kvmesh.
+
+The fleet is a local one of the benchmark's own (``kvmesh up``'s defaults, one
+node, the engines on the gateway's lane) unless ``--gateway`` is given. Each
+run keys its chunks under a model name of its own, so "miss" is a miss even
+against a gateway that served an earlier run. Figures are medians over the
+prompts. ``outputs_match`` compares the greedy token of every warm run with the
+cold run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import random
+import statistics
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from kvmesh.engine.vllm.model import make_tiny_model
+from kvmesh.engine.vllm.runner import run_engine
+
+logger = logging.getLogger(__name__)
+
+#: LMCache 0.5.6's connector and server on this machine kind, 8000-token prompt, warm in
+#: a fresh engine (issue 12's measurement; not measured by this run).
+LMCACHE_0_5_6_WARM_MS = 100.0
+WARMUP_TOKENS = 300
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvmesh bench vllm``."""
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="local Hugging Face model directory (default: a tiny random-weight Llama made "
+        "in a temporary directory)",
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=8000, help="tokens per prompt")
+    parser.add_argument(
+        "--prompts", type=int, default=3, help="distinct prompts; figures are their medians"
+    )
+    parser.add_argument(
+        "--gateway",
+        metavar="ADDR",
+        default=None,
+        help="kvmesh gateway the engines use (default: a local fleet of the benchmark's own)",
+    )
+    parser.add_argument(
+        "--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE of each engine"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _prompts(count: int, tokens: int, seed: int, vocab: int = 32000) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(tokens)] for _ in range(count)]
+
+
+def _median_ms(runs: list[dict[str, Any]]) -> float:
+    return round(float(statistics.median(r["ttft_s"] for r in runs)) * 1e3, 2)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the four arrangements; the figures as one dict."""
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("kvmesh bench vllm: vLLM is not installed (pip install 'kvmesh[vllm]')")
+    if args.prompt_tokens < 2 * WARMUP_TOKENS or args.prompts < 1:
+        raise SystemExit(
+            f"kvmesh bench vllm: --prompt-tokens must be >= {2 * WARMUP_TOKENS} and --prompts >= 1"
+        )
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-vllm-") as tmp:
+        model = Path(args.model) if args.model else make_tiny_model(Path(tmp) / "model")
+        prompts = _prompts(args.prompts, args.prompt_tokens, args.seed)
+        # A warm-up of each process's own: it must share no chunk with the prompts.
+        warmup = _prompts(1, WARMUP_TOKENS, args.seed + 1_000_003)[0]
+        base = {
+            "model": str(model),
+            "max_tokens": 1,
+            "kv_cache_gib": args.kv_cache_gib,
+            # A model name of this run's own: nothing an earlier run stored can hit.
+            "connector": {"model_name": f"bench-vllm-{uuid.uuid4().hex[:8]}"},
+        }
+        fleet = None
+        gateway = args.gateway
+        if gateway is None:
+            from kvmesh.cli.fleet import Fleet, FleetOptions
+
+            fleet = Fleet(FleetOptions(data_dir=Path(tmp) / "fleet", l1_size_bytes=2 << 30))
+            fleet.start()
+            gateway = fleet.endpoint("node-0-gateway", "lane")
+        try:
+            logger.info("cold: vLLM alone, prefix caching off")
+            cold = run_engine({**base, "prompts": [warmup, *prompts]})[1:]
+            logger.info("prefix cache: vLLM alone, prefix caching on, each prompt twice")
+            twice = [p for p in prompts for _ in range(2)]
+            floor_runs = run_engine({**base, "prefix_caching": True, "prompts": [warmup, *twice]})
+            floor = floor_runs[2::2]
+            logger.info("miss: kvmesh connector, empty cache")
+            miss = run_engine({**base, "gateway": gateway, "prompts": [warmup, *prompts]})[1:]
+            logger.info("warm: a fresh vLLM process, prompts from kvmesh")
+            warm = run_engine({**base, "gateway": gateway, "prompts": [warmup, *prompts]})[1:]
+        finally:
+            if fleet is not None:
+                fleet.stop()
+    result: dict[str, Any] = {
+        "prompt_tokens": args.prompt_tokens,
+        "ttft_cold_ms": _median_ms(cold),
+        "ttft_prefix_cache_ms": _median_ms(floor),
+        "ttft_miss_ms": _median_ms(miss),
+        "ttft_warm_ms": _median_ms(warm),
+        "tokens_from_cache": min(r["cached_tokens"] for r in warm),
+        "prefix_cache_tokens": min(r["cached_tokens"] for r in floor),
+        "outputs_match": all(
+            w["token_ids"] == c["token_ids"] for w, c in zip(warm, cold, strict=True)
+        ),
+        "lmcache_0_5_6_warm_ms_reference": LMCACHE_0_5_6_WARM_MS,
+        "parameters": {
+            "model": args.model or "tiny random-weight Llama (kvmesh.engine.vllm.model)",
+            "prompts": args.prompts,
+            "output_tokens": 1,
+            "kv_cache_gib": args.kv_cache_gib,
+            "gateway": args.gateway or "own fleet, node lane",
+            "enforce_eager": True,
+        },
+    }
+    result["warm_over_prefix_cache"] = round(
+        result["ttft_warm_ms"] / result["ttft_prefix_cache_ms"], 2
+    )
+    result["miss_cost_fraction_of_cold"] = round(
+        (result["ttft_miss_ms"] - result["ttft_cold_ms"]) / result["ttft_cold_ms"], 3
+    )
+    result["speedup_warm_vs_cold"] = round(result["ttft_cold_ms"] / result["ttft_warm_ms"], 1)
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The figures as text."""
+    rows = [
+        ("cold (vLLM alone, no prefix cache)", result["ttft_cold_ms"]),
+        ("vLLM's own prefix-cache hit (floor)", result["ttft_prefix_cache_ms"]),
+        ("kvmesh miss (empty cache, stores)", result["ttft_miss_ms"]),
+        ("kvmesh warm (fresh vLLM process)", result["ttft_warm_ms"]),
+    ]
+    lines = [f"vLLM TTFT, {result['prompt_tokens']}-token prompt, 1 output token (median)"]
+    lines += [f"  {name:<40} {ms:>9.1f} ms" for name, ms in rows]
+    lines.append(
+        f"  warm / floor {result['warm_over_prefix_cache']:.2f}x (target <= 1.5), "
+        f"miss cost {result['miss_cost_fraction_of_cold'] * 100:+.1f} % of cold (target <= 5 %), "
+        f"warm {result['speedup_warm_vs_cold']:.1f}x faster than cold"
+    )
+    lines.append(
+        f"  tokens from kvmesh {result['tokens_from_cache']}, outputs match: "
+        f"{result['outputs_match']}; LMCache 0.5.6 warm (reference, not this run): "
+        f"{result['lmcache_0_5_6_warm_ms_reference']:.0f} ms"
+    )
+    return "\n".join(lines)

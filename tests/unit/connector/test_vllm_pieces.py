@@ -1,0 +1,167 @@
+"""The vLLM connector's parts that need no running engine: settings, the KV file, layouts.
+
+Importing :mod:`kvmesh.connector.vllm` imports vLLM, so these run where the
+``vllm`` extra is installed (CI); without it they fail under
+KVMESH_REQUIRE_SERVICES=1 and skip otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.servers import require_vllm
+
+require_vllm()  # at import: the module's imports below load vLLM
+
+from kvmesh.api.common.v1 import common_pb2  # noqa: E402
+from kvmesh.connector.vllm.connector import _cpu_layout, cache_salt  # noqa: E402
+from kvmesh.connector.vllm.cuda import gpu_layout_kind, layout_fields  # noqa: E402
+from kvmesh.connector.vllm.settings import DEFAULT_GATEWAY, SettingsError, parse_settings  # noqa: E402
+from kvmesh.connector.vllm.shm_pool import SharedMemoryPool, reclaim_stale  # noqa: E402
+
+# ---- settings -------------------------------------------------------------------------------
+
+
+def test_settings_default_and_prefixed_keys() -> None:
+    assert parse_settings(None).gateway == DEFAULT_GATEWAY
+    s = parse_settings({"kvmesh.gateway": "lane:/x.lane", "rpc_timeout_s": "2.5"})
+    assert s.gateway == "lane:/x.lane"
+    assert s.rpc_timeout_s == 2.5
+
+
+BAD_SETTINGS: list[tuple[dict[str, Any], str]] = [
+    ({"gatway": "x"}, "unknown key 'gatway'"),
+    ({"gateway": ""}, "'gateway' must not be empty"),
+    ({"gateway": 5}, "'gateway' must be a string"),
+    ({"rpc_timeout_s": 0}, "'rpc_timeout_s' must be > 0"),
+    ({"lookup_timeout_s": "nan"}, "'lookup_timeout_s' must be > 0"),
+    ({"lookup_wait_ms": 5000}, "'lookup_wait_ms' must be in [0, 1000]"),
+    ({"transfer_threads": 0}, "'transfer_threads' must be >= 1"),
+    ({"transfer_threads": "two"}, "'transfer_threads' must be int"),
+    ({"transfer_threads": True}, "must be a number"),
+    ({"keep_failure_policy": "maybe"}, "must be true or false"),
+    ({"log_level": "verbose"}, "'log_level' must be one of DEBUG, INFO, WARNING, ERROR"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), BAD_SETTINGS)
+def test_a_bad_setting_names_the_key_and_what_is_valid(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        parse_settings(extra)
+    assert message in str(info.value)
+    assert str(info.value).startswith("kv_connector_extra_config:")
+
+
+# ---- the shared-memory file vLLM's CPU KV cache lives in ------------------------------------
+
+
+def test_the_pool_maps_the_kv_allocation_and_removes_its_file(tmp_path: Path) -> None:
+    pool = SharedMemoryPool(tmp_path)
+    with pool:
+        small = torch.zeros(16, dtype=torch.int8)  # below MIN_BYTES: left to torch
+        kv = torch.zeros(4 << 20, dtype=torch.int8)
+        other = torch.zeros(4 << 20, dtype=torch.int8)  # only the first large one is mapped
+    assert pool.buffer is kv
+    assert pool.path.exists()
+    assert pool.path.stat().st_size == 4 << 20
+    assert pool.offset_of(kv[1024:2048]) == 1024
+    assert pool.offset_of(small) is None
+    assert pool.offset_of(other) is None
+    kv[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.int8)
+    assert pool.path.read_bytes()[:4] == b"\x01\x02\x03\x04"  # MAP_SHARED: the file sees it
+    pool.close()
+    assert not pool.path.exists()
+
+
+def test_a_file_left_by_a_dead_process_is_reclaimed_and_a_live_ones_kept(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    stale = tmp_path / f"kvmesh-vllm-{dead.stdout.strip()}-0"
+    live = tmp_path / f"kvmesh-vllm-{os.getpid()}-99"
+    unrelated = tmp_path / "kvmesh-vllm-notapid"
+    for path in (stale, live, unrelated):
+        path.write_bytes(b"kv")
+    assert reclaim_stale(tmp_path) == [stale]
+    assert live.exists()
+    assert unrelated.exists()
+    assert not stale.exists()
+
+
+def test_the_pool_refuses_a_missing_folder(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        SharedMemoryPool(tmp_path / "nope")
+
+
+# ---- layouts --------------------------------------------------------------------------------
+
+
+def test_cpu_layout_follows_vllms_attention_isa() -> None:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    layer = torch.zeros(4, 2, 128, 128, dtype=torch.bfloat16)
+    kind, problem = _cpu_layout(layer, vllm_block_size=128)
+    isa = _get_attn_isa(torch.bfloat16, 128, 64)
+    want = {
+        "vec": common_pb2.KV_LAYOUT_KIND_VLLM_CPU,
+        "amx": common_pb2.KV_LAYOUT_KIND_VLLM_CPU_AMX,
+    }
+    assert (kind, problem) == (want[isa], None)
+
+
+def test_cpu_layout_refuses_shapes_it_cannot_move() -> None:
+    _, problem = _cpu_layout(torch.zeros(4, 2, 128, 127), vllm_block_size=128)
+    assert problem is not None
+    assert "unexpected KV tensor shape" in problem
+    _, problem = _cpu_layout(torch.zeros(4, 2, 64, 128), vllm_block_size=128)
+    assert problem is not None
+    assert "vLLM's block size is 128" in problem
+
+
+GPU_SHAPES = [
+    ((2, 10, 16, 8, 64), common_pb2.KV_LAYOUT_KIND_FLASH_ATTN, (10, 16, 8, 64)),
+    ((10, 2, 16, 8, 64), common_pb2.KV_LAYOUT_KIND_FLASHINFER, (10, 16, 8, 64)),
+    ((10, 16, 576), common_pb2.KV_LAYOUT_KIND_MLA, (10, 16, 1, 576)),
+]
+
+
+@pytest.mark.parametrize(("shape", "kind", "fields"), GPU_SHAPES)
+def test_gpu_layouts_are_read_off_vllms_kv_tensor_shapes(
+    shape: tuple[int, ...], kind: int, fields: tuple[int, int, int, int]
+) -> None:
+    # Shape logic only: a CPU tensor of the GPU shape stands in for the device tensor.
+    assert gpu_layout_kind(torch.zeros(shape), block_size=16) == (kind, None)
+    got = layout_fields(kind, shape)  # type: ignore[arg-type]
+    assert (got["num_blocks"], got["block_size"], got["kv_heads"], got["head_dim"]) == fields
+
+
+def test_gpu_layouts_kvmesh_cannot_move_keep_it_off() -> None:
+    hnd = torch.zeros(2, 10, 8, 16, 64).permute(0, 1, 3, 2, 4)  # vLLM's HND stride order
+    assert "not contiguous" in str(gpu_layout_kind(hnd, block_size=16)[1])
+    assert "no layout" in str(gpu_layout_kind(torch.zeros(2, 2, 16, 8, 64), block_size=16)[1])
+    assert "no layout" in str(gpu_layout_kind(torch.zeros(2, 10, 32, 8, 64), block_size=16)[1])
+
+
+def test_lora_adapters_never_share_a_salt() -> None:
+    class Lora:
+        def __init__(self, name: str, int_id: int) -> None:
+            self.lora_name, self.lora_int_id = name, int_id
+
+    class Req:
+        def __init__(self, salt: str | None, lora: Lora | None) -> None:
+            self.cache_salt, self.lora_request = salt, lora
+
+    salts = {
+        cache_salt(Req(None, None)),  # type: ignore[arg-type]
+        cache_salt(Req("t1", None)),  # type: ignore[arg-type]
+        cache_salt(Req("t1", Lora("a", 1))),  # type: ignore[arg-type]
+        cache_salt(Req("t1", Lora("b", 2))),  # type: ignore[arg-type]
+    }
+    assert len(salts) == 4
+    assert cache_salt(Req(None, None)) == ""  # type: ignore[arg-type]
