@@ -69,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE of each engine"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    parser.add_argument(
+        "--gap-s",
+        type=float,
+        default=1.0,
+        help="idle seconds after each prompt, in every arrangement, so one prompt's background "
+        "stores do not land in the next prompt's prefill (0: back to back)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -97,6 +104,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         base = {
             "model": str(model),
             "max_tokens": 1,
+            # Every arrangement idles a moment after each prompt, so a prompt's background
+            # stores are not timed as part of the next prompt's prefill (on 2 cores they
+            # would compete with it); each figure is then one request's own time.
+            "gap_s": args.gap_s,
             "kv_cache_gib": args.kv_cache_gib,
             # A model name of this run's own: nothing an earlier run stored can hit.
             "connector": {"model_name": f"bench-vllm-{uuid.uuid4().hex[:8]}"},
@@ -142,6 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "kv_cache_gib": args.kv_cache_gib,
             "gateway": args.gateway or "own fleet, node lane",
             "enforce_eager": True,
+            "gap_s": args.gap_s,
         },
     }
     result["warm_over_prefix_cache"] = round(

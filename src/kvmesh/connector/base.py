@@ -37,7 +37,9 @@ class ConnectorBase:
         self.role = role
         self.engine_id = config.engine_id or f"engine-{uuid.uuid4().hex[:16]}"
         self._owns_client = client is None
-        self.client = client or GatewayClient(config.gateway)
+        # No retries inside a call: an engine never waits on kvmesh, and an unreachable
+        # gateway is handled by the back-off below (one failed try, then skipped calls).
+        self.client = client or GatewayClient(config.gateway, unavailable_retries=0)
         self._timeout = config.rpc_timeout_s
         self._chunk_size: int | None = None
         # Back-off after the gateway could not be reached (see gateway_down).
@@ -84,11 +86,22 @@ class ConnectorBase:
 
     @property
     def chunk_size(self) -> int:
-        """The gateway's chunk size (asked once; raises ``grpc.RpcError`` if unreachable)."""
+        """The gateway's chunk size (asked once; raises ``grpc.RpcError`` if unreachable).
+
+        While backing off from an unreachable gateway it raises
+        :class:`ConnectorError` without a call.
+        """
         if self._chunk_size is None:
-            resp = self.client.get_chunk_size(
-                gateway_pb2.GetChunkSizeRequest(), timeout=self._timeout
-            )
+            if self.gateway_down():
+                raise ConnectorError(f"kvmesh gateway {self.config.gateway} is unreachable")
+            try:
+                resp = self.client.get_chunk_size(
+                    gateway_pb2.GetChunkSizeRequest(), timeout=self._timeout
+                )
+            except grpc.RpcError as exc:
+                self._note_failure("asking the chunk size", exc)
+                raise
+            self._note_ok()
             self._check_chunk_size(resp.chunk_size)
         assert self._chunk_size is not None
         return self._chunk_size

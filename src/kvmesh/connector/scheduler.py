@@ -106,6 +106,7 @@ class SchedulerHooks(ConnectorBase):
         request = state.request
         if self.gateway_down():
             return 0
+        asked = time.perf_counter()
         try:
             chunk = self.chunk_size
             if request.num_prompt_tokens < chunk:
@@ -139,12 +140,13 @@ class SchedulerHooks(ConnectorBase):
         self._note_ok()
         if status.completed:
             logger.debug(
-                "lookup %s: %d of %d tokens cached (L1 %d, L2 %d chunks)",
+                "lookup %s: %d of %d tokens cached (L1 %d, L2 %d chunks), call %.1f ms",
                 request.request_id,
                 status.hit_tokens,
                 request.num_prompt_tokens,
                 status.l1_hit_chunks,
                 status.l2_hit_chunks,
+                (time.perf_counter() - asked) * 1e3,
             )
             state.l1_hit_chunks = status.l1_hit_chunks
             state.l2_hit_chunks = status.l2_hit_chunks
@@ -231,6 +233,11 @@ class SchedulerHooks(ConnectorBase):
                     )
                 )
             state.num_computed_tokens += scheduled
+            if (
+                self.config.store_after_prefill
+                and state.num_computed_tokens < request.num_prompt_tokens
+            ):
+                continue  # stored in the step that finishes the prefill
             limit = min(
                 request.num_prompt_tokens,  # only prompt chunks (save_decode_cache = false)
                 len(state.block_ids) * bs,
@@ -239,7 +246,8 @@ class SchedulerHooks(ConnectorBase):
             try:
                 end = (limit // self.chunk_size) * self.chunk_size
             except (grpc.RpcError, ConnectorError) as exc:
-                logger.warning("cannot plan stores of %s: %s", request_id, exc)
+                # The unreachable gateway was reported once (gateway_down's back-off).
+                logger.debug("cannot plan stores of %s: %s", request_id, exc)
                 continue
             if end > state.stored_tokens:
                 start = state.stored_tokens

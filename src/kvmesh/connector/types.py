@@ -66,6 +66,11 @@ class KVMeshConnectorConfig:
     rpc_timeout_s: float | None = None
     #: Threads that run the worker's retrieves and stores.
     transfer_threads: int = 2
+    #: Store a prompt's chunks once its whole prefill ran (in the step that finishes it),
+    #: not after every prefill step: on a small host, stores running beside the next
+    #: prefill step's forward slow it down (its time to first token), while after the
+    #: last step they overlap decoding. False: store after every step (LMCache's way).
+    store_after_prefill: bool = False
 
 
 @dataclass(frozen=True)

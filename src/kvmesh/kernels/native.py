@@ -71,7 +71,7 @@ ENV_SWITCH = "KVMESH_NATIVE_COPY"
 ENV_CACHE = "KVMESH_NATIVE_CACHE"
 
 #: Must match KVMESH_NTCOPY_ABI in ntcopy.c; part of the cache key too.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 ISA_MEMCPY = 0
 ISA_SSE2 = 1
@@ -125,8 +125,19 @@ class NativeCopy:
             ctypes.c_int,
         ]
         fn.restype = ctypes.c_int
+        tiles = lib.kvmesh_amx_tiles
+        tiles.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            *[ctypes.c_int64] * 7,
+            ctypes.c_int,
+        ]
+        tiles.restype = ctypes.c_int
         self._lib = lib  # keeps the library mapped as long as this object lives
         self._fn = fn
+        self._tiles = tiles
         self.path = path
         #: The copy path used by default: the CPU's best, capped by KVMESH_NATIVE_COPY.
         self.isa = min(int(best()), max_isa)
@@ -167,6 +178,33 @@ class NativeCopy:
         if used < 0:
             raise ValueError(f"bad run count {n_runs} or run length {run_bytes}")
         return used
+
+    def amx_tiles_at(
+        self,
+        layer: int,
+        k_rows: int,
+        v_rows: int,
+        blocks_addr: int,
+        n_blocks: int,
+        n_tokens: int,
+        skip_blocks: int,
+        shape: tuple[int, int, int, int],
+        *,
+        gather: bool,
+    ) -> None:
+        """One layer of ``VLLM_CPU_AMX`` to or from a chunk's K/V rows; unchecked.
+
+        ``shape`` is ``(heads, block_size, head_dim, element_size)``; the caller
+        (:mod:`kvmesh.kernels.vllm_cpu`) guarantees that every block id and row
+        lies inside live memory.
+        """
+        heads, block_size, head_dim, esize = shape
+        rc = self._tiles(
+            layer, k_rows, v_rows, blocks_addr, n_blocks, n_tokens, skip_blocks,
+            heads, block_size, head_dim, esize, int(gather),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"the tile copy does not move {esize}-byte elements")
 
     def copy_runs(
         self,

@@ -78,15 +78,17 @@ def _budget(policy: CallPolicy, request: Any, timeout: float | None) -> float:
     return policy.timeout + wait_ms / 1000.0
 
 
-def _retry_pause(policy: CallPolicy, exc: RpcError, attempt: int, deadline: float) -> float | None:
+def _retry_pause(
+    policy: CallPolicy, exc: RpcError, attempt: int, deadline: float, retries: int
+) -> float | None:
     """Seconds to wait before retrying a failed call, or None to give up.
 
-    Only idempotent calls are retried, only on UNAVAILABLE, a few times, and
-    never past the call's own deadline.
+    Only idempotent calls are retried, only on UNAVAILABLE, ``retries`` times
+    at most, and never past the call's own deadline.
     """
     if not policy.idempotent or exc.code() != grpc.StatusCode.UNAVAILABLE:
         return None
-    if attempt >= UNAVAILABLE_RETRIES:
+    if attempt >= retries:
         return None
     pause = _backoff(attempt)
     return None if time.monotonic() + pause >= deadline else pause
@@ -162,8 +164,12 @@ class SyncClient:
         *,
         channel: grpc.Channel | Transport | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        unavailable_retries: int = UNAVAILABLE_RETRIES,
     ) -> None:
         self.target = target
+        #: Retries of an idempotent call that found the server unavailable (0: fail at
+        #: once, for callers that must never wait, such as an engine's connector).
+        self.unavailable_retries = unavailable_retries
         self._owns_transport = channel is None
         transport: Transport
         if channel is None:
@@ -211,7 +217,7 @@ class SyncClient:
             try:
                 body = self.transport.call(path, payload, max(remaining, 0.001), wait_for_ready)
             except RpcError as exc:
-                pause = _retry_pause(policy, exc, attempt, deadline)
+                pause = _retry_pause(policy, exc, attempt, deadline, self.unavailable_retries)
                 if pause is None:
                     raise located(exc, self.SERVICE, self.target) from None
                 time.sleep(pause)
@@ -232,8 +238,11 @@ class AsyncClient:
         *,
         channel: grpc.aio.Channel | AsyncTransport | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        unavailable_retries: int = UNAVAILABLE_RETRIES,
     ) -> None:
         self.target = target
+        #: Retries of an idempotent call that found the server unavailable (see SyncClient).
+        self.unavailable_retries = unavailable_retries
         self._owns_transport = channel is None
         transport: AsyncTransport
         if channel is None:
@@ -277,7 +286,7 @@ class AsyncClient:
                     path, payload, max(remaining, 0.001), wait_for_ready
                 )
             except RpcError as exc:
-                pause = _retry_pause(policy, exc, attempt, deadline)
+                pause = _retry_pause(policy, exc, attempt, deadline, self.unavailable_retries)
                 if pause is None:
                     raise located(exc, self.SERVICE, self.target) from None
                 await asyncio.sleep(pause)

@@ -189,6 +189,21 @@ def test_store_ops_follow_chunked_prefill_step_by_step() -> None:
     assert ranges == [[(0, 256)], [(256, 512)], [(512, 768)], []]
 
 
+def test_store_after_prefill_stores_the_whole_prompt_in_the_step_that_finishes_it() -> None:
+    gateway = FakeGateway()
+    sched = _scheduler(gateway, store_after_prefill=True)
+    request = _request(1000)
+    sched.get_num_new_matched_tokens(request, 0)
+    sched.update_state_after_alloc(request, list(range(1, 64)), 0)
+
+    steps = [sched.build_connector_meta(SchedulerOutput({"r1": n})) for n in (300, 400, 300, 1)]
+
+    ranges = [[(op.start, op.end) for op in meta.store_ops] for meta in steps]
+    assert ranges == [[], [], [(0, 768)], []]
+    (op,) = steps[2].store_ops
+    assert op.block_ids == list(range(1, 1 + 768 // BLOCK))
+
+
 def test_request_finished_ends_the_session_and_holds_blocks_while_stores_run() -> None:
     gateway = FakeGateway()
     sched = _scheduler(gateway)

@@ -20,6 +20,7 @@ from kvmesh.kernels import (
     KVLayoutKind,
     PagedKVCache,
     gather_chunks,
+    native,
     paged_layer_shape,
     ref_gather_chunks,
     ref_scatter_chunks,
@@ -37,6 +38,17 @@ CHUNKS = [(2, 0), (2, 5), (1, 15)]
 SKIPS = [0, 1, 3]  # blocks (plus 3 tokens) the scatter leaves alone
 NUM_BLOCKS = 10
 KV_HEADS = 2
+
+
+@pytest.fixture(params=["native", "torch"], autouse=True)
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with the native tile kernel and with the torch fallback."""
+    if request.param == "native":
+        if native.load(timeout=120) is None:
+            pytest.fail(f"the native kernel did not load: {native.status()}", pytrace=False)
+    else:
+        monkeypatch.setenv("KVMESH_NATIVE_COPY", "0")
+    return str(request.param)
 
 
 def make_cache(

@@ -99,6 +99,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             lookup_wait_ms=self.settings.lookup_wait_ms,
             rpc_timeout_s=self.settings.rpc_timeout_s,
             transfer_threads=self.settings.transfer_threads,
+            store_after_prefill=self.settings.store_after_prefill,
         )
         is_scheduler = role == VLLMRole.SCHEDULER
         self.hooks = Hooks(
@@ -335,8 +336,15 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Start storing this step's newly computed chunks; they finish in the background."""
         meta = self._get_connector_metadata()
         if isinstance(meta, KVMeshMetadata) and meta.ops.store_ops:
+            start = time.perf_counter()
             self.hooks.save_kv(meta.ops, self._producer_event())
             self._storing.update(op.request_id for op in meta.ops.store_ops)
+            logger.debug(
+                "started %d stores (%d tokens) in %.2f ms",
+                len(meta.ops.store_ops),
+                sum(op.end - op.start for op in meta.ops.store_ops),
+                (time.perf_counter() - start) * 1e3,
+            )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished requests whose stores are done (vLLM may free their blocks now)."""

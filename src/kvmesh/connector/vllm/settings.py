@@ -40,6 +40,9 @@ class VLLMSettings:
     keep_failure_policy: bool = False
     #: Level of kvmesh's own log lines in vLLM's output (DEBUG shows per-request timings).
     log_level: str = "INFO"
+    #: Store a prompt once its whole prefill ran, not after each 4096-token prefill step
+    #: (stores beside the next step's forward slow it down on a small CPU host).
+    store_after_prefill: bool = True
 
 
 _FIELDS: dict[str, type] = {
@@ -52,6 +55,7 @@ _FIELDS: dict[str, type] = {
     "shm_dir": str,
     "keep_failure_policy": bool,
     "log_level": str,
+    "store_after_prefill": bool,
 }
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 

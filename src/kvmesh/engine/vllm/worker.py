@@ -12,6 +12,8 @@ Spec keys: ``model`` (folder), ``prompts`` (lists of token ids), ``max_tokens``
 (default false), ``gateway`` (kvmesh gateway target; absent: no connector),
 ``connector`` (extra ``kv_connector_extra_config`` keys), ``kv_cache_gib``,
 ``max_num_batched_tokens``, ``repeat`` (run each prompt this many times),
+``gap_s`` (seconds to sleep after each run: the connector's background stores
+then finish before the next prompt's prefill instead of competing with it),
 ``pause_before`` (``{"index": i, "path": P}``: before prompt ``i``, create
 ``P.ready`` and wait for ``P.go``; tests change the world in between).
 """
@@ -92,6 +94,7 @@ def run(spec: dict[str, Any]) -> None:
                 "cached_tokens": out.num_cached_tokens or 0,
             }
             print(MARK + json.dumps(line), flush=True)
+            time.sleep(float(spec.get("gap_s", 0.0)))
     print(MARK + json.dumps({"done": True}), flush=True)
 
 

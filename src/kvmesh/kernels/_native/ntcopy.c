@@ -51,7 +51,7 @@
 #define KVMESH_EXPORT __attribute__((visibility("default")))
 
 /* Bumped whenever the exported functions change; checked by the loader. */
-#define KVMESH_NTCOPY_ABI 1
+#define KVMESH_NTCOPY_ABI 2
 
 /* Runs shorter than this are copied with memcpy: too few whole lines to pay
  * for the head/tail handling. */
@@ -241,4 +241,86 @@ KVMESH_EXPORT int kvmesh_copy_runs(const void *src_base, void *dst_base,
     _mm_sfence();
 #endif
     return isa;
+}
+
+/*
+ * vLLM's CPU KV layout on x86 with AMX (KV_LAYOUT_KIND_VLLM_CPU_AMX), for one
+ * layer: copy between its blocks and a chunk's K and V rows ([tokens][heads *
+ * head_dim], token-major). Inside one (block, head) region of 2 * bs * hd
+ * elements, K element (t, d) sits at (t / 16) * 16 * hd + (d / 2) * 32 +
+ * (t % 16) * 2 + d % 2 and V element (t, d) at bs * hd + (d / 16) * 16 * bs +
+ * (t / 2) * 32 + (d % 16) * 2 + t % 2. K moves in pairs of elements, V in
+ * single elements: a transpose at that grain, which no run copy can do.
+ *
+ * Chunk block j (block id blocks[j]) holds tokens [j * bs, j * bs + count_j)
+ * of the rows, count_j = min(bs, n_tokens - j * bs). gather != 0 copies blocks
+ * to rows; gather == 0 copies rows to blocks, leaving blocks j < skip_blocks
+ * alone. esize is the element size in bytes (1, 2, 4 or 8). The caller checks
+ * every block id, the sizes, bs % 16 == 0 and hd % 16 == 0. Returns 0, or -1
+ * for an element size it does not handle (nothing is copied).
+ */
+#define AMX_TILE_COPY(T)                                                                   \
+    do {                                                                                   \
+        T *lay = (T *)layer;                                                               \
+        T *kr = (T *)k_rows;                                                               \
+        T *vr = (T *)v_rows;                                                               \
+        int64_t row_len = heads * hd;                                                      \
+        for (int64_t j = 0; j < n_blocks; j++) {                                           \
+            int64_t count = n_tokens - j * bs < bs ? n_tokens - j * bs : bs;               \
+            if (count <= 0 || (!gather && j < skip_blocks)) continue;                      \
+            for (int64_t h = 0; h < heads; h++) {                                          \
+                T *region = lay + (blocks[j] * heads + h) * 2 * bs * hd;                   \
+                T *vregion = region + bs * hd;                                             \
+                T *rows_k = kr + j * bs * row_len + h * hd;                                \
+                T *rows_v = vr + j * bs * row_len + h * hd;                                \
+                /* K: per 16-token tile and dim pair, 32 contiguous elements (16 pairs). */ \
+                for (int64_t t0 = 0; t0 < count; t0 += 16) {                               \
+                    int64_t n = count - t0 < 16 ? count - t0 : 16;                         \
+                    T *tile = region + (t0 / 16) * 16 * hd;                                \
+                    for (int64_t dp = 0; dp < hd / 2; dp++) {                              \
+                        T *pairs = tile + dp * 32;                                         \
+                        for (int64_t i = 0; i < n; i++) {                                  \
+                            T *row = rows_k + (t0 + i) * row_len + 2 * dp;                 \
+                            if (gather) {                                                  \
+                                row[0] = pairs[2 * i];                                     \
+                                row[1] = pairs[2 * i + 1];                                 \
+                            } else {                                                       \
+                                pairs[2 * i] = row[0];                                     \
+                                pairs[2 * i + 1] = row[1];                                 \
+                            }                                                              \
+                        }                                                                  \
+                    }                                                                      \
+                }                                                                          \
+                /* V: per token pair and 16-dim tile, 32 contiguous elements. */          \
+                for (int64_t t = 0; t < count; t += 2) {                                   \
+                    T *r0 = rows_v + t * row_len;                                          \
+                    T *r1 = t + 1 < count ? r0 + row_len : NULL;                           \
+                    for (int64_t d0 = 0; d0 < hd; d0 += 16) {                              \
+                        T *tile = vregion + (d0 / 16) * 16 * bs + (t / 2) * 32;            \
+                        for (int64_t i = 0; i < 16; i++) {                                 \
+                            if (gather) {                                                  \
+                                r0[d0 + i] = tile[2 * i];                                  \
+                                if (r1) r1[d0 + i] = tile[2 * i + 1];                      \
+                            } else {                                                       \
+                                tile[2 * i] = r0[d0 + i];                                  \
+                                if (r1) tile[2 * i + 1] = r1[d0 + i];                      \
+                            }                                                              \
+                        }                                                                  \
+                    }                                                                      \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+
+KVMESH_EXPORT int kvmesh_amx_tiles(void *layer, void *k_rows, void *v_rows,
+                                   const int64_t *blocks, int64_t n_blocks, int64_t n_tokens,
+                                   int64_t skip_blocks, int64_t heads, int64_t bs, int64_t hd,
+                                   int64_t esize, int gather) {
+    switch (esize) {
+    case 1: AMX_TILE_COPY(uint8_t); return 0;
+    case 2: AMX_TILE_COPY(uint16_t); return 0;
+    case 4: AMX_TILE_COPY(uint32_t); return 0;
+    case 8: AMX_TILE_COPY(uint64_t); return 0;
+    default: return -1;
+    }
 }
