@@ -15,8 +15,9 @@ call.
    the prompt's chunks are stored (what kvmesh costs when it cannot help);
 4. ``warm``: a fresh process with the connector: the prompts come from kvmesh.
 
-The fleet is a local one of the benchmark's own (``kvmesh up``'s defaults, one
-node, the engines on the gateway's lane) unless ``--gateway`` is given. Each
+The fleet is a local one of the benchmark's own (one node, ``kvmesh node`` by
+default or ``--arrangement processes``, the engines on the gateway's lane)
+unless ``--gateway`` is given. Each
 run keys its chunks under a model name of its own, so "miss" is a miss even
 against a gateway that served an earlier run. Figures are medians over the
 prompts. ``outputs_match`` compares the greedy token of every warm run with the
@@ -68,6 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE of each engine"
     )
+    parser.add_argument(
+        "--arrangement",
+        choices=("node", "processes"),
+        default="node",
+        help="the benchmark's own fleet: node = storage and gateway in one process (kvmesh "
+        "node, the usual deployment on a host); processes = apart, as kvmesh up runs them "
+        "(default: node)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     parser.add_argument(
         "--gap-s",
@@ -117,7 +126,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if gateway is None:
             from kvmesh.cli.fleet import Fleet, FleetOptions
 
-            fleet = Fleet(FleetOptions(data_dir=Path(tmp) / "fleet", l1_size_bytes=2 << 30))
+            fleet = Fleet(
+                FleetOptions(
+                    data_dir=Path(tmp) / "fleet",
+                    l1_size_bytes=2 << 30,
+                    colocated=args.arrangement == "node",
+                )
+            )
             fleet.start()
             gateway = fleet.endpoint("node-0-gateway", "lane")
         try:
@@ -151,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "prompts": args.prompts,
             "output_tokens": 1,
             "kv_cache_gib": args.kv_cache_gib,
-            "gateway": args.gateway or "own fleet, node lane",
+            "gateway": args.gateway or f"own fleet ({args.arrangement}), gateway's lane",
             "enforce_eager": True,
             "gap_s": args.gap_s,
         },

@@ -497,8 +497,7 @@ def gather_chunks(
     """
     plans = plan_chunks(kv, block_ids, outs, chunks_field="outs")
     if kv.kind.is_vllm_cpu:
-        for plan in plans:
-            vllm_cpu.gather(kv, plan, _run_parallel)
+        vllm_cpu.gather_all(kv, plans, _run_parallel)
         return
     kernel = _native_kernel(kv)
     gather_one = _gather_numpy if _use_numpy(kv) else _gather_torch
@@ -537,8 +536,7 @@ def scatter_chunks(
         forbid_duplicates=True,
     )
     if kv.kind.is_vllm_cpu:
-        for plan in plans:
-            vllm_cpu.scatter(kv, plan, _run_parallel)
+        vllm_cpu.scatter_all(kv, plans, _run_parallel)
         return
     kernel = _native_kernel(kv)
     scatter_one = _scatter_numpy if _use_numpy(kv) else _scatter_torch

@@ -140,20 +140,71 @@ def _regions(kv: PagedKVCache, layer: int) -> torch.Tensor:
     return kv.layers[layer].view(kv.num_blocks, kv.kv_heads, -1)
 
 
+def gather_all(kv: PagedKVCache, plans: Sequence[ChunkPlan], parallel: Parallel) -> None:
+    """Copy every chunk's blocks into its chunk (one parallel pass for the native kernel)."""
+    if kv.kind is KVLayoutKind.VLLM_CPU_AMX and _native_all(
+        kv, plans, gather=True, parallel=parallel
+    ):
+        return
+    for plan in plans:
+        gather(kv, plan, parallel)
+
+
+def scatter_all(kv: PagedKVCache, plans: Sequence[ChunkPlan], parallel: Parallel) -> None:
+    """Copy every chunk into its blocks (one parallel pass for the native kernel)."""
+    if kv.kind is KVLayoutKind.VLLM_CPU_AMX and _native_all(
+        kv, plans, gather=False, parallel=parallel
+    ):
+        return
+    for plan in plans:
+        scatter(kv, plan, parallel)
+
+
+def _native_all(
+    kv: PagedKVCache, plans: Sequence[ChunkPlan], *, gather: bool, parallel: Parallel
+) -> bool:
+    """All chunks with the native kernel, a (chunk, layer) a piece, over the copy threads.
+
+    A 32-chunk prefix of a small model is 32 pieces of well under the 1 MiB a
+    per-chunk split needs; cut over the whole batch, both cores share it.
+    """
+    pieces: list[Callable[[], None]] = []
+    for plan in plans:
+        mine = _native_pieces(kv, plan, gather=gather)
+        if mine is None:
+            return False
+        pieces += mine
+    parallel(pieces, sum(p.chunk.numel() * p.chunk.element_size() for p in plans))
+    return True
+
+
 def _native_tiles(kv: PagedKVCache, plan: ChunkPlan, *, gather: bool, parallel: Parallel) -> bool:
     """Move one chunk with the native kernel, a layer a piece; False when it cannot."""
+    pieces = _native_pieces(kv, plan, gather=gather)
+    if pieces is None:
+        return False
+    # The C call releases the GIL: layers copy side by side on the copy threads.
+    parallel(pieces, plan.chunk.numel() * plan.chunk.element_size())
+    return True
+
+
+def _native_pieces(
+    kv: PagedKVCache, plan: ChunkPlan, *, gather: bool
+) -> list[Callable[[], None]] | None:
+    """One call of the native kernel per layer of ``plan``, or None when it cannot run."""
     chunk = plan.chunk
     if kv.device.type != "cpu" or chunk.device.type != "cpu" or not chunk.is_contiguous():
-        return False
+        return None
     lib = native.library()
     if lib is None:
-        return False
+        return None
     n_blocks = -(-plan.num_tokens // kv.block_size)
     blocks = np.ascontiguousarray(plan.block_ids[:n_blocks], dtype=np.int64)
     shape = (kv.kv_heads, kv.block_size, kv.head_dim, kv.itemsize)
-    pieces = [
-        functools.partial(
-            lib.amx_tiles_at,
+
+    def piece(layer: int) -> None:
+        # The closure holds ``blocks`` and the tensors alive until the copy ran.
+        lib.amx_tiles_at(
             kv.layers[layer].data_ptr(),
             chunk[0, layer].data_ptr(),
             chunk[1, layer].data_ptr(),
@@ -164,11 +215,8 @@ def _native_tiles(kv: PagedKVCache, plan: ChunkPlan, *, gather: bool, parallel: 
             shape,
             gather=gather,
         )
-        for layer in range(kv.num_layers)
-    ]
-    # The C call releases the GIL: layers copy side by side on the copy threads.
-    parallel(pieces, chunk.numel() * chunk.element_size())
-    return True
+
+    return [functools.partial(piece, layer) for layer in range(kv.num_layers)]
 
 
 def _gather_tiled(kv: PagedKVCache, plan: ChunkPlan, parallel: Parallel) -> None:

@@ -11,7 +11,7 @@ scale or restart them separately.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prometheus_client.registry import Collector
 
@@ -48,6 +48,12 @@ class NodeApp:
     async def start(self) -> None:
         await self.storage.start()
         await self.gateway.start()
+
+    def watch_health(self, report: Callable[[str, bool], None]) -> None:
+        """Both halves report (the storage node its CoordinatorLink; the in-process
+        gateway's storage is never unreachable, so it reports nothing)."""
+        self.storage.watch_health(report)
+        self.gateway.watch_health(report)
 
     async def discard(self) -> None:
         """Release the storage node's resources when the server could not be created."""

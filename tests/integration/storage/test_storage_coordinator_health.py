@@ -74,14 +74,16 @@ def _coordinator_args(tmp_path: Path) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize("service", ["storage", "node"])
 def test_coordinator_link_follows_the_coordinator(
-    processes: ProcessFactory, shm_dirs: ShmDirs, tmp_path: Path
+    processes: ProcessFactory, shm_dirs: ShmDirs, tmp_path: Path, service: str
 ) -> None:
+    """``kvmesh storage``, and ``kvmesh node`` (storage and gateway in one process)."""
     port = free_port()
     coordinator = processes("coordinator", port, *_coordinator_args(tmp_path))
     coordinator.start()
     storage = processes(
-        "storage",
+        service,
         free_port(),
         "--log-level", "INFO",
         "--coordinator-target", coordinator.target,
