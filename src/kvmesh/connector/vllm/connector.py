@@ -13,7 +13,13 @@ stores over the typed gateway client). What it adds for vLLM:
 
 - **Zero copy on CPU.** :meth:`get_mem_pool_context` makes vLLM allocate its KV
   cache in a shared-memory file (:mod:`.shm_pool`); the worker registers that
-  file with layout ``VLLM_CPU`` and storage copies blocks in and out of it.
+  file with the layout vLLM's CPU attention uses (``VLLM_CPU`` for its "vec"
+  ISA, ``VLLM_CPU_AMX`` on x86 with AMX) and storage copies blocks in and out.
+- **CUDA IPC on GPUs** (:mod:`.cuda`): one IPC handle per layer, and an
+  interprocess event on vLLM's stream with every load and save.
+- **Stores after the prefill.** By default a prompt is stored in the step
+  that finishes its prefill (``store_after_prefill``), not beside the next
+  prefill step's forward.
 - **Loads are synchronous, saves asynchronous.** A hit is loaded in
   :meth:`start_load_kv`, before the forward pass that needs it. Stores start
   after the forward (:meth:`wait_for_save`) and finish in the background; a
