@@ -123,6 +123,19 @@ def test_a_gateway_error_means_recompute_not_wait(failing: str) -> None:
     assert len(gateway.calls) == calls  # decided once; no retry storm
 
 
+def test_an_unreachable_gateway_is_asked_once_not_on_every_step() -> None:
+    """The scheduler plans every step: with the gateway down it must not call it each time."""
+    gateway = FakeGateway(failing={"GetChunkSize"})
+    sched = _scheduler(gateway)
+    request = _request(1000)
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+    sched.update_state_after_alloc(request, list(range(1, 64)), 0)
+    for n in (300, 400, 300, 1):
+        assert not sched.build_connector_meta(SchedulerOutput({"r1": n}))
+    assert gateway.names().count("GetChunkSize") == 1
+    assert sched.gateway_down()
+
+
 def test_a_lookup_unfinished_by_its_deadline_counts_as_a_miss() -> None:
     gateway = FakeGateway(pending_polls=1_000_000)
     _cache(gateway, 2, 600)

@@ -131,3 +131,17 @@ def test_retries_stop_at_the_calls_deadline() -> None:
         client._call("Ping", gateway_pb2.PingRequest(), gateway_pb2.PingResponse, None, False)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert 1 <= len(fake.calls) <= 4  # UNAVAILABLE_RETRIES + 1 at most
+
+
+def test_a_client_told_not_to_retry_fails_at_the_first_unavailable() -> None:
+    """An engine's connector must never wait on kvmesh: one try, then its own back-off."""
+    fake = FakeTransport(*[_unavailable()] * 10)
+    client = GatewayClient("x", channel=fake, unavailable_retries=0)
+    with pytest.raises(RpcError) as err:
+        client.ping(gateway_pb2.PingRequest(), timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert len(fake.calls) == 1
+    default = GatewayClient("x", channel=FakeTransport(*[_unavailable()] * 10))
+    with pytest.raises(RpcError):
+        default.ping(gateway_pb2.PingRequest(), timeout=5)
+    assert len(default.transport.calls) == 4  # type: ignore[attr-defined]  # 1 + 3 retries
