@@ -39,7 +39,11 @@ with a coordinator and a 1 GiB L1; ``ls /proc/PID/task | wc -l``):
 Started on first use and then kept, each up to its bound: the copy
 executor, the prefetch workers ``kvmesh-prefetch``
 (``prefetch_max_in_flight``: they block on L2 I/O, never on a waiter),
-the write-through I/O pool ``kvmesh-l2-put`` (one per adapter), the copy
+the write-through I/O pool ``kvmesh-l2-put`` (one per adapter), the P2P
+data plane's senders ``kvmesh-p2p-send`` (one per stream served to a peer,
+up to 8: a blocking ``sendall`` from L1 memory, see
+``kvmesh.storage.peers.dataplane``) and the P2P fetchers ``kvmesh-p2p``
+(``p2p_max_in_flight``), the copy
 kernel's helpers ``kvmesh-copy`` (large CPU copies, see
 ``kvmesh.kernels.ops``) and an S3 adapter's I/O pool. Short-lived: the L2
 indexing thread at start, and the coordinator command handler while
@@ -456,6 +460,7 @@ class StorageApp:
         self.manager.publish_capacity()
 
     async def start(self) -> None:
+        await self.peers.start()  # the P2P data plane's listener
         # Build or load the native copy kernel now, off the request path (the first
         # store would otherwise fall back to the slower NumPy copy while it compiles).
         library = await _on_own_thread("kvmesh-kernel-load", native.load, 60.0)
@@ -531,7 +536,7 @@ class StorageApp:
                     await task
         if self.registrar is not None:
             self.registrar.stop()
-        self.peers.close()
+        await self.peers.close()
         self.node.close()
         # Running copies finish before L1 and the engines' mappings go away.
         self.copy_executor.shutdown(wait=True)

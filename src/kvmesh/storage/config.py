@@ -102,6 +102,11 @@ class StorageConfig(ServerSettings):
         1024**2, "largest frame of a P2P byte stream (1 MiB measured best; kvmesh bench p2p)"
     )
     p2p_max_in_flight: int = setting(4, "P2P fetches running at once")
+    p2p_data_port: int = setting(
+        0,
+        "TCP port of the P2P data plane that sends chunk bytes to peers, on the gRPC "
+        "host (0 = any free port; -1 = none: peers read over gRPC's ReadChunks)",
+    )
 
     def validate_p2p(self) -> None:
         """Raise ConfigError on unusable P2P settings (advertise address, timeouts, sizes)."""
@@ -113,6 +118,8 @@ class StorageConfig(ServerSettings):
             raise ConfigError("p2p_frame_bytes must leave room within max_message_bytes")
         if self.p2p_max_in_flight < 1:
             raise ConfigError("p2p_max_in_flight must be >= 1")
+        if not -1 <= self.p2p_data_port <= 65535:
+            raise ConfigError("p2p_data_port must be -1 (off), 0 (any free port) or a port")
         if self.advertise_address:
             host, port = split_advertise_address(self.advertise_address)
             if (

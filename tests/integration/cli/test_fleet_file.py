@@ -83,7 +83,7 @@ def test_status_finds_the_fleet_through_the_fleet_file(
     # Columns: node, storage, coordinator link, P2P in / out.
     assert " connected " in link, link
     assert "NOT" not in link, link
-    assert "[grpc-stream]" in link, link
+    assert "[tcp-stream]" in link, link
 
     # The services got --l2, --config and --log-level (their DEBUG config lines).
     log = (tmp_path / "data" / "logs" / "node-0-storage.log").read_text()

@@ -24,7 +24,7 @@ def test_bench_p2p_reports_the_issue_keys_and_equal_bytes() -> None:
         assert result[key] > 0, key
     assert result["chunk_bytes"] == 1 << 20
     assert result["bytes_equal"] is True
-    assert result["transport"] == "grpc-stream"
+    assert result["transport"] == "tcp-stream"
     assert result["parameters"]["chunks"] == 4
     assert len(result["prefix_fetch_ms"]) == 2
     assert set(Path("/dev/shm").glob("kvmesh-bench-p2p-*")) <= before  # nothing left behind

@@ -65,5 +65,5 @@ def test_an_engine_on_node_1_gets_node_0s_prefix_through_p2p(fleet_without_l2: F
     assert int(links["node-1"]["p2p"]["fetched_chunks"]) == 4
     assert int(links["node-0"]["p2p"]["served_chunks"]) == 4
     table = render_links(list(links.values()))
-    assert "grpc-stream" in table
+    assert "tcp-stream" in table
     assert "P2P in / out" in table

@@ -68,7 +68,7 @@ def test_served_traffic_shows_in_metrics_and_status(tmp_path: Path, shm_root: Pa
                 status = storage.GetStatus(storage_pb2.GetStatusRequest(), timeout=5).p2p
 
             assert not status.enabled  # no coordinator: serves peers, fetches nothing
-            assert status.transport == "grpc-stream"
+            assert status.transport == "tcp-stream"
             assert status.advertise_address == server.target
             assert (status.leases_granted, status.served_chunks) == (1, 3)
             assert status.served_bytes == 3 * CHUNK_BYTES

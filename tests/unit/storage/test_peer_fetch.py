@@ -20,7 +20,13 @@ from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.l1.manager import L1Manager
 from kvmesh.storage.core.peer import fetch as fetch_module
 from kvmesh.storage.core.peer.fetch import FetchSettings, PeerFetcher, pick_peer, rendezvous
-from kvmesh.storage.core.peer.ports import PeerLease, PeerTarget, PeerUnavailable
+from kvmesh.storage.core.peer.ports import (
+    FrameSink,
+    PeerLease,
+    PeerTarget,
+    PeerUnavailable,
+    deliver,
+)
 from tests.unit.storage.helpers import make_key
 
 SIZE = 4096
@@ -70,9 +76,10 @@ class Link:
         sizes = self.sizes or [SIZE] * (n * len(rows))
         return PeerLease(f"lease-{self.locks}", n, tuple(sizes))
 
-    def read(
-        self, peer: PeerTarget, lease_id: str, frame_bytes: int, timeout: float
-    ) -> Iterator[tuple[int, int, memoryview]]:
+    def read(self, peer: PeerTarget, lease: PeerLease, sink: FrameSink, timeout: float) -> bool:
+        return deliver(self.frames(), sink)
+
+    def frames(self) -> Iterator[tuple[int, int, memoryview]]:
         if self.gate is not None:
             self.gate.wait(10)
         if self.frames_override is not None:

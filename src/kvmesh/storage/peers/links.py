@@ -6,9 +6,11 @@ every failure into :class:`~kvmesh.storage.core.peer.ports.PeerUnavailable`.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -20,8 +22,16 @@ from kvmesh.common.convert import key_to_proto
 from kvmesh.common.keys import ObjectKey
 from kvmesh.coordinator.client import DirectoryClient, MembershipClient
 from kvmesh.rpc.client import create_channel
-from kvmesh.storage.core.peer.ports import PeerLease, PeerTarget, PeerUnavailable
+from kvmesh.storage.config import split_advertise_address
+from kvmesh.storage.core.peer.ports import (
+    FrameSink,
+    PeerLease,
+    PeerTarget,
+    PeerUnavailable,
+    deliver,
+)
 from kvmesh.storage.peer_client import PeerClient
+from kvmesh.storage.peers import tcp_stream
 
 #: Membership is cached this long (a dead peer then costs one failed lock, no more).
 MEMBERSHIP_TTL_S = 1.0
@@ -89,14 +99,29 @@ class CoordinatorPeerDirectory:
 
 
 class GrpcPeerLink:
-    """Other nodes' PeerService, one channel per peer address (kept until close)."""
+    """Other nodes' PeerService, one channel per peer address (kept until close).
 
-    def __init__(self, instance_id: str, *, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+    Chunk bytes come over the peer's TCP data plane (one connection per
+    lease, :mod:`kvmesh.storage.peers.tcp_stream`) when its LockPrefix
+    answer names a data port, and over ReadChunks otherwise.
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        *,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        frame_bytes: int = 1024 * 1024,
+        use_data_plane: bool = True,
+    ) -> None:
         self.instance_id = instance_id
         self.max_message_bytes = max_message_bytes
+        self.frame_bytes = frame_bytes  # of a ReadChunks stream
+        self.use_data_plane = use_data_plane
         self._lock = threading.Lock()
         self._clients: dict[str, PeerClient] = {}
         self._calls: set[Any] = set()
+        self._sockets: set[socket.socket] = set()
         self._closed = False
 
     def _client(self, peer: PeerTarget) -> PeerClient:
@@ -148,13 +173,50 @@ class GrpcPeerLink:
             raise PeerUnavailable(
                 f"{peer.address} is {response.instance_id!r}, not {peer.instance_id!r}"
             )
-        return PeerLease(response.lease_id, response.locked_chunks, tuple(response.chunk_sizes))
+        return PeerLease(
+            response.lease_id,
+            response.locked_chunks,
+            tuple(response.chunk_sizes),
+            response.data_port,
+        )
 
-    def read(
-        self, peer: PeerTarget, lease_id: str, frame_bytes: int, timeout: float
-    ) -> Iterator[tuple[int, int, memoryview]]:
+    def read(self, peer: PeerTarget, lease: PeerLease, sink: FrameSink, timeout: float) -> bool:
+        """Over the peer's TCP data plane when it has one, else its ReadChunks stream."""
+        if lease.data_port and self.use_data_plane:
+            return self._read_tcp(peer, lease, sink, timeout)
+        return self._read_grpc(peer, lease, sink, timeout)
+
+    def _read_tcp(
+        self, peer: PeerTarget, lease: PeerLease, sink: FrameSink, timeout: float
+    ) -> bool:
+        host, _ = split_advertise_address(peer.address)
+        deadline = time.monotonic() + timeout
+        try:
+            sock = socket.create_connection((host, lease.data_port), timeout=timeout)
+        except OSError as exc:
+            raise PeerUnavailable(
+                f"{peer.instance_id}: data port {host}:{lease.data_port}: {exc}"
+            ) from None
+        with sock:
+            with self._lock:
+                if self._closed:
+                    raise PeerUnavailable("the P2P link is closed")
+                self._sockets.add(sock)
+            try:
+                return tcp_stream.receive(sock, lease.lease_id, sink, deadline)
+            except PeerUnavailable as exc:
+                raise PeerUnavailable(f"{peer.instance_id}: {exc}") from None
+            finally:
+                with self._lock:
+                    self._sockets.discard(sock)
+
+    def _read_grpc(
+        self, peer: PeerTarget, lease: PeerLease, sink: FrameSink, timeout: float
+    ) -> bool:
         client = self._client(peer)
-        request = peer_pb2.ReadChunksRequest(lease_id=lease_id, max_frame_bytes=frame_bytes)
+        request = peer_pb2.ReadChunksRequest(
+            lease_id=lease.lease_id, max_frame_bytes=self.frame_bytes
+        )
         try:
             call = client.read_chunks(request, timeout=timeout)
         except grpc.RpcError as exc:
@@ -169,11 +231,11 @@ class GrpcPeerLink:
             if cancel is not None:
                 self._calls.add(call)
         try:
-            yield from call
+            return deliver(call, sink)
         except grpc.RpcError as exc:
             raise PeerUnavailable(f"{peer.instance_id}: {_describe(exc)}") from None
         finally:
-            _end(call, cancel)  # a no-op after a normal end
+            _end(call, cancel)  # a no-op after a normal end; stops the stream otherwise
             with self._lock:
                 self._calls.discard(call)
 
@@ -187,10 +249,14 @@ class GrpcPeerLink:
         with self._lock:
             self._closed = True
             calls = list(self._calls)
+            sockets = list(self._sockets)
             clients = list(self._clients.values())
             self._clients.clear()
         for call in calls:
             call.cancel()
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # the reading thread's recv returns at once
         for client in clients:
             client.close()
 

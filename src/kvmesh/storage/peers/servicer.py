@@ -40,6 +40,8 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
 
     def __init__(self, leases: PeerLeases) -> None:
         self.leases = leases
+        #: The TCP data plane's port, named in every LockPrefix answer (0: none).
+        self.data_port = 0
 
     async def LockPrefix(
         self, request: peer_pb2.LockPrefixRequest, context: Any
@@ -61,6 +63,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             instance_id=self.leases.instance_id,
             incarnation=self.leases.incarnation,
             lease_ttl_ms=int(grant.ttl_s * 1000),
+            data_port=self.data_port if grant.lease_id else 0,
         )
 
     async def ReadChunks(  # type: ignore[override]  # yields encoded ChunkFrames

@@ -8,7 +8,7 @@ from kvmesh.api.storage.v1 import peer_pb2
 from kvmesh.rpc.metrics import Series
 from kvmesh.storage.core.peer.fetch import PeerFetcher
 from kvmesh.storage.core.peer.leases import PeerLeases
-from kvmesh.storage.core.peer.ports import TRANSPORT
+from kvmesh.storage.peers.dataplane import PeerDataPlane
 
 SERIES = [
     Series("kvmesh_storage_p2p_enabled", "1 when misses are fetched from peers.", "p2p_enabled"),
@@ -82,10 +82,24 @@ SERIES = [
         "kvmesh_storage_p2p_served_bytes", "Bytes streamed to peers.", "p2p_served_bytes", "counter"
     ),
     Series("kvmesh_storage_p2p_active_leases", "Peer leases alive now.", "p2p_active_leases"),
+    Series(
+        "kvmesh_storage_p2p_data_streams",
+        "Streams served over the TCP data plane.",
+        "p2p_data_streams",
+        "counter",
+    ),
+    Series(
+        "kvmesh_storage_p2p_data_refused",
+        "Data plane connections refused (malformed request, lease not found, too busy).",
+        "p2p_data_refused",
+        "counter",
+    ),
 ]
 
 
-def flat_stats(leases: PeerLeases, fetcher: PeerFetcher | None) -> dict[str, Any]:
+def flat_stats(
+    leases: PeerLeases, fetcher: PeerFetcher | None, data_plane: PeerDataPlane | None = None
+) -> dict[str, Any]:
     """The P2P counters as ``p2p_*`` values (SERIES's keys)."""
     out: dict[str, Any] = {"p2p_enabled": 1 if fetcher is not None else 0}
     fetched = fetcher.stats() if fetcher is not None else {}
@@ -102,17 +116,26 @@ def flat_stats(leases: PeerLeases, fetcher: PeerFetcher | None) -> dict[str, Any
         out[f"p2p_{name}"] = int(fetched.get(name, 0))
     for name, value in leases.stats().items():
         out[f"p2p_{name}"] = int(value)
+    plane = data_plane.stats() if data_plane is not None else {}
+    for name in ("data_streams", "data_refused"):
+        out[f"p2p_{name}"] = int(plane.get(name, 0))
     return out
 
 
 def peer_status(
-    leases: PeerLeases, fetcher: PeerFetcher | None, advertise_address: str
+    leases: PeerLeases,
+    fetcher: PeerFetcher | None,
+    advertise_address: str,
+    *,
+    transport: str,
+    data_port: int,
 ) -> peer_pb2.PeerStatus:
     """GetStatus's ``p2p`` field."""
     stats = flat_stats(leases, fetcher)
     return peer_pb2.PeerStatus(
         enabled=fetcher is not None,
-        transport=TRANSPORT,
+        transport=transport,
+        data_port=data_port,
         advertise_address=advertise_address,
         fetches=stats["p2p_fetches"],
         fetched_chunks=stats["p2p_fetched_chunks"],

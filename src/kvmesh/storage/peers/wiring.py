@@ -1,6 +1,7 @@
 """A storage node's P2P parts, built from its config: what the app wires in.
 
-Always: the PeerService (this node serves its prefixes to peers). With a
+Always: the PeerService (this node serves its prefixes to peers), and unless
+``p2p_data_port`` is -1 the TCP data plane that sends their bytes. With a
 coordinator and ``p2p`` on (the default): the fetcher, handed to the prefetch
 controller as its peer source, so local L1 and L2 misses are fetched from
 peers found in the coordinator's directory.
@@ -20,6 +21,8 @@ from kvmesh.storage.config import StorageConfig, split_advertise_address
 from kvmesh.storage.core.node import StorageNode
 from kvmesh.storage.core.peer.fetch import FetchSettings, PeerFetcher
 from kvmesh.storage.core.peer.leases import PeerLeases
+from kvmesh.storage.core.peer.ports import GRPC_STREAM, TCP_STREAM
+from kvmesh.storage.peers.dataplane import PeerDataPlane
 from kvmesh.storage.peers.malloc import keep_large_allocations
 from kvmesh.storage.peers.servicer import PeerServicer, add_peer_service
 from kvmesh.storage.peers.status import SERIES, flat_stats, peer_status
@@ -43,6 +46,9 @@ class PeerWiring:
             default_ttl_s=config.p2p_lease_ttl,
         )
         self.servicer = PeerServicer(self.leases)
+        self.data_plane: PeerDataPlane | None = None
+        if config.p2p_data_port >= 0:
+            self.data_plane = PeerDataPlane(self.leases, config.host, config.p2p_data_port)
         self.advertise_address = config.advertise_address
         self.fetcher: PeerFetcher | None = None
         if config.coordinator_target and config.p2p:
@@ -51,12 +57,15 @@ class PeerWiring:
             self.fetcher = PeerFetcher(
                 node.manager.l1,
                 CoordinatorPeerDirectory(config.coordinator_target),
-                GrpcPeerLink(instance_id, max_message_bytes=config.max_message_bytes),
+                GrpcPeerLink(
+                    instance_id,
+                    max_message_bytes=config.max_message_bytes,
+                    frame_bytes=config.p2p_frame_bytes,
+                ),
                 instance_id=instance_id,
                 settings=FetchSettings(
                     lookup_timeout_s=config.p2p_lookup_timeout,
                     load_timeout_s=config.p2p_load_timeout,
-                    frame_bytes=config.p2p_frame_bytes,
                     max_in_flight=config.p2p_max_in_flight,
                 ),
             )
@@ -77,6 +86,16 @@ class PeerWiring:
                 self.advertise_address = f"{shown}:{bound_port}"
         return self.advertise_address
 
+    @property
+    def transport(self) -> str:
+        """How this node serves chunk bytes to peers."""
+        return TCP_STREAM if self.data_plane is not None else GRPC_STREAM
+
+    async def start(self) -> None:
+        """Open the data plane (before the node is registered: LockPrefix names its port)."""
+        if self.data_plane is not None:
+            self.servicer.data_port = await self.data_plane.start()
+
     def binding(self) -> ServiceBinding:
         """PeerService on the node's gRPC server."""
 
@@ -88,13 +107,26 @@ class PeerWiring:
     def collector(self, const_labels: Mapping[str, str]) -> Collector:
         """``kvmesh_storage_p2p_*`` series."""
         return StatsCollector(
-            lambda: flat_stats(self.leases, self.fetcher), SERIES, const_labels=dict(const_labels)
+            lambda: flat_stats(self.leases, self.fetcher, self.data_plane),
+            SERIES,
+            const_labels=dict(const_labels),
         )
 
     def status(self) -> peer_pb2.PeerStatus:
         """GetStatus's ``p2p`` field."""
-        return peer_status(self.leases, self.fetcher, self.advertise_address)
+        return peer_status(
+            self.leases,
+            self.fetcher,
+            self.advertise_address,
+            transport=self.transport,
+            data_port=self.servicer.data_port,
+        )
 
-    def close(self) -> None:
-        """Release every lease (the fetcher closes with the prefetch controller)."""
+    async def close(self) -> None:
+        """Stop the data plane's streams, then release every lease.
+
+        (The fetcher closes with the prefetch controller.)
+        """
+        if self.data_plane is not None:
+            await self.data_plane.close()
         self.leases.close()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.api.common.v1 import common_pb2 as kvmesh_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvmesh/storage/v1/peer.proto\x12\x11kvmesh.storage.v1\x1a\x1dkvmesh/common/v1/common.proto\"\x86\x01\n\x11LockPrefixRequest\x12\'\n\x04keys\x18\x01 \x01(\x0b\x32\x19.kvmesh.common.v1.KeyGrid\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x1c\n\x14\x65xpected_incarnation\x18\x03 \x01(\x03\x12\x14\n\x0crequester_id\x18\x04 \x01(\t\"\x92\x01\n\x12LockPrefixResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rlocked_chunks\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_sizes\x18\x03 \x03(\x04\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\x03\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\">\n\x11ReadChunksRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x17\n\x0fmax_frame_bytes\x18\x02 \x01(\r\"?\n\nChunkFrame\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"!\n\rUnlockRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"!\n\x0eUnlockResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\xf2\x02\n\nPeerStatus\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x19\n\x11\x61\x64vertise_address\x18\x03 \x01(\t\x12\x0f\n\x07\x66\x65tches\x18\x04 \x01(\x04\x12\x16\n\x0e\x66\x65tched_chunks\x18\x05 \x01(\x04\x12\x15\n\rfetched_bytes\x18\x06 \x01(\x04\x12\x16\n\x0e\x66\x65tch_failures\x18\x07 \x01(\x04\x12\x19\n\x11\x64irectory_lookups\x18\x08 \x01(\x04\x12\x16\n\x0eleases_granted\x18\t \x01(\x04\x12\x15\n\rserved_chunks\x18\n \x01(\x04\x12\x14\n\x0cserved_bytes\x18\x0b \x01(\x04\x12\x15\n\ractive_leases\x18\x0c \x01(\r\x12\x16\n\x0eleases_expired\x18\r \x01(\x04\x12\x16\n\x0ejoined_fetches\x18\x0e \x01(\x04\x12\x0e\n\x06misses\x18\x0f \x01(\x04\x12\x16\n\x0ereceived_bytes\x18\x10 \x01(\x04\x32\x8c\x02\n\x0bPeerService\x12Y\n\nLockPrefix\x12$.kvmesh.storage.v1.LockPrefixRequest\x1a%.kvmesh.storage.v1.LockPrefixResponse\x12S\n\nReadChunks\x12$.kvmesh.storage.v1.ReadChunksRequest\x1a\x1d.kvmesh.storage.v1.ChunkFrame0\x01\x12M\n\x06Unlock\x12 .kvmesh.storage.v1.UnlockRequest\x1a!.kvmesh.storage.v1.UnlockResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvmesh/storage/v1/peer.proto\x12\x11kvmesh.storage.v1\x1a\x1dkvmesh/common/v1/common.proto\"\x86\x01\n\x11LockPrefixRequest\x12\'\n\x04keys\x18\x01 \x01(\x0b\x32\x19.kvmesh.common.v1.KeyGrid\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x1c\n\x14\x65xpected_incarnation\x18\x03 \x01(\x03\x12\x14\n\x0crequester_id\x18\x04 \x01(\t\"\xa5\x01\n\x12LockPrefixResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rlocked_chunks\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_sizes\x18\x03 \x03(\x04\x12\x13\n\x0binstance_id\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\x03\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\x12\x11\n\tdata_port\x18\x07 \x01(\r\">\n\x11ReadChunksRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x17\n\x0fmax_frame_bytes\x18\x02 \x01(\r\"?\n\nChunkFrame\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"!\n\rUnlockRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"!\n\x0eUnlockResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x85\x03\n\nPeerStatus\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x19\n\x11\x61\x64vertise_address\x18\x03 \x01(\t\x12\x0f\n\x07\x66\x65tches\x18\x04 \x01(\x04\x12\x16\n\x0e\x66\x65tched_chunks\x18\x05 \x01(\x04\x12\x15\n\rfetched_bytes\x18\x06 \x01(\x04\x12\x16\n\x0e\x66\x65tch_failures\x18\x07 \x01(\x04\x12\x19\n\x11\x64irectory_lookups\x18\x08 \x01(\x04\x12\x16\n\x0eleases_granted\x18\t \x01(\x04\x12\x15\n\rserved_chunks\x18\n \x01(\x04\x12\x14\n\x0cserved_bytes\x18\x0b \x01(\x04\x12\x15\n\ractive_leases\x18\x0c \x01(\r\x12\x16\n\x0eleases_expired\x18\r \x01(\x04\x12\x16\n\x0ejoined_fetches\x18\x0e \x01(\x04\x12\x0e\n\x06misses\x18\x0f \x01(\x04\x12\x16\n\x0ereceived_bytes\x18\x10 \x01(\x04\x12\x11\n\tdata_port\x18\x11 \x01(\r2\x8c\x02\n\x0bPeerService\x12Y\n\nLockPrefix\x12$.kvmesh.storage.v1.LockPrefixRequest\x1a%.kvmesh.storage.v1.LockPrefixResponse\x12S\n\nReadChunks\x12$.kvmesh.storage.v1.ReadChunksRequest\x1a\x1d.kvmesh.storage.v1.ChunkFrame0\x01\x12M\n\x06Unlock\x12 .kvmesh.storage.v1.UnlockRequest\x1a!.kvmesh.storage.v1.UnlockResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOCKPREFIXREQUEST']._serialized_start=83
   _globals['_LOCKPREFIXREQUEST']._serialized_end=217
   _globals['_LOCKPREFIXRESPONSE']._serialized_start=220
-  _globals['_LOCKPREFIXRESPONSE']._serialized_end=366
-  _globals['_READCHUNKSREQUEST']._serialized_start=368
-  _globals['_READCHUNKSREQUEST']._serialized_end=430
-  _globals['_CHUNKFRAME']._serialized_start=432
-  _globals['_CHUNKFRAME']._serialized_end=495
-  _globals['_UNLOCKREQUEST']._serialized_start=497
-  _globals['_UNLOCKREQUEST']._serialized_end=530
-  _globals['_UNLOCKRESPONSE']._serialized_start=532
-  _globals['_UNLOCKRESPONSE']._serialized_end=565
-  _globals['_PEERSTATUS']._serialized_start=568
-  _globals['_PEERSTATUS']._serialized_end=938
-  _globals['_PEERSERVICE']._serialized_start=941
-  _globals['_PEERSERVICE']._serialized_end=1209
+  _globals['_LOCKPREFIXRESPONSE']._serialized_end=385
+  _globals['_READCHUNKSREQUEST']._serialized_start=387
+  _globals['_READCHUNKSREQUEST']._serialized_end=449
+  _globals['_CHUNKFRAME']._serialized_start=451
+  _globals['_CHUNKFRAME']._serialized_end=514
+  _globals['_UNLOCKREQUEST']._serialized_start=516
+  _globals['_UNLOCKREQUEST']._serialized_end=549
+  _globals['_UNLOCKRESPONSE']._serialized_start=551
+  _globals['_UNLOCKRESPONSE']._serialized_end=584
+  _globals['_PEERSTATUS']._serialized_start=587
+  _globals['_PEERSTATUS']._serialized_end=976
+  _globals['_PEERSERVICE']._serialized_start=979
+  _globals['_PEERSERVICE']._serialized_end=1247
 # @@protoc_insertion_point(module_scope)

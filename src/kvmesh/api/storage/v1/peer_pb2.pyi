@@ -8,9 +8,31 @@ and unlocks.
 
 Callers: other storage nodes only (kvmesh's P2P fetch), at the address this
 node advertised when it registered with the coordinator
-(InstanceEndpoints.storage_address; --advertise-address). The transport is
-this gRPC byte stream: NIXL's transfer backends cannot run on the hosts
-kvmesh is tested on, so GetStatus reports the transport as "grpc-stream".
+(InstanceEndpoints.storage_address; --advertise-address). Control (lock,
+unlock) is gRPC. The bytes go over one of two transports (NIXL's transfer
+backends cannot run on the hosts kvmesh is tested on):
+
+- "tcp-stream" (the default): a plain TCP connection to the data port that
+  LockPrefixResponse names, on the host of the advertised address. The
+  peer writes the chunks straight from its L1 memory and the asking node
+  reads them straight into its staged L1 objects: no message framing, no
+  copies in user space. Wire format, little-endian, one lease per
+  connection:
+    asker -> peer, once:  "KVMR" | u16 version (1) | u16 n | n bytes lease_id
+    peer -> asker, records of a 16-byte header and a body:
+      "KVMC" | u32 chunk_index | u64 nbytes | nbytes of the chunk
+      "KVME" | u32 status      | u64 n      | n bytes of UTF-8 message
+  Chunks come in the lease's column-major order, each whole; exactly one
+  "KVME" record ends the stream (status is a google.rpc.Code: OK once every
+  chunk was sent; NOT_FOUND for an unknown, expired or already read lease;
+  INVALID_ARGUMENT for a malformed request; RESOURCE_EXHAUSTED when the
+  peer serves too many streams). A connection that closes before "KVME"
+  broke mid-stream: the asker keeps only the chunks it received whole. The
+  lease ends with the connection, as with ReadChunks.
+- "grpc-stream": ReadChunks below, for a peer that offers no data port
+  (--p2p-data-port -1).
+
+GetStatus reports which one this node serves (PeerStatus.transport).
 
 A peer serves exactly the keys of the request's KeyGrid (model_name,
 cache_salt, object_group_id and kv ranks are part of every key, so one
@@ -81,6 +103,7 @@ class LockPrefixResponse(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
+    DATA_PORT_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     """Empty when no chunk is locked."""
     locked_chunks: _builtins.int
@@ -89,6 +112,10 @@ class LockPrefixResponse(_message.Message):
     incarnation: _builtins.int
     lease_ttl_ms: _builtins.int
     """The lease's TTL in effect (the request's, clamped to the node's read TTL)."""
+    data_port: _builtins.int
+    """The TCP port of this node's data plane ("tcp-stream" above), on the host
+    of its advertised address; 0 when it offers none (read with ReadChunks).
+    """
     @_builtins.property
     def chunk_sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Size of each locked chunk, column-major: chunk_sizes[c * rows + r]."""
@@ -102,10 +129,11 @@ class LockPrefixResponse(_message.Message):
         instance_id: _builtins.str = ...,
         incarnation: _builtins.int = ...,
         lease_ttl_ms: _builtins.int = ...,
+        data_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_sizes", b"chunk_sizes", "incarnation", b"incarnation", "instance_id", b"instance_id", "lease_id", b"lease_id", "lease_ttl_ms", b"lease_ttl_ms", "locked_chunks", b"locked_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_sizes", b"chunk_sizes", "data_port", b"data_port", "incarnation", b"incarnation", "instance_id", b"instance_id", "lease_id", b"lease_id", "lease_ttl_ms", b"lease_ttl_ms", "locked_chunks", b"locked_chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -221,9 +249,12 @@ class PeerStatus(_message.Message):
     JOINED_FETCHES_FIELD_NUMBER: _builtins.int
     MISSES_FIELD_NUMBER: _builtins.int
     RECEIVED_BYTES_FIELD_NUMBER: _builtins.int
+    DATA_PORT_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     transport: _builtins.str
-    """"grpc-stream" (NIXL backends cannot run here)."""
+    """How this node serves chunk bytes to peers: "tcp-stream" (its data
+    plane, see the top of this file) or "grpc-stream" (ReadChunks only).
+    """
     advertise_address: _builtins.str
     """Where peers reach this node."""
     fetches: _builtins.int
@@ -252,6 +283,8 @@ class PeerStatus(_message.Message):
     """Asking side: bytes of chunk frames received from peers, counted as they
     arrive (whole or not; only whole chunks are kept, see fetched_bytes).
     """
+    data_port: _builtins.int
+    """The TCP port of the data plane ("tcp-stream"); 0 when it is off."""
     def __init__(
         self,
         *,
@@ -271,10 +304,11 @@ class PeerStatus(_message.Message):
         joined_fetches: _builtins.int = ...,
         misses: _builtins.int = ...,
         received_bytes: _builtins.int = ...,
+        data_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "advertise_address", b"advertise_address", "directory_lookups", b"directory_lookups", "enabled", b"enabled", "fetch_failures", b"fetch_failures", "fetched_bytes", b"fetched_bytes", "fetched_chunks", b"fetched_chunks", "fetches", b"fetches", "joined_fetches", b"joined_fetches", "leases_expired", b"leases_expired", "leases_granted", b"leases_granted", "misses", b"misses", "received_bytes", b"received_bytes", "served_bytes", b"served_bytes", "served_chunks", b"served_chunks", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "advertise_address", b"advertise_address", "data_port", b"data_port", "directory_lookups", b"directory_lookups", "enabled", b"enabled", "fetch_failures", b"fetch_failures", "fetched_bytes", b"fetched_bytes", "fetched_chunks", b"fetched_chunks", "fetches", b"fetches", "joined_fetches", b"joined_fetches", "leases_expired", b"leases_expired", "leases_granted", b"leases_granted", "misses", b"misses", "received_bytes", b"received_bytes", "served_bytes", b"served_bytes", "served_chunks", b"served_chunks", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

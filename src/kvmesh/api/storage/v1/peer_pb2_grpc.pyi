@@ -8,9 +8,31 @@ and unlocks.
 
 Callers: other storage nodes only (kvmesh's P2P fetch), at the address this
 node advertised when it registered with the coordinator
-(InstanceEndpoints.storage_address; --advertise-address). The transport is
-this gRPC byte stream: NIXL's transfer backends cannot run on the hosts
-kvmesh is tested on, so GetStatus reports the transport as "grpc-stream".
+(InstanceEndpoints.storage_address; --advertise-address). Control (lock,
+unlock) is gRPC. The bytes go over one of two transports (NIXL's transfer
+backends cannot run on the hosts kvmesh is tested on):
+
+- "tcp-stream" (the default): a plain TCP connection to the data port that
+  LockPrefixResponse names, on the host of the advertised address. The
+  peer writes the chunks straight from its L1 memory and the asking node
+  reads them straight into its staged L1 objects: no message framing, no
+  copies in user space. Wire format, little-endian, one lease per
+  connection:
+    asker -> peer, once:  "KVMR" | u16 version (1) | u16 n | n bytes lease_id
+    peer -> asker, records of a 16-byte header and a body:
+      "KVMC" | u32 chunk_index | u64 nbytes | nbytes of the chunk
+      "KVME" | u32 status      | u64 n      | n bytes of UTF-8 message
+  Chunks come in the lease's column-major order, each whole; exactly one
+  "KVME" record ends the stream (status is a google.rpc.Code: OK once every
+  chunk was sent; NOT_FOUND for an unknown, expired or already read lease;
+  INVALID_ARGUMENT for a malformed request; RESOURCE_EXHAUSTED when the
+  peer serves too many streams). A connection that closes before "KVME"
+  broke mid-stream: the asker keeps only the chunks it received whole. The
+  lease ends with the connection, as with ReadChunks.
+- "grpc-stream": ReadChunks below, for a peer that offers no data port
+  (--p2p-data-port -1).
+
+GetStatus reports which one this node serves (PeerStatus.transport).
 
 A peer serves exactly the keys of the request's KeyGrid (model_name,
 cache_salt, object_group_id and kv ranks are part of every key, so one

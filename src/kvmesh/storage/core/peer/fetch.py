@@ -14,11 +14,12 @@ The prefetch controller hands a request's missing columns to
 3. read-locks the prefix there (``LockPrefix`` with the incarnation the
    coordinator reported: a restarted peer refuses it), within the lookup
    timeout;
-4. stages one L1 object per chunk, streams the bytes (``ReadChunks``, bounded
-   frames written straight into the staged objects) within the load timeout,
-   and checks every frame: chunk index in range, offsets in order, no byte
-   beyond the size the peer announced (which must match the request's chunk
-   size when it has one);
+4. stages one L1 object per chunk and receives the bytes straight into them
+   within the load timeout (over the peer's TCP data plane, or its
+   ``ReadChunks`` stream when it has none: the link's choice), checking
+   every piece before it is written: chunk index in range, offsets in order,
+   no byte beyond the size the peer announced (which must match the
+   request's chunk size when it has one);
 5. publishes the columns that arrived whole, in order, as an ordinary store
    (resident objects that the node's events report as STORE/L1, written
    through to L2 like any store), read-locked for the asking prefetch;
@@ -67,7 +68,6 @@ _tracer = trace.get_tracer("kvmesh.storage.p2p")
 
 DEFAULT_LOOKUP_TIMEOUT_S = 30.0
 DEFAULT_LOAD_TIMEOUT_S = 30.0
-DEFAULT_FRAME_BYTES = 1024 * 1024
 DEFAULT_MAX_IN_FLIGHT = 4
 
 Cell = tuple[int, int]  # (row, column)
@@ -79,7 +79,6 @@ class FetchSettings:
 
     lookup_timeout_s: float = DEFAULT_LOOKUP_TIMEOUT_S
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S
-    frame_bytes: int = DEFAULT_FRAME_BYTES
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
 
 
@@ -154,6 +153,49 @@ def pick_peer(
         if best is None or score > best[:2]:
             best = (*score, peers[instance])
     return (best[2], best[0]) if best else (None, 0)
+
+
+class _Sink:
+    """A transfer's staged objects as the link's FrameSink: every piece checked first.
+
+    A piece must continue its chunk (in order, within the size the peer
+    announced); chunks beyond what this node could stage stop the stream, and
+    chunks that were already resident here are read into a scratch buffer and
+    dropped.
+    """
+
+    def __init__(self, fetcher: PeerFetcher, peer: PeerTarget, t: _Transfer, limit: int) -> None:
+        self.fetcher = fetcher
+        self.peer = peer
+        self.t = t
+        self.limit = limit
+        self._scratch = bytearray()
+
+    def place(self, index: int, offset: int, nbytes: int) -> memoryview | None:
+        t = self.t
+        if self.fetcher.closing:
+            t.problem = "this node is closing"
+            return None
+        if not 0 <= index < len(t.sizes) or offset != t.received[index]:
+            logger.warning("P2P: %s sent frame %d@%d out of order", self.peer, index, offset)
+            t.problem = f"frame {index}@{offset} out of order"
+            return None
+        if offset + nbytes > t.sizes[index]:
+            logger.warning("P2P: %s sent more bytes than chunk %d holds", self.peer, index)
+            t.problem = f"more bytes than chunk {index} holds"
+            return None
+        if index >= self.limit:
+            return None  # beyond what this node could stage: the rest is not needed
+        obj = t.staged.get(t.cell(index))
+        if obj is not None:
+            return obj.view()[offset : offset + nbytes]
+        if len(self._scratch) < nbytes:
+            self._scratch = bytearray(nbytes)
+        return memoryview(self._scratch)[:nbytes]
+
+    def wrote(self, index: int, nbytes: int) -> None:
+        self.t.received[index] += nbytes
+        self.fetcher.count_received(nbytes)
 
 
 class PeerFetcher:
@@ -411,41 +453,13 @@ class PeerFetcher:
 
     def _receive(self, peer: PeerTarget, lease: PeerLease, t: _Transfer, columns: int) -> int:
         """Stream the lease into the staged objects; the columns received whole, in order."""
-        limit = columns * t.height
-        frames = self.link.read(
-            peer, lease.lease_id, self.settings.frame_bytes, self.settings.load_timeout_s
-        )
+        sink = _Sink(self, peer, t, columns * t.height)
         try:
-            for index, offset, data in frames:
-                if self._closing.is_set():
-                    t.problem = "this node is closing"
-                    break
-                if not 0 <= index < len(t.sizes) or offset != t.received[index]:
-                    logger.warning("P2P: %s sent frame %d@%d out of order", peer, index, offset)
-                    t.problem = f"frame {index}@{offset} out of order"
-                    break
-                if offset + len(data) > t.sizes[index]:
-                    logger.warning("P2P: %s sent more bytes than chunk %d holds", peer, index)
-                    t.problem = f"more bytes than chunk {index} holds"
-                    break
-                if index >= limit:
-                    break  # beyond what this node could stage: the rest is not needed
-                obj = t.staged.get(t.cell(index))
-                if obj is not None:
-                    obj.view()[offset : offset + len(data)] = data
-                t.received[index] = offset + len(data)
-                with self._lock:
-                    self._counters.received_bytes += len(data)
-            else:
-                t.complete = True
+            t.complete = self.link.read(peer, lease, sink, self.settings.load_timeout_s)
         except PeerUnavailable as exc:
             logger.info("P2P: stream from %s ended early: %s", peer.instance_id, exc)
             t.error = exc
-            t.problem = "the stream ended early"
-        finally:
-            close = getattr(frames, "close", None)
-            if close is not None:
-                close()  # cancels the call when we stopped early: the peer ends the lease
+            t.problem = t.problem or "the stream ended early"
         whole = 0
         for c in range(columns):
             cells = range(c * t.height, (c + 1) * t.height)
@@ -484,6 +498,16 @@ class PeerFetcher:
         if t.staged:
             self.l1.finish_write_and_delete([t.key(c) for c in t.staged], tag=t.tag)
             t.staged.clear()
+
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closing.is_set()
+
+    def count_received(self, nbytes: int) -> None:
+        """Count bytes of a stream as they arrive (the ``received_bytes`` counter)."""
+        with self._lock:
+            self._counters.received_bytes += nbytes
 
     def _count(self, *, failure: bool = False, miss: bool = False) -> None:
         with self._lock:

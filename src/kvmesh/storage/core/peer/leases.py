@@ -13,11 +13,21 @@ that ends, releasing every lock once, on the first of:
 - its TTL (a timer on the event loop; the TTL is clamped to the L1 read-lock
   TTL so the lease always ends before the L1 locks could lapse).
 
-A stream checks its lease before every frame and copies a frame's bytes
-while the lease still holds the lock (all on the event loop, so an expiry
-cannot fall inside a copy): a frame is never read from memory that was
-handed to another object. A stream whose lease expires stops with
-DEADLINE_EXCEEDED, and the peer keeps only the chunks it received whole.
+Two kinds of stream read a lease (each lease is read once):
+
+- ``read`` (gRPC's ReadChunks) checks its lease before every frame and
+  copies a frame's bytes while the lease still holds the lock (all on the
+  event loop, so an expiry cannot fall inside a copy). A stream whose lease
+  expires stops with DEADLINE_EXCEEDED.
+- ``open_stream`` / ``close_stream`` (the TCP data plane) hand out views of
+  the chunks' L1 memory, which a sender thread writes to its socket without
+  a copy. Such a stream must stop reading that memory by its ``deadline``
+  (the lease's TTL, which ends before the L1 read locks could lapse), and an
+  expiry while it is open does not release the locks under it: the release
+  waits for ``close_stream``.
+
+Either way a frame is never read from memory that was handed to another
+object, and the peer keeps only the chunks it received whole.
 
 Everything here runs on the event loop.
 """
@@ -27,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
@@ -60,8 +71,23 @@ class _Lease:
     requester: str
     keys: list[ObjectKey]  # column-major over the locked prefix
     sizes: list[int]
+    deadline: float = 0.0  # time.monotonic() when the TTL ends
     timer: asyncio.TimerHandle | None = None
     reading: bool = False
+    streaming: bool = False  # open_stream handed out its memory (close_stream frees it)
+    ended: bool = False  # released, but a stream still reads its memory
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkStream:
+    """A lease's chunks as views of L1 memory, for one zero-copy stream."""
+
+    lease_id: str
+    #: Whole chunks in the lease's column-major order, up to the first one
+    #: deleted by force since the lock.
+    views: list[memoryview]
+    #: ``time.monotonic()`` by which the stream stops reading ``views``.
+    deadline: float
 
 
 class PeerLeases:
@@ -137,7 +163,7 @@ class PeerLeases:
         if not keys:
             return LeaseGrant("", 0, (), ttl_s)
         lease_id = f"lease-{next(self._ids)}-{uuid.uuid4().hex[:12]}"
-        lease = _Lease(lease_id, requester, keys, sizes)
+        lease = _Lease(lease_id, requester, keys, sizes, time.monotonic() + ttl_s)
         lease.timer = asyncio.get_running_loop().call_later(ttl_s, self._expire, lease_id)
         self._leases[lease_id] = lease
         self.leases_granted += 1
@@ -185,19 +211,58 @@ class PeerLeases:
         finally:
             self.release(lease_id)
 
+    def open_stream(self, lease_id: str) -> ChunkStream:
+        """Hand a lease's chunk memory to one zero-copy stream (NOT_FOUND: unknown or read).
+
+        The locks stay held until :meth:`close_stream`, whatever happens to
+        the lease meanwhile (Unlock, TTL): the stream's sender may still be
+        reading the memory, until its ``deadline`` at the latest.
+        """
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.reading:
+            raise NotFound(
+                f"lease {lease_id!r} is unknown, expired, released or already read",
+                reason="LEASE_NOT_FOUND",
+            )
+        lease.reading = lease.streaming = True
+        _, objects = self.node.manager.l1.unsafe_read(lease.keys)
+        views: list[memoryview] = []
+        for key, size in zip(lease.keys, lease.sizes, strict=True):
+            obj = objects.get(key)
+            if obj is None:
+                break  # deleted by force meanwhile: the peer keeps what came whole
+            views.append(obj.view()[:size])
+        return ChunkStream(lease_id, views, lease.deadline)
+
+    def close_stream(self, stream: ChunkStream, sent_chunks: int, sent_bytes: int) -> None:
+        """The stream no longer reads its memory: count what it sent, end the lease."""
+        self.served_chunks += sent_chunks
+        self.served_bytes += sent_bytes
+        lease = self._leases.get(stream.lease_id)
+        if lease is not None:
+            self._free(lease)
+
     def release(self, lease_id: str) -> bool:
         """End a lease: release its locks once. False when it was not alive."""
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.ended:
             return False
+        lease.ended = True
+        if not lease.streaming:  # else a sender still reads the memory: close_stream frees it
+            self._free(lease)
+        return True
+
+    def _free(self, lease: _Lease) -> None:
+        """Forget a lease and release its locks (once)."""
         if lease.timer is not None:
             lease.timer.cancel()
-        self.node.manager.finish_read(lease.keys, 1)
-        return True
+            lease.timer = None
+        if self._leases.pop(lease.lease_id, None) is not None:
+            self.node.manager.finish_read(lease.keys, 1)
 
     def _expire(self, lease_id: str) -> None:
         lease = self._leases.get(lease_id)
-        if lease is None:
+        if lease is None or lease.ended:
             return
         logger.info("P2P lease %s of %s expired; releasing its locks", lease_id, lease.requester)
         self.leases_expired += 1
@@ -205,9 +270,9 @@ class PeerLeases:
         self.release(lease_id)
 
     def close(self) -> None:
-        """Release every lease (shutdown)."""
-        for lease_id in list(self._leases):
-            self.release(lease_id)
+        """Release every lease (shutdown, after the data plane's senders stopped)."""
+        for lease in list(self._leases.values()):
+            self._free(lease)
 
     def _check(self, rows: Sequence[Sequence[ObjectKey]], ttl_ms: int) -> None:
         if not rows:
@@ -235,5 +300,5 @@ class PeerLeases:
             "leases_expired": self.leases_expired,
             "served_chunks": self.served_chunks,
             "served_bytes": self.served_bytes,
-            "active_leases": len(self._leases),
+            "active_leases": sum(1 for lease in self._leases.values() if not lease.ended),
         }

@@ -10,14 +10,16 @@ as a miss.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvmesh.common.keys import ObjectKey
 
-#: The transport of P2P bytes on this build (NIXL's backends cannot run here).
-TRANSPORT = "grpc-stream"
+#: The transports of P2P bytes (NIXL's backends cannot run here): the data plane's
+#: plain TCP stream, and the PeerService's ReadChunks (for a peer with no data port).
+TCP_STREAM = "tcp-stream"
+GRPC_STREAM = "grpc-stream"
 
 
 class PeerUnavailable(Exception):
@@ -40,6 +42,29 @@ class PeerLease:
     lease_id: str
     locked_chunks: int
     chunk_sizes: tuple[int, ...]
+    #: The peer's TCP data port (0: it offers none, read over ReadChunks).
+    data_port: int = 0
+
+
+class FrameSink(Protocol):
+    """Where a link writes the bytes it receives (the fetcher's staged objects).
+
+    A link asks :meth:`place` for the memory of each piece of a chunk before it
+    reads the piece, writes exactly there, then reports it with :meth:`wrote`,
+    so a transport that can receive into memory (TCP's ``recv_into``) does.
+    """
+
+    def place(self, index: int, offset: int, nbytes: int) -> memoryview | None:
+        """Memory for bytes ``[offset, offset + nbytes)`` of chunk ``index``.
+
+        None: stop the stream here (a piece out of order or too large, a chunk
+        not needed, or this node is closing); the link then ends it.
+        """
+        ...
+
+    def wrote(self, index: int, nbytes: int) -> None:
+        """``nbytes`` more bytes of chunk ``index`` are in place."""
+        ...
 
 
 class PeerDirectory(Protocol):
@@ -71,10 +96,12 @@ class PeerLink(Protocol):
         """Read-lock the longest prefix of ``rows``'s columns the peer holds."""
         ...
 
-    def read(
-        self, peer: PeerTarget, lease_id: str, frame_bytes: int, timeout: float
-    ) -> Iterator[tuple[int, int, memoryview]]:
-        """The lease's frames as ``(chunk_index, offset, data)``; ends the lease when done."""
+    def read(self, peer: PeerTarget, lease: PeerLease, sink: FrameSink, timeout: float) -> bool:
+        """Receive the lease's chunks into ``sink``; the peer ends the lease with the stream.
+
+        True when the stream ended normally (every chunk sent); False when the
+        sink stopped it. Raises PeerUnavailable when it broke or timed out.
+        """
         ...
 
     def unlock(self, peer: PeerTarget, lease_id: str, timeout: float) -> None:
@@ -84,3 +111,17 @@ class PeerLink(Protocol):
     def close(self) -> None:
         """Cancel running reads and close every connection."""
         ...
+
+
+def deliver(frames: Iterable[tuple[int, int, memoryview | bytes]], sink: FrameSink) -> bool:
+    """Copy ``(chunk_index, offset, data)`` frames into ``sink``; False when it stopped them.
+
+    For a transport that hands out its frames as buffers (gRPC's ReadChunks).
+    """
+    for index, offset, data in frames:
+        view = sink.place(index, offset, len(data))
+        if view is None:
+            return False
+        view[:] = data
+        sink.wrote(index, len(data))
+    return True
