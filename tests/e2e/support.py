@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.coordinator.v1 import directory_pb2
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.cli.fleet import Fleet, FleetOptions
+from kvmesh.coordinator.client import DirectoryClient
 from kvmesh.engine import Engine, ModelConfig, RequestOutput
 from kvmesh.storage.client import StorageClient
 
@@ -56,27 +58,53 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, MODEL.vocab_size, (n,), generator=gen).tolist()
 
 
-def stored_chunks(storage: str, tier: int, cache_salt: str) -> int:
-    """Objects of ``cache_salt`` a storage node lists in ``tier``."""
+def stored_keys(storage: str, tier: int, cache_salt: str) -> list[common_pb2.ObjectKey]:
+    """The keys of ``cache_salt`` a storage node lists in ``tier``."""
 
-    async def count() -> int:
+    async def collect() -> list[common_pb2.ObjectKey]:
         client = StorageClient(storage)
         try:
-            total, token = 0, ""
+            keys: list[common_pb2.ObjectKey] = []
+            token = ""
             while True:
                 resp = await client.list_objects(
                     storage_pb2.ListObjectsRequest(
                         tier=tier, model_name=MODEL_NAME, page_token=token
                     )  # type: ignore[arg-type]
                 )
-                total += sum(1 for o in resp.objects if o.key.cache_salt == cache_salt)
+                keys += [o.key for o in resp.objects if o.key.cache_salt == cache_salt]
                 token = resp.next_page_token
                 if not token:
-                    return total
+                    return keys
         finally:
             await client.close()
 
-    return asyncio.run(count())
+    return asyncio.run(collect())
+
+
+def stored_chunks(storage: str, tier: int, cache_salt: str) -> int:
+    """Objects of ``cache_salt`` a storage node lists in ``tier``."""
+    return len(stored_keys(storage, tier, cache_salt))
+
+
+def placed_in_directory(coordinator: str, storage: str, cache_salt: str) -> bool:
+    """Whether the coordinator's directory places every L1 key of ``cache_salt`` that
+    ``storage`` holds on that node (at least one key)."""
+    keys = stored_keys(storage, L1, cache_salt)
+
+    async def instance_id() -> str:
+        node = StorageClient(storage)
+        try:
+            return str((await node.get_status(storage_pb2.GetStatusRequest())).instance_id)
+        finally:
+            await node.close()
+
+    instance = asyncio.run(instance_id())
+    with DirectoryClient(coordinator) as directory:
+        found = directory.lookup(directory_pb2.LookupRequest(keys=directory_pb2.KeyList(keys=keys)))
+    return bool(keys) and all(
+        any(p.instance_id == instance for p in r.placements) for r in found.results
+    )
 
 
 def run_prompt(engine: Engine, prompt: list[int], salt: str) -> RequestOutput:

@@ -18,7 +18,16 @@ from kvmesh.cli import fleetfile
 from kvmesh.cli.fleet import Fleet
 from kvmesh.cli.status import node_links, render_links
 from kvmesh.engine import Engine, EngineConfig
-from tests.e2e.support import L1, MODEL, run_prompt, same_output, start_fleet, stored_chunks, tokens
+from tests.e2e.support import (
+    L1,
+    MODEL,
+    placed_in_directory,
+    run_prompt,
+    same_output,
+    start_fleet,
+    stored_chunks,
+    tokens,
+)
 from tests.support.waiting import wait_until
 
 
@@ -48,16 +57,19 @@ def test_an_engine_on_node_1_gets_node_0s_prefix_through_p2p(fleet_without_l2: F
     assert cold.tokens_from_cache == 0
     wait_until(lambda: stored_chunks(fleet.endpoint("node-0-storage"), L1, salt) == 4, timeout=60)
     assert stored_chunks(fleet.endpoint("node-1-storage"), L1, salt) == 0
-
-    def warm_run() -> object:
-        # The directory learns node 0's chunks through its event stream: until then,
-        # node 1 misses (a clean miss), so ask until it hits.
-        with engine_on(1) as second:
-            out = run_prompt(second, prompt, salt)
-        return out if out.tokens_from_cache == 1024 else None
-
-    warm = wait_until(warm_run, timeout=60, interval=0.5)
-    assert same_output(warm, cold)  # type: ignore[arg-type]
+    # The directory learns node 0's chunks through its event stream; node 1 asked
+    # before that would miss, compute the prompt and hold it itself.
+    wait_until(
+        lambda: placed_in_directory(
+            fleet.endpoint("coordinator"), fleet.endpoint("node-0-storage"), salt
+        ),
+        timeout=60,
+        message="the directory never placed node 0's chunks",
+    )
+    with engine_on(1) as second:
+        warm = run_prompt(second, prompt, salt)
+    assert warm.tokens_from_cache == 1024
+    assert same_output(warm, cold)
     # Node 1 now holds the prefix itself (an ordinary store, reported as such).
     assert stored_chunks(fleet.endpoint("node-1-storage"), L1, salt) == 4
     # kvmesh status shows the traffic per node: node 1 fetched 4 chunks, node 0 served them.

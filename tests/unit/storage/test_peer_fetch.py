@@ -42,8 +42,10 @@ class Directory:
         self.map = holders
         self.live = peers
         self.fail = False
+        self.holder_calls = 0
 
     def holders(self, keys: Sequence[ObjectKey], timeout: float) -> list[frozenset[str]]:
+        self.holder_calls += 1
         if self.fail:
             raise PeerUnavailable("coordinator down")
         return [frozenset(self.map.get(k, set())) for k in keys]
@@ -323,5 +325,23 @@ def test_a_peer_that_locks_nothing_is_a_counted_miss(l1: L1Manager) -> None:
         stats = f.stats()
         assert (stats["misses"], stats["fetch_failures"], stats["received_bytes"]) == (1, 0, 0)
         assert l1.staging_count == 0
+    finally:
+        f.close()
+
+
+@pytest.mark.parametrize("live", [{}, {"node-b": PeerTarget("node-b", "127.0.0.1:2", 1)}])
+def test_a_node_alone_in_its_fleet_misses_without_asking_the_directory(
+    l1: L1Manager, live: dict[str, PeerTarget]
+) -> None:
+    ks = keys(2)
+    link = Link(held=2)
+    directory = Directory({k: {"node-a"} for k in ks}, live)
+    f = PeerFetcher(l1, directory, link, instance_id="node-b")
+    try:
+        assert f.fetch("r", [ks], 1, None) == 0
+        assert directory.holder_calls == 0
+        assert link.locks == 0
+        stats = f.stats()
+        assert (stats["misses"], stats["directory_lookups"], stats["fetch_failures"]) == (1, 0, 0)
     finally:
         f.close()

@@ -4,9 +4,10 @@ The prefetch controller hands a request's missing columns to
 :class:`PeerFetcher` (its ``PeerSource``), which on one of its own threads
 (``kvmesh-p2p``, so a slow peer never holds a prefetch worker):
 
-1. asks the coordinator's directory which instances hold each key (in L1 or
-   in a private L2; a shared pool is this node's own L2 already) and which
-   instances are alive, with their advertised address and incarnation;
+1. asks the coordinator which instances are alive, with their advertised
+   address and incarnation (cached for a second; with no other instance the
+   miss ends here), and its directory which of them hold each key (in L1 or
+   in a private L2; a shared pool is this node's own L2 already);
 2. picks one peer: the one holding the **longest prefix** of the columns in
    every row; ties go to the highest **rendezvous hash** of (instance id,
    first chunk hash), so concurrent askers of one prefix agree on a peer
@@ -337,10 +338,16 @@ class PeerFetcher:
         settings = self.settings
         deadline = time.monotonic() + settings.lookup_timeout_s
         try:
+            # Who is alive first (cached for a second): a node alone in its fleet has
+            # nobody to fetch from, and its misses skip the directory lookup.
+            peers = self.directory.peers(_left(deadline))
+            if not any(instance != self.instance_id for instance in peers):
+                self._count(miss=True)
+                span.set_attribute("kvmesh.p2p.outcome", "miss")
+                return 0
             with self._lock:
                 self._counters.directory_lookups += 1
             holders = self.directory.holders([k for row in rows for k in row], _left(deadline))
-            peers = self.directory.peers(_left(deadline))
         except PeerUnavailable as exc:
             logger.info("P2P %s: directory unavailable: %s", request_id, exc)
             self._count(failure=True)
