@@ -12,8 +12,9 @@ One layer is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; inside one
   16 tokens, each ``[head_dim / 2][16][2]``; V in tiles of 16 dims, each
   ``[block_size / 2][16][2]``: a transpose at the grain of one or two
   elements, which no strided view or run copy expresses. On the CPU the
-  native kernel (``kvmesh_amx_tiles`` in ``_native/ntcopy.c``) moves them in
-  one pass per layer on the calling thread (measured 16 MiB: 4-6 ms; torch
+  native kernel (``kvmesh_amx_tiles`` in ``_native/ntcopy.c``, with AVX2 for
+  2-byte elements) moves them in one pass per layer on the calling thread
+  (measured 16 MiB: 4-6 ms; torch
   takes 17-22 ms on two threads and twice that beside a busy engine); without
   it (no compiler, a GPU, or while it builds) each plane moves through a table
   of element offsets (:func:`head_offsets`), one indexed read or write per
