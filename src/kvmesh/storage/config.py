@@ -102,6 +102,11 @@ class StorageConfig(ServerSettings):
         1024**2, "largest frame of a P2P byte stream (1 MiB measured best; kvmesh bench p2p)"
     )
     p2p_max_in_flight: int = setting(4, "P2P fetches running at once")
+    p2p_max_streams: int = setting(
+        8,
+        "chunk streams this node's data plane sends to peers at once (one thread each); "
+        "a peer asking beyond that reads over gRPC's ReadChunks",
+    )
     p2p_data_port: int = setting(
         0,
         "TCP port of the P2P data plane that sends chunk bytes to peers, on the gRPC "
@@ -118,6 +123,8 @@ class StorageConfig(ServerSettings):
             raise ConfigError("p2p_frame_bytes must leave room within max_message_bytes")
         if self.p2p_max_in_flight < 1:
             raise ConfigError("p2p_max_in_flight must be >= 1")
+        if not 1 <= self.p2p_max_streams <= 256:
+            raise ConfigError("p2p_max_streams must be in [1, 256]")
         if not -1 <= self.p2p_data_port <= 65535:
             raise ConfigError("p2p_data_port must be -1 (off), 0 (any free port) or a port")
         if self.advertise_address:

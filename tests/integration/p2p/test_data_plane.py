@@ -166,7 +166,7 @@ def test_a_reader_that_stops_reading_never_holds_a_lock_past_the_lease_ttl(
         chunks = 32
         hashes = new_hashes(chunks)
         assert a.store(hashes) == [1] * chunks
-        granted = lock(a, grid(hashes), lease_ttl_ms=1500)
+        granted = lock(a, grid(hashes), lease_ttl_ms=3000)
         assert granted.locked_chunks == chunks
         with dial(a) as sock:
             sock.sendall(wire.encode_request(granted.lease_id))
@@ -208,3 +208,57 @@ def test_a_peer_without_a_data_port_serves_over_grpc(tmp_path: Path, shm_root: P
         )
         assert a.status().p2p.served_chunks == 3
         wait_until(lambda: a.read_locked() == 0 and b.read_locked() == 0, timeout=10)
+
+
+def test_unlock_during_a_stream_keeps_the_locks_until_the_stream_lets_go(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    big_l1 = ("--l1-size-bytes", str(96 * MIB))
+    with running_fleet(tmp_path, shm_root, wide=True, a_args=big_l1) as fleet:
+        a = fleet.a
+        chunks = 32
+        hashes = new_hashes(chunks)
+        assert a.store(hashes) == [1] * chunks
+        granted = lock(a, grid(hashes))
+        with dial(a) as sock:
+            sock.sendall(wire.encode_request(granted.lease_id))
+            sock.recv(wire.RECORD.size)  # the stream runs: its sender reads A's L1 memory
+            unlocked = a.peer.Unlock(peer_pb2.UnlockRequest(lease_id=granted.lease_id), timeout=5)
+            assert unlocked.existed
+            # The memory is still being sent from: the locks stay.
+            assert a.read_locked() == chunks
+            assert a.status().p2p.active_leases == 0
+        wait_until(
+            lambda: a.read_locked() == 0,
+            timeout=20,
+            message="the locks of an unlocked stream were kept after it ended",
+        )
+
+
+def test_a_peer_too_busy_to_stream_is_read_over_grpc_instead(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    """A's one stream is taken by a reader that never reads; B's fetch is refused
+    (RESOURCE_EXHAUSTED) on the data plane and reads the same lease over ReadChunks."""
+    big_l1 = ("--l1-size-bytes", str(128 * MIB))
+    a_args = (*big_l1, "--p2p-max-streams", "1")
+    with running_fleet(tmp_path, shm_root, wide=True, a_args=a_args, b_args=big_l1) as fleet:
+        a, b = fleet.a, fleet.b
+        stalled = new_hashes(32)
+        wanted = new_hashes(4)
+        assert a.store(stalled) == [1] * 32
+        assert a.store(wanted, base=40) == [1] * 4
+        wait_in_directory(fleet.coordinator.target, wanted, a.status().instance_id)
+        granted = lock(a, grid(stalled))
+        with dial(a) as sock:
+            sock.sendall(wire.encode_request(granted.lease_id))
+            sock.recv(wire.RECORD.size)  # A's only sender is now blocked on this reader
+            reply = b.lookup(wanted)
+            assert reply.completed
+            assert reply.result.hit_chunks == 4, b.proc.log()
+        b.engine.fill(blocks_of(range(4), 20), 0.0)
+        assert b.retrieve(wanted, base=20) == 4
+        assert b.engine.blocks_bytes(blocks_of(range(4), 20)) == a.engine.blocks_bytes(
+            blocks_of(range(4), 40)
+        )
+        wait_until(lambda: a.read_locked() == 0 and b.read_locked() == 0, timeout=20)

@@ -10,6 +10,7 @@ its sender stopped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -129,24 +130,70 @@ def test_streams_beyond_the_limit_are_refused_and_the_running_one_goes_on() -> N
     assert leases.opened == ["lease-1"]
 
 
-def test_close_breaks_a_blocked_send_before_the_memory_is_handed_back() -> None:
+def ordered(monkeypatch: pytest.MonkeyPatch, leases: Leases) -> list[str]:
+    """Events "sent" (a sender thread returned) and "closed" (the memory was handed back)."""
+    events: list[str] = []
+    send = PeerDataPlane._send
+
+    def recorded(self: PeerDataPlane, conn: socket.socket, stream: ChunkStream) -> Any:
+        try:
+            return send(self, conn, stream)
+        finally:
+            events.append("sent")
+
+    monkeypatch.setattr(PeerDataPlane, "_send", recorded)
+    close = leases.close_stream
+
+    def closing(stream: ChunkStream, chunks: int, nbytes: int) -> None:
+        events.append("closed")
+        close(stream, chunks, nbytes)
+
+    leases.close_stream = closing  # type: ignore[method-assign]
+    return events
+
+
+async def blocked_stream(plane: PeerDataPlane) -> socket.socket:
+    sock = await connect(plane)
+    await asyncio.get_running_loop().sock_sendall(sock, wire.encode_request("lease-1"))
+    while plane.streams == 0:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # the sender is blocked in sendall now
+    return sock
+
+
+def test_close_breaks_a_blocked_send_before_the_memory_is_handed_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     leases = Leases(size=BIG)
-
-    async def body(plane: PeerDataPlane) -> socket.socket:
-        sock = await connect(plane)
-        await asyncio.get_running_loop().sock_sendall(sock, wire.encode_request("lease-1"))
-        while plane.streams == 0:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)  # the sender is blocked in sendall now
-        return sock
-
-    sock = run(leases, body)  # closes the plane with the stream running
+    events = ordered(monkeypatch, leases)
+    sock = run(leases, blocked_stream)  # closes the plane with the stream running
     with sock:
+        assert events == ["sent", "closed"]
         assert leases.closed == [("lease-1", 0, 0)]  # handed back, nothing sent whole
 
 
+def test_a_stream_cancelled_twice_still_waits_for_its_sender(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    leases = Leases(size=BIG)
+    events = ordered(monkeypatch, leases)
+
+    async def body(plane: PeerDataPlane) -> None:
+        sock = await blocked_stream(plane)
+        with sock:
+            (task,) = plane._handlers
+            task.cancel()
+            await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            assert events == ["sent", "closed"]
+
+    run(leases, body)
+
+
 def test_a_deadline_that_passes_mid_send_cuts_the_stream() -> None:
-    leases = Leases(size=BIG, ttl_s=0.3)
+    leases = Leases(size=BIG, ttl_s=2.0)
 
     async def body(plane: PeerDataPlane) -> None:
         sock = await connect(plane)

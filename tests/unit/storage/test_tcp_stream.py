@@ -85,8 +85,19 @@ def test_whole_chunks_then_ok_arrive_in_place(pair: tuple[socket.socket, socket.
 def test_an_error_end_record_names_the_status(pair: tuple[socket.socket, socket.socket]) -> None:
     client, peer = pair
     script(peer, wire.end_record(grpc.StatusCode.NOT_FOUND, "lease 'x' is unknown"))
-    with pytest.raises(PeerUnavailable, match="NOT_FOUND: lease 'x' is unknown"):
+    with pytest.raises(wire.StreamRefused, match="NOT_FOUND: lease 'x' is unknown") as info:
         wire.receive(client, "x", Sink(1, 10), time.monotonic() + 5)
+    assert info.value.code == "NOT_FOUND"  # refused before any chunk: the lease is intact
+
+
+def test_an_error_after_a_chunk_is_a_broken_stream_not_a_refusal(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    client, peer = pair
+    script(peer, chunk(0, b"a" * 10), wire.end_record(grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
+    with pytest.raises(PeerUnavailable, match="DEADLINE_EXCEEDED: late") as info:
+        wire.receive(client, "x", Sink(2, 10), time.monotonic() + 5)
+    assert not isinstance(info.value, wire.StreamRefused)
 
 
 @pytest.mark.parametrize(
@@ -142,7 +153,7 @@ def test_a_stalled_peer_fails_at_the_deadline(pair: tuple[socket.socket, socket.
     sink = Sink(1, 100)
     start = time.monotonic()
     with pytest.raises(PeerUnavailable, match="DEADLINE_EXCEEDED"):
-        wire.receive(client, "lease", sink, start + 0.3)
+        wire.receive(client, "lease", sink, start + 2.0)
     assert sink.received == [10]
 
 

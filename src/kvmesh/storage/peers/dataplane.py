@@ -11,13 +11,16 @@ costs what the socket costs (``kvmesh bench p2p``).
 Threads: accepting a connection and reading its request happen on the event
 loop (a request must arrive within 5 s). The send itself is a blocking
 ``sendall`` on a thread of ``kvmesh-p2p-send`` (at most ``max_streams``, one
-per stream, started on first use), so neither a large chunk nor a slow
-reader ever holds the loop. The lease is opened and closed on the loop
+per stream, started on first use; ``p2p_max_streams``), so neither a large
+chunk nor a slow reader ever holds the loop. The lease is opened and closed on the loop
 (:meth:`PeerLeases.open_stream` / ``close_stream``); the sender stops reading
 L1 memory by the lease's deadline, which its socket timeout enforces, so a
 reader that stops reading costs one thread until the lease's TTL, never a
-lock past it. Connections beyond ``max_connections`` (waiting for their
-request, or streaming) are refused with RESOURCE_EXHAUSTED.
+lock past it (a reader that never reads holds its thread until the lease's
+TTL, which the asker chose, up to the L1 read TTL). Connections beyond
+``max_connections`` (waiting for their request, or streaming), and streams
+beyond ``max_streams``, are refused with RESOURCE_EXHAUSTED; the asker then
+reads the same lease over ReadChunks.
 """
 
 from __future__ import annotations
@@ -118,6 +121,9 @@ class PeerDataPlane:
         for task in handlers:
             task.cancel()
         await asyncio.gather(*handlers, return_exceptions=True)
+        for conn in list(self._connections):  # accepted, but their task never ran
+            conn.close()
+        self._connections.clear()
         self._senders.shutdown(wait=True)
 
     def stats(self) -> dict[str, int]:
@@ -135,12 +141,12 @@ class PeerDataPlane:
                 await asyncio.sleep(0.1)
                 continue
             conn.setblocking(False)
+            self._connections.add(conn)  # closed by close() even if its task never starts
             task = asyncio.create_task(self._serve(conn), name="kvmesh-p2p-stream")
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
     async def _serve(self, conn: socket.socket) -> None:
-        self._connections.add(conn)
         try:
             if len(self._connections) > self.max_connections:
                 await self._refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many connections")
@@ -169,21 +175,35 @@ class PeerDataPlane:
             conn.close()
 
     async def _stream(self, conn: socket.socket, stream: ChunkStream) -> None:
-        self._streaming += 1
-        self.streams += 1
+        """Send on a sender thread; hand the memory back only once that thread is done.
+
+        Cancelled (shutdown), the socket is shut so the sender stops at its next
+        send, and the release still waits for it, however often the wait itself
+        is cancelled: the locks never go while the thread may read the memory.
+        """
         loop = asyncio.get_running_loop()
         sent = (0, 0)
-        future = loop.run_in_executor(self._senders, self._send, conn, stream)
+        cancelled = False
+        self._streaming += 1
+        self.streams += 1
         try:
-            sent = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            _shut(conn)  # the sender stops at its next send
-            with contextlib.suppress(Exception):
-                sent = await future
-            raise
+            future = loop.run_in_executor(self._senders, self._send, conn, stream)
+            while True:
+                try:
+                    sent = await asyncio.shield(future)
+                    break
+                except asyncio.CancelledError:
+                    cancelled = True
+                    _shut(conn)
+                    if future.done():
+                        if not future.cancelled() and future.exception() is None:
+                            sent = future.result()
+                        break
         finally:
             self._streaming -= 1
             self.leases.close_stream(stream, *sent)
+        if cancelled:
+            raise asyncio.CancelledError
 
     def _send(self, conn: socket.socket, stream: ChunkStream) -> tuple[int, int]:
         """On a sender thread: every chunk, then the end record; (chunks, bytes) sent whole."""

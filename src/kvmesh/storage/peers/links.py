@@ -7,6 +7,7 @@ every failure into :class:`~kvmesh.storage.core.peer.ports.PeerUnavailable`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 import time
@@ -37,6 +38,14 @@ from kvmesh.storage.peers import tcp_stream
 MEMBERSHIP_TTL_S = 1.0
 #: The largest directory lookup, in keys (the coordinator's limit is 100 000).
 MAX_LOOKUP_KEYS = 100_000
+#: Longest wait for a peer's data port to accept (then ReadChunks is used).
+CONNECT_TIMEOUT_S = 3.0
+
+logger = logging.getLogger(__name__)
+
+
+class _NoDataPlane(Exception):
+    """The data plane cannot serve this lease (unreachable, busy); the lease is intact."""
 
 
 class CoordinatorPeerDirectory:
@@ -181,21 +190,31 @@ class GrpcPeerLink:
         )
 
     def read(self, peer: PeerTarget, lease: PeerLease, sink: FrameSink, timeout: float) -> bool:
-        """Over the peer's TCP data plane when it has one, else its ReadChunks stream."""
+        """Over the peer's TCP data plane when it has one, else its ReadChunks stream.
+
+        A data port that cannot be reached (a firewall, a container that does not
+        publish it) or a peer too busy to stream falls back to ReadChunks: the
+        lease is untouched in both cases.
+        """
         if lease.data_port and self.use_data_plane:
-            return self._read_tcp(peer, lease, sink, timeout)
+            deadline = time.monotonic() + timeout
+            try:
+                return self._read_tcp(peer, lease, sink, deadline)
+            except _NoDataPlane as exc:
+                logger.info("P2P: %s; reading over ReadChunks instead", exc)
+            timeout = max(0.001, deadline - time.monotonic())
         return self._read_grpc(peer, lease, sink, timeout)
 
     def _read_tcp(
-        self, peer: PeerTarget, lease: PeerLease, sink: FrameSink, timeout: float
+        self, peer: PeerTarget, lease: PeerLease, sink: FrameSink, deadline: float
     ) -> bool:
         host, _ = split_advertise_address(peer.address)
-        deadline = time.monotonic() + timeout
+        connect_s = max(0.001, min(CONNECT_TIMEOUT_S, deadline - time.monotonic()))
         try:
-            sock = socket.create_connection((host, lease.data_port), timeout=timeout)
+            sock = socket.create_connection((host, lease.data_port), timeout=connect_s)
         except OSError as exc:
-            raise PeerUnavailable(
-                f"{peer.instance_id}: data port {host}:{lease.data_port}: {exc}"
+            raise _NoDataPlane(
+                f"{peer.instance_id}: data port {host}:{lease.data_port} unreachable: {exc}"
             ) from None
         with sock:
             with self._lock:
@@ -204,6 +223,10 @@ class GrpcPeerLink:
                 self._sockets.add(sock)
             try:
                 return tcp_stream.receive(sock, lease.lease_id, sink, deadline)
+            except tcp_stream.StreamRefused as exc:
+                if exc.code == "RESOURCE_EXHAUSTED":
+                    raise _NoDataPlane(f"{peer.instance_id}: {exc}") from None
+                raise PeerUnavailable(f"{peer.instance_id}: {exc}") from None
             except PeerUnavailable as exc:
                 raise PeerUnavailable(f"{peer.instance_id}: {exc}") from None
             finally:

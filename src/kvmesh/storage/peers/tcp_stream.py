@@ -34,6 +34,14 @@ MAX_MESSAGE_BYTES = 4096
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
+class StreamRefused(PeerUnavailable):
+    """The peer answered an end record with an error before sending any chunk."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
 def encode_request(lease_id: str) -> bytes:
     """What the asking node sends first."""
     raw = lease_id.encode()
@@ -65,9 +73,11 @@ def receive(sock: socket.socket, lease_id: str, sink: FrameSink, deadline: float
     True when the peer ended the stream with OK; False when the sink stopped
     it (the caller closes the socket, which ends the lease on the peer).
     Raises PeerUnavailable when the peer refused, broke off or was too slow
-    for ``deadline`` (a ``time.monotonic()``).
+    for ``deadline`` (a ``time.monotonic()``); StreamRefused, a subclass, when
+    it refused before sending anything.
     """
     _send(sock, encode_request(lease_id), deadline)
+    chunks = 0
     header = bytearray(RECORD.size)
     header_view = memoryview(header)
     while True:
@@ -81,12 +91,15 @@ def receive(sock: socket.socket, lease_id: str, sink: FrameSink, deadline: float
             if number == 0:
                 return True
             text = message.decode(errors="replace")
+            if chunks == 0:
+                raise StreamRefused(status_name(number), text)
             raise PeerUnavailable(f"{status_name(number)}: {text}")
         if magic != CHUNK_MAGIC:
             raise PeerUnavailable(f"the peer sent a record {bytes(magic)!r}, not a chunk")
         view = sink.place(number, 0, nbytes)
         if view is None:
             return False
+        chunks += 1
         got = 0
         while got < nbytes:
             n = _recv_into(sock, view[got:], deadline)

@@ -48,7 +48,12 @@ class PeerWiring:
         self.servicer = PeerServicer(self.leases)
         self.data_plane: PeerDataPlane | None = None
         if config.p2p_data_port >= 0:
-            self.data_plane = PeerDataPlane(self.leases, config.host, config.p2p_data_port)
+            self.data_plane = PeerDataPlane(
+                self.leases,
+                config.host,
+                config.p2p_data_port,
+                max_streams=config.p2p_max_streams,
+            )
         self.advertise_address = config.advertise_address
         self.fetcher: PeerFetcher | None = None
         if config.coordinator_target and config.p2p:

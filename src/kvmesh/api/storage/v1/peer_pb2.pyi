@@ -27,8 +27,11 @@ backends cannot run on the hosts kvmesh is tested on):
   chunk was sent; NOT_FOUND for an unknown, expired or already read lease;
   INVALID_ARGUMENT for a malformed request; RESOURCE_EXHAUSTED when the
   peer serves too many streams). A connection that closes before "KVME"
-  broke mid-stream: the asker keeps only the chunks it received whole. The
-  lease ends with the connection, as with ReadChunks.
+  broke mid-stream: the asker keeps only the chunks it received whole. A
+  stream that was opened ends its lease with the connection, as with
+  ReadChunks; a refused one leaves the lease alone (the asker may read it
+  over ReadChunks, as it does after RESOURCE_EXHAUSTED or when the data
+  port cannot be reached, or Unlock it).
 - "grpc-stream": ReadChunks below, for a peer that offers no data port
   (--p2p-data-port -1).
 

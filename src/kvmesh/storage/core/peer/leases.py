@@ -115,8 +115,13 @@ class PeerLeases:
 
     @property
     def max_ttl_s(self) -> float:
-        """The L1 read-lock TTL: a lease must end before its locks could lapse."""
-        return float(self.node.manager.l1.read_ttl_s)
+        """The L1 read-lock TTL less a margin: a lease must end before its locks could lapse.
+
+        The margin (a tenth of the TTL, at most a second) covers a sender's last
+        ``sendall`` running a little past its deadline.
+        """
+        read_ttl = float(self.node.manager.l1.read_ttl_s)
+        return read_ttl - min(1.0, read_ttl / 10)
 
     async def lock(
         self,
@@ -137,6 +142,9 @@ class PeerLeases:
                 metadata={"incarnation": str(self.incarnation)},
             )
         ttl_s = min(ttl_ms / 1000.0 if ttl_ms else self.default_ttl_s, self.max_ttl_s)
+        # The lease's clock starts before the lookup: the L1 hits are locked at its
+        # start, and an L2 load may take a while before it returns.
+        started = time.monotonic()
         wait_ms = max(1, int(wait_s * 1000))
         state = await self.node.lookup_and_lock(
             f"peer:{requester or '?'}", rows, 1, wait_ms, allow_peers=False
@@ -163,8 +171,10 @@ class PeerLeases:
         if not keys:
             return LeaseGrant("", 0, (), ttl_s)
         lease_id = f"lease-{next(self._ids)}-{uuid.uuid4().hex[:12]}"
-        lease = _Lease(lease_id, requester, keys, sizes, time.monotonic() + ttl_s)
-        lease.timer = asyncio.get_running_loop().call_later(ttl_s, self._expire, lease_id)
+        lease = _Lease(lease_id, requester, keys, sizes, started + ttl_s)
+        lease.timer = asyncio.get_running_loop().call_later(
+            max(0.0, lease.deadline - time.monotonic()), self._expire, lease_id
+        )
         self._leases[lease_id] = lease
         self.leases_granted += 1
         return LeaseGrant(lease_id, usable, tuple(sizes), ttl_s)
