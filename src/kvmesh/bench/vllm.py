@@ -85,6 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="idle seconds after each prompt, in every arrangement, so one prompt's background "
         "stores do not land in the next prompt's prefill (0: back to back)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the four arrangements this many times, one after another; the figures "
+        "pool every round's prompts and each round's own ratios are listed too (on a shared "
+        "VM whose speed drifts within minutes, a ratio within one round is the fair one)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -97,13 +105,28 @@ def _median_ms(runs: list[dict[str, Any]]) -> float:
     return round(float(statistics.median(r["ttft_s"] for r in runs)) * 1e3, 2)
 
 
+def _figures(one: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """One round's medians and its own ratios."""
+    cold, floor = _median_ms(one["cold"]), _median_ms(one["floor"])
+    miss, warm = _median_ms(one["miss"]), _median_ms(one["warm"])
+    return {
+        "ttft_cold_ms": cold,
+        "ttft_prefix_cache_ms": floor,
+        "ttft_miss_ms": miss,
+        "ttft_warm_ms": warm,
+        "warm_over_prefix_cache": round(warm / floor, 2),
+        "miss_cost_fraction_of_cold": round((miss - cold) / cold, 3),
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the four arrangements; the figures as one dict."""
     if importlib.util.find_spec("vllm") is None:
         raise SystemExit("kvmesh bench vllm: vLLM is not installed (pip install 'kvmesh[vllm]')")
-    if args.prompt_tokens < 2 * WARMUP_TOKENS or args.prompts < 1:
+    if args.prompt_tokens < 2 * WARMUP_TOKENS or args.prompts < 1 or args.rounds < 1:
         raise SystemExit(
-            f"kvmesh bench vllm: --prompt-tokens must be >= {2 * WARMUP_TOKENS} and --prompts >= 1"
+            f"kvmesh bench vllm: --prompt-tokens must be >= {2 * WARMUP_TOKENS}, --prompts and "
+            "--rounds >= 1"
         )
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-vllm-") as tmp:
         model = Path(args.model) if args.model else make_tiny_model(Path(tmp) / "model")
@@ -118,8 +141,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # would compete with it); each figure is then one request's own time.
             "gap_s": args.gap_s,
             "kv_cache_gib": args.kv_cache_gib,
-            # A model name of this run's own: nothing an earlier run stored can hit.
-            "connector": {"model_name": f"bench-vllm-{uuid.uuid4().hex[:8]}"},
         }
         fleet = None
         gateway = args.gateway
@@ -135,20 +156,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             fleet.start()
             gateway = fleet.endpoint("node-0-gateway", "lane")
+        rounds: list[dict[str, list[dict[str, Any]]]] = []
         try:
-            logger.info("cold: vLLM alone, prefix caching off")
-            cold = run_engine({**base, "prompts": [warmup, *prompts]})[1:]
-            logger.info("prefix cache: vLLM alone, prefix caching on, each prompt twice")
-            twice = [p for p in prompts for _ in range(2)]
-            floor_runs = run_engine({**base, "prefix_caching": True, "prompts": [warmup, *twice]})
-            floor = floor_runs[2::2]
-            logger.info("miss: kvmesh connector, empty cache")
-            miss = run_engine({**base, "gateway": gateway, "prompts": [warmup, *prompts]})[1:]
-            logger.info("warm: a fresh vLLM process, prompts from kvmesh")
-            warm = run_engine({**base, "gateway": gateway, "prompts": [warmup, *prompts]})[1:]
+            for index in range(args.rounds):
+                # A model name of the round's own: nothing an earlier round stored can hit.
+                spec = {**base, "connector": {"model_name": f"bench-vllm-{uuid.uuid4().hex[:8]}"}}
+                logger.info("round %d: cold: vLLM alone, prefix caching off", index + 1)
+                cold = run_engine({**spec, "prompts": [warmup, *prompts]})[1:]
+                logger.info("round %d: prefix cache: vLLM alone, each prompt twice", index + 1)
+                twice = [p for p in prompts for _ in range(2)]
+                floor_runs = run_engine(
+                    {**spec, "prefix_caching": True, "prompts": [warmup, *twice]}
+                )
+                floor = floor_runs[2::2]
+                logger.info("round %d: miss: kvmesh connector, empty cache", index + 1)
+                miss = run_engine({**spec, "gateway": gateway, "prompts": [warmup, *prompts]})[1:]
+                logger.info("round %d: warm: a fresh vLLM process, prompts from kvmesh", index + 1)
+                warm = run_engine({**spec, "gateway": gateway, "prompts": [warmup, *prompts]})[1:]
+                rounds.append({"cold": cold, "floor": floor, "miss": miss, "warm": warm})
         finally:
             if fleet is not None:
                 fleet.stop()
+    cold = [r for one in rounds for r in one["cold"]]
+    floor = [r for one in rounds for r in one["floor"]]
+    miss = [r for one in rounds for r in one["miss"]]
+    warm = [r for one in rounds for r in one["warm"]]
     result: dict[str, Any] = {
         "prompt_tokens": args.prompt_tokens,
         "ttft_cold_ms": _median_ms(cold),
@@ -160,6 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "outputs_match": all(
             w["token_ids"] == c["token_ids"] for w, c in zip(warm, cold, strict=True)
         ),
+        "rounds": [_figures(one) for one in rounds],
         "lmcache_0_5_6_warm_ms_reference": LMCACHE_0_5_6_WARM_MS,
         "parameters": {
             "model": args.model or "tiny random-weight Llama (kvmesh.engine.vllm.model)",
@@ -169,6 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "gateway": args.gateway or f"own fleet ({args.arrangement}), gateway's lane",
             "enforce_eager": True,
             "gap_s": args.gap_s,
+            "rounds": args.rounds,
         },
     }
     result["warm_over_prefix_cache"] = round(
@@ -201,4 +235,12 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['outputs_match']}; LMCache 0.5.6 warm (reference, not this run): "
         f"{result['lmcache_0_5_6_warm_ms_reference']:.0f} ms"
     )
+    if len(result["rounds"]) > 1:
+        for index, one in enumerate(result["rounds"], 1):
+            lines.append(
+                f"  round {index}: cold {one['ttft_cold_ms']:.1f}, floor "
+                f"{one['ttft_prefix_cache_ms']:.1f}, miss {one['ttft_miss_ms']:.1f}, warm "
+                f"{one['ttft_warm_ms']:.1f} ms; warm / floor {one['warm_over_prefix_cache']:.2f}x, "
+                f"miss {one['miss_cost_fraction_of_cold'] * 100:+.1f} %"
+            )
     return "\n".join(lines)

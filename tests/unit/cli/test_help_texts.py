@@ -99,3 +99,42 @@ def test_the_vllm_bench_options_load_without_vllm(monkeypatch: pytest.MonkeyPatc
     parser = _bench_parser("vllm")
     assert _options_without_help(parser) == []
     assert "vllm" not in sys.modules
+
+
+def test_bench_vllm_gives_each_round_its_own_ratios() -> None:
+    from kvmesh.bench.vllm import _figures, format_table
+
+    def runs(*ms: float) -> list[dict[str, float]]:
+        return [{"ttft_s": m / 1000} for m in ms]
+
+    one = _figures(
+        {
+            "cold": runs(300, 310, 290),
+            "floor": runs(20, 30, 25),
+            "miss": runs(330, 300, 320),
+            "warm": runs(40, 35, 30),
+        }
+    )
+    assert one == {
+        "ttft_cold_ms": 300.0,
+        "ttft_prefix_cache_ms": 25.0,
+        "ttft_miss_ms": 320.0,
+        "ttft_warm_ms": 35.0,
+        "warm_over_prefix_cache": 1.4,
+        "miss_cost_fraction_of_cold": 0.067,
+    }
+    result = {
+        "prompt_tokens": 8000,
+        "ttft_cold_ms": 300.0,
+        "ttft_prefix_cache_ms": 25.0,
+        "ttft_miss_ms": 320.0,
+        "ttft_warm_ms": 35.0,
+        "warm_over_prefix_cache": 1.4,
+        "miss_cost_fraction_of_cold": 0.067,
+        "speedup_warm_vs_cold": 8.6,
+        "tokens_from_cache": 7936,
+        "outputs_match": True,
+        "lmcache_0_5_6_warm_ms_reference": 100.0,
+        "rounds": [one, one],
+    }
+    assert format_table(result).count("warm / floor 1.40x") == 3  # the pooled line and 2 rounds
