@@ -19,7 +19,8 @@ from opentelemetry.trace import StatusCode
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.l1.manager import L1Manager
 from kvmesh.storage.core.peer import fetch as fetch_module
-from kvmesh.storage.core.peer.fetch import FetchSettings, PeerFetcher, pick_peer, rendezvous
+from kvmesh.storage.core.peer.choice import pick_peer, rendezvous
+from kvmesh.storage.core.peer.fetch import FetchSettings, PeerFetcher
 from kvmesh.storage.core.peer.ports import (
     FrameSink,
     PeerLease,

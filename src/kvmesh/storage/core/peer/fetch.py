@@ -39,7 +39,6 @@ event when there is one) and ``kvmesh.p2p.outcome`` says ``hit``, ``miss``
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import threading
@@ -56,6 +55,7 @@ from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.l1.manager import L1Manager
 from kvmesh.storage.core.l1.objects import L1Object
 from kvmesh.storage.core.l1.results import L1Result
+from kvmesh.storage.core.peer.choice import pick_peer
 from kvmesh.storage.core.peer.ports import (
     PeerDirectory,
     PeerLease,
@@ -118,42 +118,6 @@ class _Transfer:
 
     def key(self, cell: Cell) -> ObjectKey:
         return self.rows[cell[0]][cell[1]]
-
-
-def rendezvous(instance_id: str, chunk_hash: bytes) -> int:
-    """Rendezvous (highest random weight) score of a peer for a prefix."""
-    digest = hashlib.blake2b(instance_id.encode() + b"\0" + chunk_hash, digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
-def pick_peer(
-    rows: Sequence[Sequence[ObjectKey]],
-    holders: Sequence[frozenset[str]],
-    peers: dict[str, PeerTarget],
-    self_id: str,
-) -> tuple[PeerTarget | None, int]:
-    """The peer with the longest prefix held in every row (ties: rendezvous hash).
-
-    ``holders`` is row-major (one entry per key of ``rows``). Returns the peer
-    and its prefix in columns, or ``(None, 0)``.
-    """
-    height = len(rows)
-    width = len(rows[0]) if rows else 0
-    best: tuple[int, int, PeerTarget] | None = None
-    candidates = {i for h in holders for i in h if i != self_id and i in peers}
-    for instance in sorted(candidates):
-        prefix = 0
-        for c in range(width):
-            if all(instance in holders[r * width + c] for r in range(height)):
-                prefix = c + 1
-            else:
-                break
-        if prefix == 0:
-            continue
-        score = (prefix, rendezvous(instance, rows[0][0].chunk_hash))
-        if best is None or score > best[:2]:
-            best = (*score, peers[instance])
-    return (best[2], best[0]) if best else (None, 0)
 
 
 class _Sink:
