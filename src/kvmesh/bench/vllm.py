@@ -106,7 +106,7 @@ def _median_ms(runs: list[dict[str, Any]]) -> float:
 
 
 def _figures(one: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
-    """One round's medians and its own ratios."""
+    """Medians and ratios of a set of runs (one round's, or every round's pooled)."""
     cold, floor = _median_ms(one["cold"]), _median_ms(one["floor"])
     miss, warm = _median_ms(one["miss"]), _median_ms(one["warm"])
     return {
@@ -183,10 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     warm = [r for one in rounds for r in one["warm"]]
     result: dict[str, Any] = {
         "prompt_tokens": args.prompt_tokens,
-        "ttft_cold_ms": _median_ms(cold),
-        "ttft_prefix_cache_ms": _median_ms(floor),
-        "ttft_miss_ms": _median_ms(miss),
-        "ttft_warm_ms": _median_ms(warm),
+        **_figures({"cold": cold, "floor": floor, "miss": miss, "warm": warm}),
         "tokens_from_cache": min(r["cached_tokens"] for r in warm),
         "prefix_cache_tokens": min(r["cached_tokens"] for r in floor),
         "outputs_match": all(
@@ -205,12 +202,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "rounds": args.rounds,
         },
     }
-    result["warm_over_prefix_cache"] = round(
-        result["ttft_warm_ms"] / result["ttft_prefix_cache_ms"], 2
-    )
-    result["miss_cost_fraction_of_cold"] = round(
-        (result["ttft_miss_ms"] - result["ttft_cold_ms"]) / result["ttft_cold_ms"], 3
-    )
     result["speedup_warm_vs_cold"] = round(result["ttft_cold_ms"] / result["ttft_warm_ms"], 1)
     return result
 

@@ -121,12 +121,10 @@ class GrpcPeerLink:
         *,
         max_message_bytes: int = 64 * 1024 * 1024,
         frame_bytes: int = 1024 * 1024,
-        use_data_plane: bool = True,
     ) -> None:
         self.instance_id = instance_id
         self.max_message_bytes = max_message_bytes
         self.frame_bytes = frame_bytes  # of a ReadChunks stream
-        self.use_data_plane = use_data_plane
         self._lock = threading.Lock()
         self._clients: dict[str, PeerClient] = {}
         self._calls: set[Any] = set()
@@ -196,7 +194,7 @@ class GrpcPeerLink:
         publish it) or a peer too busy to stream falls back to ReadChunks: the
         lease is untouched in both cases.
         """
-        if lease.data_port and self.use_data_plane:
+        if lease.data_port:
             deadline = time.monotonic() + timeout
             try:
                 return self._read_tcp(peer, lease, sink, deadline)
