@@ -61,6 +61,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -71,7 +72,7 @@ ENV_SWITCH = "KVMESH_NATIVE_COPY"
 ENV_CACHE = "KVMESH_NATIVE_CACHE"
 
 #: Must match KVMESH_NTCOPY_ABI in ntcopy.c; part of the cache key too.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 ISA_MEMCPY = 0
 ISA_SSE2 = 1
@@ -125,19 +126,22 @@ class NativeCopy:
             ctypes.c_int,
         ]
         fn.restype = ctypes.c_int
-        tiles = lib.kvmesh_amx_tiles
-        tiles.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            *[ctypes.c_int64] * 7,
-            ctypes.c_int,
-        ]
-        tiles.restype = ctypes.c_int
+        #: One layer of a vLLM CPU layout to or from chunk rows, by layout ("amx", "vec").
+        self._tiles: dict[str, Any] = {}
+        for name in ("amx", "vec"):
+            tiles = getattr(lib, f"kvmesh_{name}_tiles")
+            tiles.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                *[ctypes.c_int64] * 7,
+                ctypes.c_int,
+            ]
+            tiles.restype = ctypes.c_int
+            self._tiles[name] = tiles
         self._lib = lib  # keeps the library mapped as long as this object lives
         self._fn = fn
-        self._tiles = tiles
         self.path = path
         #: The copy path used by default: the CPU's best, capped by KVMESH_NATIVE_COPY.
         self.isa = min(int(best()), max_isa)
@@ -179,8 +183,9 @@ class NativeCopy:
             raise ValueError(f"bad run count {n_runs} or run length {run_bytes}")
         return used
 
-    def amx_tiles_at(
+    def tiles_at(
         self,
+        layout: str,
         layer: int,
         k_rows: int,
         v_rows: int,
@@ -192,14 +197,15 @@ class NativeCopy:
         *,
         gather: bool,
     ) -> None:
-        """One layer of ``VLLM_CPU_AMX`` to or from a chunk's K/V rows; unchecked.
+        """One layer of a vLLM CPU layout to or from a chunk's K/V rows; unchecked.
 
+        ``layout`` is ``"amx"`` (``VLLM_CPU_AMX``) or ``"vec"`` (``VLLM_CPU``).
         ``shape`` is ``(heads, block_size, head_dim, element_size)``; the caller
         (:mod:`kvmesh.kernels.vllm_cpu`) guarantees that every block id and row
         lies inside live memory.
         """
         heads, block_size, head_dim, esize = shape
-        rc = self._tiles(
+        rc = self._tiles[layout](
             layer, k_rows, v_rows, blocks_addr, n_blocks, n_tokens, skip_blocks,
             heads, block_size, head_dim, esize, int(gather),
         )  # fmt: skip

@@ -18,6 +18,8 @@ from kvmesh.api.storage.v1 import storage_pb2
 from tests.integration.storage.conftest import NodeFactory
 from tests.integration.storage.support import (
     ALREADY,
+    LAYER_BYTES,
+    NUM_LAYERS,
     STORED,
     Engine,
     Node,
@@ -52,6 +54,27 @@ def test_register_is_idempotent_and_unregister_forgets_the_engine(
     )
     assert not again.existed
     assert engine.engine_id not in node.status().engine_ids
+
+
+def test_a_registered_engines_untouched_pages_are_allocated_and_mapped_in_the_background(
+    make_node: NodeFactory, engine: Engine
+) -> None:
+    """The node takes the page faults of an engine's fresh KV file at registration, not in
+    the first retrieve (vLLM's pool allocates its file up front; an engine that only
+    truncated one gets the same)."""
+    sparse = engine.path.parent / f"{engine.engine_id}-sparse-kv"
+    with open(sparse, "wb") as f:
+        f.truncate(LAYER_BYTES * NUM_LAYERS)
+    try:
+        node = make_node()
+        node.call(
+            "register_engine_memory",
+            engine.register_request(layers=engine.handles(path=str(sparse))),
+        )
+        wait_until(lambda: sparse.stat().st_blocks * 512 >= LAYER_BYTES * NUM_LAYERS, 30)
+        assert sparse.read_bytes() == bytes(LAYER_BYTES * NUM_LAYERS)
+    finally:
+        sparse.unlink()
 
 
 # -- store / retrieve ---------------------------------------------------------------------

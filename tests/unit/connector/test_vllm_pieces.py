@@ -7,15 +7,20 @@ KVMESH_REQUIRE_SERVICES=1 and skip otherwise.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.support.memory import resident_bytes
 from tests.support.servers import require_vllm
 
 require_vllm()  # at import: the module's imports below load vLLM
@@ -78,6 +83,43 @@ def test_the_pool_maps_the_kv_allocation_and_removes_its_file(tmp_path: Path) ->
     assert pool.path.read_bytes()[:4] == b"\x01\x02\x03\x04"  # MAP_SHARED: the file sees it
     pool.close()
     assert not pool.path.exists()
+
+
+def test_the_pool_allocates_its_file_and_maps_every_page_up_front() -> None:
+    """vLLM's first reads, and storage's first copies, pay no page allocation."""
+    folder = Path(tempfile.mkdtemp(prefix="kvmesh-pool-test-", dir="/dev/shm"))
+    try:
+        pool = SharedMemoryPool(folder)
+        with pool:
+            kv = torch.zeros(4 << 20, dtype=torch.int8)
+        assert pool.buffer is kv
+        assert pool.path.stat().st_blocks * 512 >= 4 << 20
+        assert resident_bytes(str(pool.path)) >= 4 << 20
+        assert int(kv.abs().sum()) == 0  # still what torch.zeros promises
+        pool.close()
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_a_kv_cache_the_folder_cannot_hold_stays_in_vllms_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full /dev/shm: one warning, torch allocates as without kvmesh, no file is left."""
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    pool = SharedMemoryPool(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="kvmesh"), pool:
+        kv = torch.zeros(4 << 20, dtype=torch.int8)
+    assert pool.buffer is None
+    assert kv.shape == (4 << 20,)
+    assert int(kv.abs().sum()) == 0
+    assert not pool.path.exists()
+    assert list(tmp_path.iterdir()) == []
+    assert "No space left on device" in caplog.text
+    assert "kvmesh stays off for this engine" in caplog.text
 
 
 def test_a_file_left_by_a_dead_process_is_reclaimed_and_a_live_ones_kept(tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
-"""vLLM's CPU layouts: the AMX kernels against the reference, and both against vLLM itself.
+"""vLLM's CPU layouts: the tile kernels against the reference, and both against vLLM itself.
 
 ``VLLM_CPU_AMX`` tiles 16 tokens and 16 dims, so it has a grid of its own
-(the shared grid of ``test_kernels_ops.py`` uses 8-dim heads). The last tests
+(the shared grid of ``test_kernels_ops.py`` uses 8-dim heads). ``VLLM_CPU``
+runs on the same grid too: its native kernel transposes K in squares of 8
+tokens by 8 dims, and these shapes give it whole squares and tails. The last tests
 write K/V through vLLM's own ``cpu_attn_reshape_and_cache`` (the op vLLM's
 CPU attention stores with) and read them back with kvmesh's kernels: the
 ground truth for both layouts. They run where vLLM is installed (CI installs
@@ -78,11 +80,16 @@ def test_amx_offsets_follow_the_documented_formula() -> None:
     assert sorted(offsets.reshape(-1).tolist()) == list(range(2 * bs * hd))
 
 
-@pytest.mark.parametrize(("dtype", "shape", "chunk"), itertools.product(DTYPES, SHAPES, CHUNKS))
-def test_amx_gather_matches_the_reference(
-    dtype: torch.dtype, shape: tuple[int, int], chunk: tuple[int, int]
+TILED = [AMX, KVLayoutKind.VLLM_CPU]
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "shape", "chunk"), itertools.product(TILED, DTYPES, SHAPES, CHUNKS)
+)
+def test_tile_gather_matches_the_reference(
+    kind: KVLayoutKind, dtype: torch.dtype, shape: tuple[int, int], chunk: tuple[int, int]
 ) -> None:
-    kv = make_cache(AMX, dtype, *shape)
+    kv = make_cache(kind, dtype, *shape)
     ids, tokens = chunks_for(kv, *chunk)
     fast = [torch.zeros(kv.chunk_shape(n), dtype=dtype) for n in tokens]
     ref = [torch.zeros(kv.chunk_shape(n), dtype=dtype) for n in tokens]
@@ -92,13 +99,18 @@ def test_amx_gather_matches_the_reference(
 
 
 @pytest.mark.parametrize(
-    ("dtype", "shape", "chunk", "skip"), itertools.product(DTYPES, SHAPES, CHUNKS, SKIPS)
+    ("kind", "dtype", "shape", "chunk", "skip"),
+    itertools.product(TILED, DTYPES, SHAPES, CHUNKS, SKIPS),
 )
-def test_amx_scatter_matches_the_reference_and_leaves_skipped_blocks(
-    dtype: torch.dtype, shape: tuple[int, int], chunk: tuple[int, int], skip: int
+def test_tile_scatter_matches_the_reference_and_leaves_skipped_blocks(
+    kind: KVLayoutKind,
+    dtype: torch.dtype,
+    shape: tuple[int, int],
+    chunk: tuple[int, int],
+    skip: int,
 ) -> None:
-    fast_kv = make_cache(AMX, dtype, *shape)
-    ref_kv = make_cache(AMX, dtype, *shape)
+    fast_kv = make_cache(kind, dtype, *shape)
+    ref_kv = make_cache(kind, dtype, *shape)
     before = [t.clone() for t in fast_kv.layers]
     ids, tokens = chunks_for(fast_kv, *chunk)
     gen = torch.Generator().manual_seed(2)

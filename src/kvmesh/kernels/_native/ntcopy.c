@@ -52,7 +52,7 @@
 #define KVMESH_EXPORT __attribute__((visibility("default")))
 
 /* Bumped whenever the exported functions change; checked by the loader. */
-#define KVMESH_NTCOPY_ABI 2
+#define KVMESH_NTCOPY_ABI 3
 
 /* Runs shorter than this are copied with memcpy: too few whole lines to pay
  * for the head/tail handling. */
@@ -459,6 +459,114 @@ KVMESH_EXPORT int kvmesh_amx_tiles(void *layer, void *k_rows, void *v_rows,
     case 2: AMX_TILE_COPY(uint16_t); return 0;
     case 4: AMX_TILE_COPY(uint32_t); return 0;
     case 8: AMX_TILE_COPY(uint64_t); return 0;
+    default: return -1;
+    }
+}
+
+/*
+ * kvmesh_vec_tiles - one layer of vLLM's CPU KV layout for its "vec" ISA
+ * (KV_LAYOUT_KIND_VLLM_CPU) to or from a chunk's K and V rows.
+ *
+ * Inside one (block, head) region of 2 * bs * hd elements, K is transposed
+ * (element (t, d) at d * bs + t) and V is row-major after it (at bs * hd +
+ * t * hd + d). A chunk row is one token: heads * hd elements, head h at h * hd.
+ * V is therefore one run of hd elements per token; K is a transpose, done in
+ * 8x8 squares of 2-byte elements with SSE2 (every x86-64 CPU has it) and
+ * element by element for other sizes and for a tail of fewer than 8 tokens.
+ * Arguments as for kvmesh_amx_tiles (blocks j < skip_blocks are not written
+ * by a scatter). Returns 0, or -1 for an element size it does not handle.
+ * KVMESH_AMX_SCALAR (also read here) makes it take the element loops.
+ */
+#define VEC_TILE_COPY(T)                                                                   \
+    do {                                                                                   \
+        T *lay = (T *)layer;                                                               \
+        int64_t row_len = heads * hd;                                                      \
+        for (int64_t j = 0; j < n_blocks; j++) {                                           \
+            int64_t count = n_tokens - j * bs < bs ? n_tokens - j * bs : bs;               \
+            if (count <= 0 || (!gather && j < skip_blocks)) continue;                      \
+            for (int64_t h = 0; h < heads; h++) {                                          \
+                T *region = lay + (blocks[j] * heads + h) * 2 * bs * hd;                   \
+                T *rows_k = (T *)k_rows + j * bs * row_len + h * hd;                       \
+                T *rows_v = (T *)v_rows + j * bs * row_len + h * hd;                       \
+                int64_t t0 = simd ? vec_k_u16((uint16_t *)region, (uint16_t *)rows_k,      \
+                                              count, bs, hd, row_len, gather)              \
+                                  : 0;                                                     \
+                for (int64_t t = t0; t < count; t++)                                       \
+                    for (int64_t d = 0; d < hd; d++) {                                     \
+                        if (gather) rows_k[t * row_len + d] = region[d * bs + t];          \
+                        else region[d * bs + t] = rows_k[t * row_len + d];                 \
+                    }                                                                      \
+                for (int64_t t = 0; t < count; t++) {                                      \
+                    T *v = region + bs * hd + t * hd;                                      \
+                    if (gather) memcpy(rows_v + t * row_len, v, (size_t)hd * sizeof(T));   \
+                    else memcpy(v, rows_v + t * row_len, (size_t)hd * sizeof(T));          \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+
+#ifdef KVMESH_X86
+/* Transpose 8 rows of 8 2-byte elements in place: r[i][j] becomes r[j][i]. */
+static inline void vec_transpose8x8_u16(__m128i r[8]) {
+    __m128i a0 = _mm_unpacklo_epi16(r[0], r[1]), a1 = _mm_unpackhi_epi16(r[0], r[1]);
+    __m128i a2 = _mm_unpacklo_epi16(r[2], r[3]), a3 = _mm_unpackhi_epi16(r[2], r[3]);
+    __m128i a4 = _mm_unpacklo_epi16(r[4], r[5]), a5 = _mm_unpackhi_epi16(r[4], r[5]);
+    __m128i a6 = _mm_unpacklo_epi16(r[6], r[7]), a7 = _mm_unpackhi_epi16(r[6], r[7]);
+    __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
+    __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
+    __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
+    __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
+    r[0] = _mm_unpacklo_epi64(b0, b4); r[1] = _mm_unpackhi_epi64(b0, b4);
+    r[2] = _mm_unpacklo_epi64(b1, b5); r[3] = _mm_unpackhi_epi64(b1, b5);
+    r[4] = _mm_unpacklo_epi64(b2, b6); r[5] = _mm_unpackhi_epi64(b2, b6);
+    r[6] = _mm_unpacklo_epi64(b3, b7); r[7] = _mm_unpackhi_epi64(b3, b7);
+}
+
+/* K of one (block, head), 2-byte elements, whole groups of 8 tokens; returns the
+ * first token left for the element loop. Needs hd a multiple of 8. */
+static int64_t vec_k_u16(uint16_t *region, uint16_t *rows, int64_t count, int64_t bs,
+                         int64_t hd, int64_t row_len, int gather) {
+    if (hd % 8) return 0;
+    int64_t whole = count - count % 8;
+    __m128i r[8];
+    for (int64_t t0 = 0; t0 < whole; t0 += 8)
+        for (int64_t d0 = 0; d0 < hd; d0 += 8) {
+            if (gather) {
+                for (int i = 0; i < 8; i++)
+                    r[i] = _mm_loadu_si128((const __m128i *)(region + (d0 + i) * bs + t0));
+                vec_transpose8x8_u16(r);
+                for (int i = 0; i < 8; i++)
+                    _mm_storeu_si128((__m128i *)(rows + (t0 + i) * row_len + d0), r[i]);
+            } else {
+                for (int i = 0; i < 8; i++)
+                    r[i] = _mm_loadu_si128((const __m128i *)(rows + (t0 + i) * row_len + d0));
+                vec_transpose8x8_u16(r);
+                for (int i = 0; i < 8; i++)
+                    _mm_storeu_si128((__m128i *)(region + (d0 + i) * bs + t0), r[i]);
+            }
+        }
+    return whole;
+}
+#define VEC_SIMD_OK 1
+#else
+static int64_t vec_k_u16(uint16_t *region, uint16_t *rows, int64_t count, int64_t bs,
+                         int64_t hd, int64_t row_len, int gather) {
+    (void)region; (void)rows; (void)count; (void)bs; (void)hd; (void)row_len; (void)gather;
+    return 0;
+}
+#define VEC_SIMD_OK 0
+#endif
+
+KVMESH_EXPORT int kvmesh_vec_tiles(void *layer, void *k_rows, void *v_rows,
+                                   const int64_t *blocks, int64_t n_blocks, int64_t n_tokens,
+                                   int64_t skip_blocks, int64_t heads, int64_t bs, int64_t hd,
+                                   int64_t esize, int gather) {
+    int simd = VEC_SIMD_OK && esize == 2 && getenv("KVMESH_AMX_SCALAR") == NULL;
+    switch (esize) {
+    case 1: simd = 0; VEC_TILE_COPY(uint8_t); return 0;
+    case 2: VEC_TILE_COPY(uint16_t); return 0;
+    case 4: simd = 0; VEC_TILE_COPY(uint32_t); return 0;
+    case 8: simd = 0; VEC_TILE_COPY(uint64_t); return 0;
     default: return -1;
     }
 }

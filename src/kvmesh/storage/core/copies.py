@@ -21,7 +21,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from kvmesh.common.keys import ObjectKey
@@ -152,6 +152,12 @@ class ChunkCopier:
             self.manager.touch(keys[:usable])
         return usable
 
+    def prefault(self, engine_id: str) -> None:
+        """Map an engine's KV memory on a copy thread, in the background (see
+        :meth:`TransferEngine.prefault`); a failure is logged, never raised."""
+        future = self._copies.submit(self.transfer.prefault, engine_id)
+        future.add_done_callback(functools.partial(_log_prefault_failure, engine_id))
+
     async def run(self, copy: Callable[[], T]) -> T:
         """Run a copy on the copy executor; return only once it no longer touches memory.
 
@@ -179,3 +185,13 @@ class ChunkCopier:
         """
         if self._owns_copies:
             self._copies.shutdown(wait=True)
+
+
+def _log_prefault_failure(engine_id: str, future: Future[int]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning(
+            "mapping engine %s's KV memory ahead of its copies failed (copies fault pages in "
+            "as they go): %s",
+            engine_id,
+            future.exception(),
+        )

@@ -98,6 +98,8 @@ class StorageNode:
                     reason="ENGINE_LAYOUT_MISMATCH",
                 ) from exc
             raise
+        if not already:
+            self._copier.prefault(engine_id)
         return already
 
     def unregister_engine(self, engine_id: str) -> bool:

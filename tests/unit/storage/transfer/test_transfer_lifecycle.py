@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from kvmesh.kernels import gather_chunks, ref_gather_chunks
+from kvmesh.kernels import KVLayoutKind, gather_chunks, ref_gather_chunks
 from kvmesh.storage.core.transfer.engine import TransferEngine
 from kvmesh.storage.core.transfer.layout import chunk_shape
+from kvmesh.storage.core.transfer.shm import SharedMemoryHandle
+from tests.support.memory import resident_bytes
 from tests.unit.storage.transfer.support import (
     cuda_handle,
     make_layout,
@@ -161,3 +163,25 @@ def test_memory_held_by_a_copy_in_flight_outlives_unregister(
 
     del in_flight
     assert not mapped_paths(shm_root)
+
+
+def test_prefault_maps_every_page_of_a_sparse_kv_file_and_changes_no_byte(
+    engine: TransferEngine, shm_root: Path
+) -> None:
+    """An engine's KV file whose pages nobody touched yet (ftruncate only): prefault
+    allocates and maps them here, so the first copies pay no page faults."""
+    layout = make_layout(KVLayoutKind.VLLM_CPU, num_layers=2, num_blocks=64, block_size=16)
+    path = shm_root / "allowed" / "sparse_kv"
+    size = layout.layer_nbytes
+    with path.open("wb") as f:
+        f.truncate(2 * size)
+    handles = [SharedMemoryHandle(str(path), i * size, size) for i in range(2)]
+    engine.register("sparse", layout, handles)
+    assert resident_bytes(str(path)) == 0
+    assert path.stat().st_blocks == 0
+
+    assert engine.prefault("sparse") >= 2 * size
+    assert resident_bytes(str(path)) >= 2 * size
+    assert path.stat().st_blocks * 512 >= 2 * size
+    assert path.read_bytes() == bytes(2 * size)
+    assert engine.prefault("unknown") == 0

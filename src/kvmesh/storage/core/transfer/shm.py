@@ -19,6 +19,7 @@ import mmap
 import os
 import stat
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.pages import populate
 from kvmesh.storage.core.transfer.layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -210,3 +212,31 @@ def tensor_over(buf: Any) -> torch.Tensor:
         # torch warns that read-only buffers give writable tensors; sources are only read.
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
+
+
+def populate_views(views: Sequence[torch.Tensor]) -> int:
+    """Map every page under ``views`` into this process now; the bytes it covered.
+
+    An engine's KV file is mapped lazily, so the first copy into a block pays
+    a fault per page (and the page's allocation where the engine never
+    touched it): see :mod:`kvmesh.common.pages`. 0 where the kernel cannot.
+    """
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in views if t.numel()
+    )
+    covered = 0
+    for start, end in _merge(spans):
+        if not populate(start, end - start):
+            break
+        covered += end - start
+    return covered
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
