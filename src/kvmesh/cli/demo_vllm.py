@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import random
+import signal
 import tempfile
 import time
 import uuid
@@ -67,7 +69,7 @@ def run_vllm_demo(
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("--engine vllm needs vLLM: pip install 'kvmesh[vllm]'")
     from kvmesh.engine.vllm.model import make_tiny_model
-    from kvmesh.engine.vllm.runner import run_engine
+    from kvmesh.engine.vllm.runner import results, run_engine, start_engine
 
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="kvmesh-demo-vllm-") as tmp:
@@ -85,13 +87,26 @@ def run_vllm_demo(
             "logprobs": 5,
             "connector": {"model_name": f"demo-vllm-{uuid.uuid4().hex[:8]}"},
         }
-        progress.phase(f"vLLM on node 0: cold prefill of {len(prompt)} tokens (starting vLLM)")
-        (cold,) = run_engine({**base, "gateway": gateways[0], "prompts": [prompt]})
-        if len(gateways) > 1 and not wait_events_acked(storages[0]):
-            logger.warning("node 0's events were not acked in time: node 1 may miss")
-        node = len(gateways) - 1
-        progress.phase(f"a fresh vLLM process on node {node}: the prompt from kvmesh")
-        (warm,) = run_engine({**base, "gateway": gateways[-1], "prompts": [prompt]})
+        # The warm engine starts beside the cold one (vLLM takes 20-40 s to start here)
+        # and waits before its prompt until node 0 holds the cold run's chunks.
+        pause = Path(tmp) / "warm-engine"
+        warm_engine = start_engine(
+            {**base, "gateway": gateways[-1], "prompts": [prompt],
+             "pause_before": {"index": 0, "path": str(pause)}}
+        )  # fmt: skip
+        try:
+            progress.phase(f"vLLM on node 0: cold prefill of {len(prompt)} tokens (starting vLLM)")
+            (cold,) = run_engine({**base, "gateway": gateways[0], "prompts": [prompt]})
+            if len(gateways) > 1 and not wait_events_acked(storages[0]):
+                logger.warning("node 0's events were not acked in time: node 1 may miss")
+            node = len(gateways) - 1
+            progress.phase(f"a fresh vLLM process on node {node}: the prompt from kvmesh")
+            Path(f"{pause}.go").touch()
+            (warm,) = results(warm_engine)
+        finally:
+            if warm_engine.poll() is None:
+                os.killpg(warm_engine.pid, signal.SIGKILL)
+                warm_engine.wait()
     progress.done()
     same = warm["token_ids"] == cold["token_ids"] and set(warm["logprobs"][0]) == set(
         cold["logprobs"][0]

@@ -3,13 +3,17 @@
 Every engine is a fresh ``vllm.LLM`` process (``kvmesh.engine.vllm.worker``) with
 vLLM's own prefix caching off, so a cached token can only have come from kvmesh.
 Prompts are 8000 tokens: longer than vLLM's 4096-token prefill chunk, so each
-one is stored in two steps and loaded into blocks of both.
+one is stored in two steps and loaded into blocks of both. The same two
+processes also show that vLLM keeps answering once kvmesh is stopped.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,11 +22,17 @@ from typing import Any
 import pytest
 from filelock import FileLock
 
-from kvmesh.engine.vllm.runner import run_engine
+from kvmesh.cli.demo_vllm import wait_events_acked
+from kvmesh.engine.vllm.runner import results_and_log, start_engine
 from tests.e2e.support import require_fleet_services, start_fleet
+from tests.e2e.with_vllm.support import resident_chunks
 from tests.support.servers import ServerProcess
+from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.slow
+#: One worker runs every test of this module: they read the same two engines' runs, and
+#: a second worker would only wait on the first one's lock (scripts/test runs
+#: ``--dist loadgroup``).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm-fleet")]
 
 PROMPT_TOKENS = 8000
 CHUNK = 256
@@ -50,8 +60,13 @@ def assert_same_answer(cold: dict[str, Any], warm: dict[str, Any]) -> None:
             assert abs(step_warm[token] - logprob) <= LOGPROB_TOLERANCE, (token, logprob)
 
 
-def _two_node_runs(tmp: Path, redis_url: str, model: Path) -> Runs:
-    """Three fresh vLLM processes over a two-node fleet whose nodes share a Redis L2."""
+def _fleet_runs(tmp: Path, redis_url: str, model: Path) -> Runs:
+    """Two fresh vLLM processes over a two-node fleet whose nodes share a Redis L2.
+
+    Both start at once (their 20-40 s start-ups overlap) and take turns at
+    pauses: A on node 0 computes p; B on node 1 gets p from node 0 and computes
+    q; A gets q from node 1; then the fleet stops and A computes p again.
+    """
     require_fleet_services()
     l2 = json.dumps(
         {
@@ -62,27 +77,67 @@ def _two_node_runs(tmp: Path, redis_url: str, model: Path) -> Runs:
         }
     )
     fleet = start_fleet(tmp, nodes=2, extra_storage_args=["--l2", l2])
+    # Small deadlines: once kvmesh is stopped, a test need not wait out the 5 s default.
+    base = {"model": str(model), "max_tokens": 3, "logprobs": TOP_K,
+            "connector": {"rpc_timeout_s": 1.0}}  # fmt: skip
+    p, q = prompt(1), prompt(2)
+    a_q, a_again, b_p = tmp / "a-before-q", tmp / "a-before-p-again", tmp / "b-before-p"
+    a = start_engine(
+        {**base, "prompts": [p, q, p], "gateway": fleet.endpoint("node-0-gateway"),
+         "pause_before": [{"index": 1, "path": str(a_q)}, {"index": 2, "path": str(a_again)}]}
+    )  # fmt: skip
+    b = start_engine(
+        {**base, "prompts": [p, q], "gateway": fleet.endpoint("node-1-gateway"),
+         "pause_before": {"index": 0, "path": str(b_p)}}
+    )  # fmt: skip
     try:
-        base = {"model": str(model), "max_tokens": 3, "logprobs": TOP_K}
-        p, q = prompt(1), prompt(2)
-        node0 = fleet.endpoint("node-0-gateway")
-        node1 = fleet.endpoint("node-1-gateway")
-        (a,) = run_engine({**base, "prompts": [p], "gateway": node0})
-        b_p, b_q = run_engine({**base, "prompts": [p, q], "gateway": node1})
-        (c,) = run_engine({**base, "prompts": [q], "gateway": node0})
+        stopped = False
+        wait_paused(a, a_q)  # A computed p; its stores run in the background
+        wait_holds(fleet.endpoint("node-0-storage"), CACHED // CHUNK)
+        resume(b_p)
+        b_runs, _ = results_and_log(b)  # B exits once its stores of q are done
+        assert wait_events_acked(fleet.endpoint("node-1-storage"))
+        resume(a_q)
+        wait_paused(a, a_again)
+        fleet.stop()  # kvmesh goes away while A runs
+        stopped = True
+        resume(a_again)
+        a_runs, a_log = results_and_log(a)
     finally:
-        fleet.stop()
-    return Runs(a, b_p, b_q, c)
+        for engine in (a, b):
+            if engine.poll() is None:
+                os.killpg(engine.pid, signal.SIGKILL)
+                engine.wait()
+        if not stopped:
+            fleet.stop()
+    return Runs(a_runs[0], a_runs[1], a_runs[2], a_log, b_runs[0], b_runs[1])
+
+
+def wait_paused(engine: subprocess.Popen[str], pause: Path) -> None:
+    wait_until(lambda: Path(f"{pause}.ready").exists() or engine.poll() is not None, 300)
+    assert engine.poll() is None, "vLLM exited before its pause"
+
+
+def resume(pause: Path) -> None:
+    Path(f"{pause}.go").touch()
+
+
+def wait_holds(storage: str, chunks: int) -> None:
+    """Until the node holds ``chunks`` chunks and the coordinator's directory knows them."""
+    wait_until(lambda: resident_chunks(storage) >= chunks, 60)
+    assert wait_events_acked(storage)
 
 
 @dataclass
 class Runs:
-    """Three fresh vLLM processes: A on node 0, then B on node 1, then C on node 0."""
+    """A on node 0: p, q, p again (kvmesh stopped); B on node 1: p, q."""
 
     cold_p: dict[str, Any]
+    warm_q: dict[str, Any]
+    p_after_stop: dict[str, Any]
+    a_log: str
     warm_p_other_node: dict[str, Any]
     cold_q_other_node: dict[str, Any]
-    warm_q: dict[str, Any]
 
 
 @pytest.fixture(scope="session")
@@ -92,11 +147,11 @@ def runs(
     """The runs, made once per test run: the first xdist worker to ask runs the engines,
     the others read its results (each engine costs 20-40 s here)."""
     root = tmp_path_factory.getbasetemp().parent
-    done = root / "kvmesh-vllm-two-node-runs.json"
-    with FileLock(str(root / "kvmesh-vllm-two-node-runs.lock")):
+    done = root / "kvmesh-vllm-fleet-runs.json"
+    with FileLock(str(root / "kvmesh-vllm-fleet-runs.lock")):
         if not done.exists():
-            made = _two_node_runs(tmp_path_factory.mktemp("vllm-fleet"), _redis_session.url,
-                                  tiny_model)  # fmt: skip
+            made = _fleet_runs(tmp_path_factory.mktemp("vllm-fleet"), _redis_session.url,
+                               tiny_model)  # fmt: skip
             done.write_text(json.dumps(asdict(made)))
         return Runs(**json.loads(done.read_text()))
 
@@ -104,6 +159,7 @@ def runs(
 def test_a_cold_prompt_is_computed_by_vllm(runs: Runs) -> None:
     assert runs.cold_p["cached_tokens"] == 0
     assert runs.cold_q_other_node["cached_tokens"] == 0
+    assert len(runs.cold_p["token_ids"]) == len(runs.cold_q_other_node["token_ids"]) == 3
 
 
 def test_a_fresh_vllm_process_gets_the_prompt_from_kvmesh_with_the_same_answer(runs: Runs) -> None:
@@ -113,7 +169,19 @@ def test_a_fresh_vllm_process_gets_the_prompt_from_kvmesh_with_the_same_answer(r
 
 
 def test_two_vllm_processes_on_two_nodes_reuse_each_others_prefixes(runs: Runs) -> None:
-    """Node 1's engine reused node 0's prompt; node 0's next engine reuses node 1's."""
+    """Node 1's engine reused node 0's prompt; node 0's engine reuses node 1's."""
     assert runs.warm_p_other_node["cached_tokens"] == CACHED
     assert runs.warm_q["cached_tokens"] == CACHED
     assert_same_answer(runs.cold_q_other_node, runs.warm_q)
+
+
+def test_kvmesh_stopped_mid_run_vllm_still_answers(runs: Runs) -> None:
+    """A's third prompt ran after the fleet stopped: recomputed, the same answer, and one
+    clear warning per vLLM process (scheduler, worker), not one per request."""
+    again = runs.p_after_stop
+    assert again["cached_tokens"] == 0  # nothing to load from: recomputed
+    assert again["token_ids"] == runs.cold_p["token_ids"]
+    warnings = [line for line in runs.a_log.splitlines() if "unreachable" in line]
+    pids = [line.split("[kvmesh pid=")[1].split("]")[0] for line in warnings]
+    assert warnings, runs.a_log[-3000:]
+    assert len(pids) == len(set(pids)) <= 2, runs.a_log[-3000:]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import random
@@ -16,10 +15,9 @@ from typing import Any
 
 import pytest
 
-from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.engine.vllm.worker import engine_env, transfer_config
-from kvmesh.storage.client import StorageClient
 from tests.e2e.support import start_fleet
+from tests.e2e.with_vllm.support import resident_chunks
 from tests.support.servers import free_port
 from tests.support.waiting import wait_until
 
@@ -35,18 +33,6 @@ def _get(url: str) -> bool:
             return bool(resp.status == 200)
     except (urllib.error.URLError, OSError):
         return False
-
-
-def _resident_chunks(storage: str) -> int:
-    async def ask() -> int:
-        client = StorageClient(storage)
-        try:
-            status = await client.get_status(storage_pb2.GetStatusRequest(), timeout=5.0)
-            return int(status.l1.resident_objects)
-        finally:
-            await client.close()
-
-    return asyncio.run(ask())
 
 
 def _complete(base: str, model: str, prompt: list[int]) -> dict[str, Any]:
@@ -92,7 +78,7 @@ def test_openai_server_with_kv_transfer_config_serves_a_prompt_from_kvmesh(
         # vLLM answers before the connector's stores finish (they run in the background):
         # the next request finds the prefix once the node holds its chunks.
         storage = fleet.endpoint("node-0-storage")
-        wait_until(lambda: _resident_chunks(storage) >= CACHED // 256, 60)
+        wait_until(lambda: resident_chunks(storage) >= CACHED // 256, 60)
         warm = _complete(base, str(tiny_model), prompt)
     finally:
         os.killpg(server.pid, signal.SIGTERM)

@@ -471,8 +471,9 @@ class CliProcess:
         """True while the process is alive."""
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self, timeout: float = 60.0) -> None:
-        """Start and wait until its health service says SERVING."""
+    def start(self, timeout: float = 60.0, *, wait: bool = True) -> None:
+        """Start and wait until its health service says SERVING (``wait=False``: start
+        only; call :meth:`wait_serving` later, so several processes start side by side)."""
         assert not self.running, "already running"
         self.proc = spawn_cli(
             self.service,
@@ -488,6 +489,8 @@ class CliProcess:
         ]
         for thread in self._drains:
             thread.start()
+        if not wait:
+            return
         try:
             self.wait_serving(timeout)
         except BaseException:

@@ -99,7 +99,9 @@ def running_fleet(
                 metrics=metrics,
             )
             nodes.append(node)
-            node.proc.start()
+            node.proc.start(wait=False)  # both nodes start side by side
+        for node in nodes:
+            node.proc.wait_serving()  # the finally below kills both if one fails
             node.connect()
             node.register()
         yield Fleet(coordinator, nodes[0], nodes[1], shm_root)

@@ -182,6 +182,10 @@ class TcpProxy:
         self._closed = True
         self.to_upstream.set()
         self.to_client.set()
+        # A close alone does not wake the accept() blocked on the listener (Linux); a
+        # shutdown does, so the accept thread ends now rather than at the join's timeout.
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         with self._lock:
             sockets = list(self._sockets)

@@ -14,8 +14,9 @@ Spec keys: ``model`` (folder), ``prompts`` (lists of token ids), ``max_tokens``
 ``max_num_batched_tokens``, ``repeat`` (run each prompt this many times),
 ``gap_s`` (seconds to sleep after each run: the connector's background stores
 then finish before the next prompt's prefill instead of competing with it),
-``pause_before`` (``{"index": i, "path": P}``: before prompt ``i``, create
-``P.ready`` and wait for ``P.go``; tests change the world in between).
+``pause_before`` (``{"index": i, "path": P}``, or a list of them: before
+prompt ``i``, create ``P.ready`` and wait for ``P.go``; tests change the world
+in between).
 """
 
 from __future__ import annotations
@@ -74,10 +75,13 @@ def run(spec: dict[str, Any]) -> None:
         temperature=0.0,
         logprobs=int(spec.get("logprobs", 0)) or None,
     )
-    pause = spec.get("pause_before") or {}
+    pauses = spec.get("pause_before") or []
+    if isinstance(pauses, dict):
+        pauses = [pauses]
+    paths = {int(p["index"]): str(p["path"]) for p in pauses}
     for index, prompt in enumerate(spec["prompts"]):
-        if pause and index == int(pause["index"]):
-            _pause(str(pause["path"]))
+        if index in paths:
+            _pause(paths[index])
         for _ in range(int(spec.get("repeat", 1))):
             start = time.perf_counter()
             out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
