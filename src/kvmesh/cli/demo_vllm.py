@@ -85,6 +85,9 @@ def run_vllm_demo(
             "model": str(model),
             "max_tokens": 1,
             "logprobs": 5,
+            # vLLM's engine core and worker in the engine's own process: a start costs a
+            # third of the CPU (vLLM's OpenAI server runs them apart; kvmesh bench vllm too).
+            "one_process": True,
             "connector": {"model_name": f"demo-vllm-{uuid.uuid4().hex[:8]}"},
         }
         # The warm engine starts beside the cold one (vLLM takes 20-40 s to start here)
