@@ -17,7 +17,9 @@ only blocking work an RPC hands off is its copy (the gather of StoreChunks,
 the scatter of RetrieveChunks). That copy runs on the node's own copy
 executor, ``kvmesh-transfer``, made here with the ``copy_threads`` setting's
 threads (0, the default: one per core, 2 to 8). So a copy never queues
-behind a wait, an L2 call or start-up work. The storage code never uses the
+behind a wait, an L2 call or start-up work. The same executor maps a newly
+registered engine's KV memory once (``TransferEngine.prefault``, about 0.3 s
+per GiB), so the engine's first loads fault no page. The storage code never uses the
 loop's default executor: one-off blocking calls (loading the copy kernel,
 closing the event transport) get a thread that ends with them.
 

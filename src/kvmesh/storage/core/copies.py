@@ -155,7 +155,10 @@ class ChunkCopier:
     def prefault(self, engine_id: str) -> None:
         """Map an engine's KV memory on a copy thread, in the background (see
         :meth:`TransferEngine.prefault`); a failure is logged, never raised."""
-        future = self._copies.submit(self.transfer.prefault, engine_id)
+        try:
+            future = self._copies.submit(self.transfer.prefault, engine_id)
+        except RuntimeError:  # the node is shutting down: nothing to map ahead for
+            return
         future.add_done_callback(functools.partial(_log_prefault_failure, engine_id))
 
     async def run(self, copy: Callable[[], T]) -> T:
