@@ -83,7 +83,9 @@ def core_batch(instance_id: str, seq: int, n: int = 2) -> CacheEventBatch:
 
 @pytest.fixture
 def transport(nats: ServerProcess) -> Iterator[NatsEventTransport]:
-    t = NatsEventTransport(nats.url, connect_timeout_s=1.0, ack_timeout_s=2.0)
+    # A generous connect deadline: these tests are about acks and sessions, and a loaded
+    # 2-core CI host once took over 1 s to finish a connect to the local nats-server.
+    t = NatsEventTransport(nats.url, connect_timeout_s=10.0, ack_timeout_s=2.0)
     try:
         yield t
     finally:
