@@ -75,8 +75,8 @@ def _fleet_runs(tmp: Path, redis_url: str, model: Path) -> Runs:
     fleet = start_fleet(tmp, nodes=2, extra_storage_args=["--l2", l2])
     # Small deadlines: once kvmesh is stopped, a test need not wait out the 5 s default.
     # One process per engine (vLLM's engine core and worker beside the connector's two
-    # halves): a start costs a third of the CPU; the demo and the OpenAI server tests
-    # run vLLM's usual three processes.
+    # halves): a start costs a third of the CPU; the OpenAI server test (and kvmesh
+    # bench vllm) run vLLM's usual three processes.
     base = {"model": str(model), "max_tokens": 3, "logprobs": TOP_K, "one_process": True,
             "connector": {"rpc_timeout_s": 1.0}}  # fmt: skip
     p, q = prompt(1), prompt(2)
@@ -89,8 +89,8 @@ def _fleet_runs(tmp: Path, redis_url: str, model: Path) -> Runs:
         {**base, "prompts": [p, q], "gateway": fleet.endpoint("node-1-gateway"),
          "pause_before": {"index": 0, "path": str(b_p)}}
     )  # fmt: skip
+    stopped = False
     try:
-        stopped = False
         wait_paused(a, a_q)  # A computed p; its stores run in the background
         wait_holds(fleet.endpoint("node-0-storage"), CACHED // CHUNK)
         resume(b_p)
@@ -145,8 +145,9 @@ def test_vllm_processes_reuse_prompts_through_kvmesh_and_survive_it_stopping(
     redis_server: ServerProcess,
     subtests: pytest.Subtests,
 ) -> None:
-    """One test over the two engines' runs (each engine costs 20-40 s to start here), with
-    a subtest per claim: on two xdist workers, tests sharing the runs would hold both."""
+    """One test over the two engines' runs (each engine costs 15-35 s to start here), with
+    a subtest per claim: separate tests sharing the runs would each hold an xdist worker
+    while one of them ran the engines."""
     runs = _fleet_runs(tmp_path, redis_server.url, tiny_model)
     with subtests.test("a cold prompt is computed by vLLM"):
         assert runs.cold_p["cached_tokens"] == 0
