@@ -93,5 +93,7 @@ def test_clear_while_write_through_is_queued_loses_no_stored_chunk(
     assert node.store(engine, third, blocks_of(range(7, 9))) == [STORED] * 2
     every = set(first) | set(second) | set(third)
     wait_until(lambda: node.l2_hashes() == every, timeout=30)
+    # The adapter shows a key before the controller thread counts its batch.
+    wait_until(lambda: node.app.manager.status()["store"]["stored_keys"] >= 9, timeout=30)
     store = node.app.manager.status()["store"]
     assert (store["missing_keys"], store["dropped_keys"], store["stored_keys"]) == (0, 0, 9)
