@@ -5,8 +5,9 @@ machines). Every figure comes from fresh vLLM processes of one run, each bound
 to every core (:func:`kvmesh.engine.vllm.worker.engine_env`), over the same
 ``--prompts`` random prompts of ``--prompt-tokens`` tokens and one output
 token, so ``generate``'s wall time is the time to first token. Each process
-first runs a short warm-up prompt of its own, so no figure pays vLLM's first
-call.
+first runs a warm-up prompt of its own, as long as the others, so no figure pays
+vLLM's first call or the first prefill of its full-size steps (that first prompt
+was 10-20 % slower than the rest here when the warm-up was short).
 
 1. ``cold``: no connector, vLLM's prefix caching off (the cost of a prefill);
 2. ``prefix_cache``: no connector, vLLM's prefix caching on, each prompt twice in
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 #: LMCache 0.5.6's connector and server on this machine kind, 8000-token prompt, warm in
 #: a fresh engine (issue 12's measurement; not measured by this run).
 LMCACHE_0_5_6_WARM_MS = 100.0
-WARMUP_TOKENS = 300
+MIN_PROMPT_TOKENS = 600
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prompt-tokens", type=int, default=8000, help="tokens per prompt")
     parser.add_argument(
-        "--prompts", type=int, default=3, help="distinct prompts; figures are their medians"
+        "--prompts", type=int, default=5, help="distinct prompts; figures are their medians"
     )
     parser.add_argument(
         "--gateway",
@@ -123,16 +124,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the four arrangements; the figures as one dict."""
     if importlib.util.find_spec("vllm") is None:
         raise SystemExit("kvmesh bench vllm: vLLM is not installed (pip install 'kvmesh[vllm]')")
-    if args.prompt_tokens < 2 * WARMUP_TOKENS or args.prompts < 1 or args.rounds < 1:
+    if args.prompt_tokens < MIN_PROMPT_TOKENS or args.prompts < 1 or args.rounds < 1:
         raise SystemExit(
-            f"kvmesh bench vllm: --prompt-tokens must be >= {2 * WARMUP_TOKENS}, --prompts and "
+            f"kvmesh bench vllm: --prompt-tokens must be >= {MIN_PROMPT_TOKENS}, --prompts and "
             "--rounds >= 1"
         )
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-vllm-") as tmp:
         model = Path(args.model) if args.model else make_tiny_model(Path(tmp) / "model")
         prompts = _prompts(args.prompts, args.prompt_tokens, args.seed)
         # A warm-up of each process's own: it must share no chunk with the prompts.
-        warmup = _prompts(1, WARMUP_TOKENS, args.seed + 1_000_003)[0]
+        warmup = _prompts(1, args.prompt_tokens, args.seed + 1_000_003)[0]
         base = {
             "model": str(model),
             "max_tokens": 1,
@@ -190,6 +191,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             w["token_ids"] == c["token_ids"] for w, c in zip(warm, cold, strict=True)
         ),
         "rounds": [_figures(one) for one in rounds],
+        # Every prompt's own figure, round by round: an outlier shows here, not in a median.
+        "runs_ms": [
+            {name: [round(r["ttft_s"] * 1e3, 1) for r in runs] for name, runs in one.items()}
+            for one in rounds
+        ],
         "lmcache_0_5_6_warm_ms_reference": LMCACHE_0_5_6_WARM_MS,
         "parameters": {
             "model": args.model or "tiny random-weight Llama (kvmesh.engine.vllm.model)",
