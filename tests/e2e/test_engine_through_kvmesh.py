@@ -9,7 +9,9 @@ sharing only L2: test_shared_l2.py). One single-node fleet serves the module.
 from __future__ import annotations
 
 import json
-import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import grpc
 import pytest
@@ -117,16 +119,22 @@ def test_a_scheduler_whose_gateway_is_down_answers_zero_instead_of_waiting() -> 
 
 
 def test_an_engine_that_cannot_register_leaves_no_shared_memory() -> None:
-    def engine_files() -> set[str]:
-        return {f for f in os.listdir("/dev/shm") if f.startswith("kvmesh-engine-")}
-
-    before = engine_files()
-    config = EngineConfig(
-        model=MODEL, num_blocks=16, gateway=f"127.0.0.1:{free_port()}", rpc_timeout_s=2.0
-    )
-    with pytest.raises(grpc.RpcError):
-        Engine(config)
-    assert engine_files() <= before
+    # A folder of this test's own: other tests' engines (other workers) come and go
+    # in /dev/shm meanwhile.
+    shm_dir = Path(tempfile.mkdtemp(prefix="kvmesh-test-engine-", dir="/dev/shm"))
+    try:
+        config = EngineConfig(
+            model=MODEL,
+            num_blocks=16,
+            gateway=f"127.0.0.1:{free_port()}",
+            rpc_timeout_s=2.0,
+            shm_dir=str(shm_dir),
+        )
+        with pytest.raises(grpc.RpcError):
+            Engine(config)
+        assert list(shm_dir.iterdir()) == []
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def test_kvmesh_demo_reports_a_warm_hit_with_matching_logits(

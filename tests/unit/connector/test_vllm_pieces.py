@@ -1,8 +1,9 @@
 """The vLLM connector's parts that need no running engine: settings, the KV file, layouts.
 
-Importing :mod:`kvmesh.connector.vllm` imports vLLM, so these run where the
-``vllm`` extra is installed (CI); without it they fail under
-KVMESH_REQUIRE_SERVICES=1 and skip otherwise.
+These modules load no vLLM (only ``KVMeshConnector`` does), so collecting
+this file is cheap; the one test that asks vLLM's attention code which layout
+it uses needs the ``vllm`` extra (CI has it; without it that test fails under
+KVMESH_REQUIRE_SERVICES=1 and skips otherwise).
 """
 
 from __future__ import annotations
@@ -20,16 +21,30 @@ from typing import Any
 import pytest
 import torch
 
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.connector.vllm.cuda import gpu_layout_kind, layout_fields
+from kvmesh.connector.vllm.layouts import cache_salt, cpu_layout
+from kvmesh.connector.vllm.settings import DEFAULT_GATEWAY, SettingsError, parse_settings
+from kvmesh.connector.vllm.shm_pool import SharedMemoryPool, reclaim_stale
 from tests.support.memory import resident_bytes
 from tests.support.servers import require_vllm
 
-require_vllm()  # at import: the module's imports below load vLLM
+# ---- the package -----------------------------------------------------------------------------
 
-from kvmesh.api.common.v1 import common_pb2  # noqa: E402
-from kvmesh.connector.vllm.connector import _cpu_layout, cache_salt  # noqa: E402
-from kvmesh.connector.vllm.cuda import gpu_layout_kind, layout_fields  # noqa: E402
-from kvmesh.connector.vllm.settings import DEFAULT_GATEWAY, SettingsError, parse_settings  # noqa: E402
-from kvmesh.connector.vllm.shm_pool import SharedMemoryPool, reclaim_stale  # noqa: E402
+
+def test_importing_the_package_and_its_parts_loads_no_vllm() -> None:
+    # vLLM reads KVMeshConnector off the package (the real-vLLM tests load it that
+    # way); everything else must stay cheap to import, in tools and in tests alike.
+    code = (
+        "import sys, kvmesh.connector.vllm as pkg, kvmesh.connector.vllm.settings, "
+        "kvmesh.connector.vllm.shm_pool, kvmesh.connector.vllm.layouts, "
+        "kvmesh.connector.vllm.cuda\n"
+        "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m)\n"
+        "try:\n    pkg.NoSuchThing\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "module 'kvmesh.connector.vllm' has no attribute 'NoSuchThing'"
+
 
 # ---- settings -------------------------------------------------------------------------------
 
@@ -145,10 +160,11 @@ def test_the_pool_refuses_a_missing_folder(tmp_path: Path) -> None:
 
 
 def test_cpu_layout_follows_vllms_attention_isa() -> None:
+    require_vllm()
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     layer = torch.zeros(4, 2, 128, 128, dtype=torch.bfloat16)
-    kind, problem = _cpu_layout(layer, vllm_block_size=128)
+    kind, problem = cpu_layout(layer, vllm_block_size=128)
     isa = _get_attn_isa(torch.bfloat16, 128, 64)
     want = {
         "vec": common_pb2.KV_LAYOUT_KIND_VLLM_CPU,
@@ -158,10 +174,10 @@ def test_cpu_layout_follows_vllms_attention_isa() -> None:
 
 
 def test_cpu_layout_refuses_shapes_it_cannot_move() -> None:
-    _, problem = _cpu_layout(torch.zeros(4, 2, 128, 127), vllm_block_size=128)
+    _, problem = cpu_layout(torch.zeros(4, 2, 128, 127), vllm_block_size=128)
     assert problem is not None
     assert "unexpected KV tensor shape" in problem
-    _, problem = _cpu_layout(torch.zeros(4, 2, 64, 128), vllm_block_size=128)
+    _, problem = cpu_layout(torch.zeros(4, 2, 64, 128), vllm_block_size=128)
     assert problem is not None
     assert "vLLM's block size is 128" in problem
 

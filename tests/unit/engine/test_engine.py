@@ -7,7 +7,10 @@ shared-memory KV file like a storage node); the real fleet is in tests/e2e.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,13 +159,15 @@ def test_close_unregisters_and_removes_the_shared_memory_file(gateway: FakeGatew
 def test_a_refused_registration_leaves_no_shared_memory_behind(gateway: FakeGateway) -> None:
     gateway.failing.add("RegisterKVCache")
 
-    def engine_files() -> set[str]:
-        return {f for f in os.listdir("/dev/shm") if f.startswith("kvmesh-engine-")}
-
-    before = engine_files()
-    with pytest.raises(Exception, match="RegisterKVCache is down"):
-        Engine(EngineConfig(model=MODEL, num_blocks=16, gateway="fake:0"), client=gateway)  # type: ignore[arg-type]
-    assert engine_files() <= before
+    # A folder of this test's own: other workers' engines come and go in /dev/shm.
+    shm_dir = Path(tempfile.mkdtemp(prefix="kvmesh-test-engine-", dir="/dev/shm"))
+    try:
+        config = EngineConfig(model=MODEL, num_blocks=16, gateway="fake:0", shm_dir=str(shm_dir))
+        with pytest.raises(Exception, match="RegisterKVCache is down"):
+            Engine(config, client=gateway)  # type: ignore[arg-type]
+        assert list(shm_dir.iterdir()) == []
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def test_a_request_that_gets_no_blocks_still_ends_its_session(gateway: FakeGateway) -> None:

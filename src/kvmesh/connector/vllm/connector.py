@@ -54,6 +54,7 @@ from kvmesh.connector.core import KVMeshConnector as Hooks
 from kvmesh.connector.metadata import ConnectorMetadata, Request, SchedulerOutput
 from kvmesh.connector.types import KVConnectorRole, KVMeshConnectorConfig, rpc_failure
 from kvmesh.connector.vllm.cuda import StreamEvents, gpu_layout_kind, ipc_handle, layout_fields
+from kvmesh.connector.vllm.layouts import cache_salt, cpu_layout
 from kvmesh.connector.vllm.settings import VLLMSettings, parse_settings
 from kvmesh.connector.vllm.shm_pool import SharedMemoryPool
 
@@ -72,15 +73,6 @@ class KVMeshMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     def __init__(self, ops: ConnectorMetadata) -> None:
         self.ops = ops
-
-
-def cache_salt(request: VLLMRequest) -> str:
-    """The request's salt, with its LoRA adapter: different adapters never share KV."""
-    salt = request.cache_salt or ""
-    lora = request.lora_request
-    if lora is not None:
-        salt = f"{salt}\x1flora:{lora.lora_name}:{lora.lora_int_id}"
-    return salt
 
 
 class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -249,7 +241,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 first.device.type,
             )
             return None
-        kind, problem = _cpu_layout(first, vllm_block_size=self.hooks.config.block_size)
+        kind, problem = cpu_layout(first, vllm_block_size=self.hooks.config.block_size)
         if problem is None and any(
             t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
             for t in layers
@@ -391,40 +383,3 @@ def _worker_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except (AssertionError, ImportError, RuntimeError):
         return 0  # the scheduler process has no parallel state
-
-
-#: vLLM's CPU attention ISA → the KV layout it stores (kvmesh.kernels.vllm_cpu).
-_CPU_LAYOUTS = {
-    "vec": common_pb2.KV_LAYOUT_KIND_VLLM_CPU,
-    "amx": common_pb2.KV_LAYOUT_KIND_VLLM_CPU_AMX,
-}
-
-
-def _cpu_layout(
-    first: torch.Tensor, *, vllm_block_size: int
-) -> tuple[common_pb2.KVLayoutKind.ValueType, str | None]:
-    """The kvmesh layout of vLLM's CPU KV cache, or why kvmesh cannot move it."""
-    unspecified = common_pb2.KV_LAYOUT_KIND_UNSPECIFIED
-    if first.dim() != 4 or first.shape[3] % 2:
-        return unspecified, (
-            f"unexpected KV tensor shape {tuple(first.shape)} (want [blocks, heads, block, 2*dim])"
-        )
-    if first.shape[2] != vllm_block_size:
-        return unspecified, (
-            f"KV blocks of {first.shape[2]} tokens, vLLM's block size is {vllm_block_size}"
-        )
-    head_dim = first.shape[3] // 2
-    try:
-        # The ISA decides how vLLM's CPU attention lays out K and V inside a block.
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = str(_get_attn_isa(first.dtype, vllm_block_size, head_dim))
-    except (ImportError, TypeError, NotImplementedError):
-        isa = "unknown"
-    kind = _CPU_LAYOUTS.get(isa)
-    if kind is None:
-        return unspecified, (
-            f"vLLM's CPU attention uses the {isa!r} KV layout; kvmesh moves "
-            f"{' and '.join(repr(k) for k in _CPU_LAYOUTS)}"
-        )
-    return kind, None
