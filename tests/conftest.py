@@ -12,9 +12,37 @@ import os  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
+import pytest  # noqa: E402
+
 # `kvmesh up` writes a fleet file that `kvmesh status`/`demo` read by default: give
 # this test run its own, so fleets of other runs on the host are never picked up.
 if "KVMESH_FLEET_FILE" not in os.environ:
     _fleet_dir = tempfile.mkdtemp(prefix="kvmesh-tests-")
     atexit.register(shutil.rmtree, _fleet_dir, True)
     os.environ["KVMESH_FLEET_FILE"] = os.path.join(_fleet_dir, "fleet.json")
+
+
+#: The modules that take the suite's time (real fleets, real vLLM), heaviest
+#: group first. scripts/test runs the suite with ``--dist loadscope
+#: --no-loadscope-reorder``: whole modules go to workers in collection order, so
+#: these start first and the end of the run is quick unit modules spread over
+#: every worker. (With xdist's default ``load``, the first worker got the first
+#: 312 tests, every e2e test among them, and ran alone for the last 5 of 6.5
+#: minutes.)
+HEAVY_FIRST = (
+    "tests/e2e/with_vllm/",
+    "tests/e2e/",
+    "tests/integration/p2p/",
+    "tests/integration/cli/",
+    "tests/integration/coordinator/",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        return next(
+            (i for i, prefix in enumerate(HEAVY_FIRST) if item.nodeid.startswith(prefix)),
+            len(HEAVY_FIRST),
+        )
+
+    items.sort(key=rank)  # stable: each module keeps its tests together and in order

@@ -7,9 +7,9 @@
   raw generated stub: the test decides every message (so it can send what a
   real node never would), and reads every ack and command.
 * :class:`CliProcess` runs ``kvmesh coordinator`` / ``kvmesh storage`` as a
-  real child process (``tests.support.harness.spawn_cli``) on a fixed port, so it can
-  be SIGKILLed and restarted on the same port; its output is drained into a
-  buffer (a full pipe would block the child) and shown when a start fails.
+  real child process (forked with kvmesh already imported:
+  ``tests.support.forked``) on a fixed port, so it can be SIGKILLed and
+  restarted on the same port; its output goes to files, shown when a start fails.
 * batch builders make protobuf batches directly, valid by default, so a test
   can break exactly one field.
 """
@@ -51,7 +51,8 @@ from kvmesh.coordinator.client import (
 from kvmesh.rpc.client import create_channel
 from kvmesh.rpc.interceptors import error_info
 from kvmesh.rpc.server import Server
-from tests.support.harness import ServerThread, spawn_cli
+from tests.support.forked import ForkedProcess, fork_cli
+from tests.support.harness import REPO_ROOT, ServerThread
 from tests.support.waiting import wait_until
 
 MODEL = "org/model-7b"
@@ -446,20 +447,18 @@ class RawNode:
 class CliProcess:
     """``kvmesh <service> ARGS`` as a child process on a fixed port; kill and restart it.
 
-    No ``preexec_fn`` (e.g. ``PR_SET_PDEATHSIG``): it makes ``subprocess`` fork
-    instead of vfork, and a fork while this process's gRPC threads run (the
-    in-process coordinators and clients) runs gRPC's fork handlers, which can
-    leave the child with a broken poller before it execs ("epoll_wait error:
-    Bad file descriptor"). The fixtures kill every child in ``finally``.
+    The child is forked from a server that imported kvmesh once
+    (:mod:`tests.support.forked`): a storage node then serves in a fraction of a
+    second instead of importing torch again. It is a real process all the same:
+    its own sockets and memory, SIGKILL for a crash, SIGTERM for a clean stop.
+    Its output goes to two files; :meth:`log` reads them.
     """
 
     def __init__(self, service: str, port: int, args: Sequence[str]) -> None:
         self.service = service
         self.port = port
         self.args = list(args)
-        self.proc: subprocess.Popen[str] | None = None
-        self.output: list[str] = []
-        self._drains: list[threading.Thread] = []
+        self.proc: ForkedProcess | None = None
 
     @property
     def target(self) -> str:
@@ -475,20 +474,15 @@ class CliProcess:
         """Start and wait until its health service says SERVING (``wait=False``: start
         only; call :meth:`wait_serving` later, so several processes start side by side)."""
         assert not self.running, "already running"
-        self.proc = spawn_cli(
+        self.proc = fork_cli(
             self.service,
             "--port",
             str(self.port),
             "--metrics-port",
             "-1",
             *self.args,
+            cwd=REPO_ROOT,
         )
-        self._drains = [
-            threading.Thread(target=self._drain, args=(stream,), daemon=True)
-            for stream in (self.proc.stdout, self.proc.stderr)
-        ]
-        for thread in self._drains:
-            thread.start()
         if not wait:
             return
         try:
@@ -497,14 +491,9 @@ class CliProcess:
             self.kill()
             raise
 
-    def _drain(self, stream: Any) -> None:
-        # A child writing into a full pipe blocks; keep reading until it closes.
-        for line in stream:
-            self.output.append(line)
-
     def log(self, limit: int = 4000) -> str:
         """The process's output so far (tail)."""
-        return "".join(self.output)[-limit:]
+        return self.proc.output()[-limit:] if self.proc is not None else ""
 
     def wait_serving(self, timeout: float = 60.0) -> None:
         """Poll ``grpc.health.v1`` until SERVING; fail at once if the process exits."""
@@ -529,8 +518,6 @@ class CliProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=30)
-        for thread in self._drains:
-            thread.join(timeout=5)
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM (a clean stop: a coordinator writes its final checkpoint), then reap."""
@@ -544,8 +531,6 @@ class CliProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
                 raise AssertionError(f"{self.service} ignored SIGTERM:\n{self.log()}") from None
-        for thread in self._drains:
-            thread.join(timeout=5)
 
 
 def eventually(predicate: Callable[[], bool], timeout: float = 20.0) -> None:

@@ -383,8 +383,9 @@ def wait_in_directory(
         wait_until(placed, timeout=20, message="the directory never learned the stored keys")
 
 
-def fetch_spans(spans_file: Path) -> list[dict[str, Any]]:
-    """The ``kvmesh.p2p.fetch`` spans the fleet exported so far (KVMESH_TRACE_FILE)."""
+def read_spans(spans_file: Path) -> list[dict[str, Any]]:
+    """Every span the fleet exported so far (KVMESH_TRACE_FILE); a line being
+    appended right now is left for the next read."""
     if not spans_file.exists():
         return []
     spans = []
@@ -393,7 +394,12 @@ def fetch_spans(spans_file: Path) -> list[dict[str, Any]]:
             spans.append(json.loads(line))
         except json.JSONDecodeError:
             continue  # a batch being appended right now
-    return [s for s in spans if s.get("name") == "kvmesh.p2p.fetch"]
+    return spans
+
+
+def fetch_spans(spans_file: Path) -> list[dict[str, Any]]:
+    """The ``kvmesh.p2p.fetch`` spans the fleet exported so far."""
+    return [s for s in read_spans(spans_file) if s.get("name") == "kvmesh.p2p.fetch"]
 
 
 __all__ = [
@@ -404,6 +410,7 @@ __all__ = [
     "WideEngine",
     "coordinator_args",
     "fetch_spans",
+    "read_spans",
     "storage_args",
     "wait_in_directory",
 ]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tests.integration.p2p.conftest import Fleet
-from tests.integration.p2p.support import wait_in_directory
+from tests.integration.p2p.support import read_spans, wait_in_directory
 from tests.integration.storage.support import blocks_of, new_hashes
 from tests.support.waiting import wait_until
 
@@ -48,9 +47,7 @@ def test_node_b_gets_node_a_prefix_with_equal_bytes(fleet: Fleet, tmp_path: Path
     spans_file = tmp_path / "spans.jsonl"
 
     def spans() -> list[dict[str, Any]]:
-        if not spans_file.exists():
-            return []
-        return [json.loads(line) for line in spans_file.read_text().splitlines() if line]
+        return read_spans(spans_file)
 
     def fetch_span() -> dict[str, Any] | None:
         return next((s for s in spans() if s.get("name") == "kvmesh.p2p.fetch"), None)
