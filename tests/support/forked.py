@@ -12,6 +12,11 @@ signals, SIGKILL for a crash; only the import is shared.
 Tests of what a process does at start (argument errors, exit codes, ``kvmesh
 up`` and its reaper, tracing set up from the environment) still exec
 ``kvmesh`` with :func:`tests.support.harness.spawn_cli`.
+
+Like every multiprocessing child, a forked child first imports the parent's
+``__main__`` by name or path (harmless under pytest and its xdist workers,
+whose ``__main__`` does nothing on import); a parent reading its script from
+stdin cannot use this.
 """
 
 from __future__ import annotations
