@@ -19,7 +19,7 @@ a start then costs about a third of the CPU: 15 s instead of 34 s here),
 then finish before the next prompt's prefill instead of competing with it),
 ``pause_before`` (``{"index": i, "path": P}``, or a list of them: before
 prompt ``i``, create ``P.ready`` and wait for ``P.go``; tests change the world
-in between).
+in between; the log then gets a line ``KVMESH-RESUMED before prompt i``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ from typing import Any
 
 #: Prefix of the result lines on stdout (vLLM logs there too).
 MARK = "KVMESH-RESULT "
+#: Written to stderr (the log) when a pause ends, followed by the prompt's index: what
+#: the log says after it happened after the test changed the world.
+RESUMED = "KVMESH-RESUMED before prompt"
 
 
 def engine_env(kv_cache_gib: int) -> dict[str, str]:
@@ -92,6 +95,7 @@ def run(spec: dict[str, Any]) -> None:
     for index, prompt in enumerate(spec["prompts"]):
         if index in paths:
             _pause(paths[index])
+            print(f"{RESUMED} {index}", file=sys.stderr, flush=True)
         for _ in range(int(spec.get("repeat", 1))):
             start = time.perf_counter()
             out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
