@@ -63,8 +63,9 @@ def _run_cli(
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     sys.argv = ["kvmesh", *argv]
-    for name in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
-        signal.signal(name, signal.SIG_DFL)
+    # The signal handling of a fresh interpreter (the fork server changed its own).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     code = 1
     try:

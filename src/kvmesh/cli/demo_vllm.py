@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import random
-import signal
 import tempfile
 import time
 import uuid
@@ -69,7 +67,7 @@ def run_vllm_demo(
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("--engine vllm needs vLLM: pip install 'kvmesh[vllm]'")
     from kvmesh.engine.vllm.model import make_tiny_model
-    from kvmesh.engine.vllm.runner import results, run_engine, start_engine
+    from kvmesh.engine.vllm.runner import kill, results, resume, run_engine, start_engine
 
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="kvmesh-demo-vllm-") as tmp:
@@ -104,12 +102,10 @@ def run_vllm_demo(
                 logger.warning("node 0's events were not acked in time: node 1 may miss")
             node = len(gateways) - 1
             progress.phase(f"a fresh vLLM process on node {node}: the prompt from kvmesh")
-            Path(f"{pause}.go").touch()
+            resume(pause)
             (warm,) = results(warm_engine)
         finally:
-            if warm_engine.poll() is None:
-                os.killpg(warm_engine.pid, signal.SIGKILL)
-                warm_engine.wait()
+            kill(warm_engine)
     progress.done()
     same = warm["token_ids"] == cold["token_ids"] and set(warm["logprobs"][0]) == set(
         cold["logprobs"][0]

@@ -10,9 +10,7 @@ processes also show that vLLM keeps answering once kvmesh is stopped.
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -22,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvmesh.cli.demo_vllm import wait_events_acked
-from kvmesh.engine.vllm.runner import results_and_log, start_engine
+from kvmesh.engine.vllm.runner import is_paused, kill, results_and_log, resume, start_engine
 from kvmesh.engine.vllm.worker import RESUMED
 from tests.e2e.support import require_fleet_services, start_fleet
 from tests.e2e.with_vllm.support import resident_chunks
@@ -105,21 +103,15 @@ def _fleet_runs(tmp: Path, redis_url: str, model: Path) -> Runs:
         a_runs, a_log = results_and_log(a)
     finally:
         for engine in (a, b):
-            if engine.poll() is None:
-                os.killpg(engine.pid, signal.SIGKILL)
-                engine.wait()
+            kill(engine)
         if not stopped:
             fleet.stop()
     return Runs(a_runs[0], a_runs[1], a_runs[2:], a_log, b_runs[0], b_runs[1])
 
 
 def wait_paused(engine: subprocess.Popen[str], pause: Path) -> None:
-    wait_until(lambda: Path(f"{pause}.ready").exists() or engine.poll() is not None, 300)
+    wait_until(lambda: is_paused(pause) or engine.poll() is not None, 300)
     assert engine.poll() is None, "vLLM exited before its pause"
-
-
-def resume(pause: Path) -> None:
-    Path(f"{pause}.go").touch()
 
 
 def wait_holds(storage: str, chunks: int) -> None:

@@ -56,6 +56,23 @@ def results_and_log(
     return _parse(proc.returncode, stdout, stderr), stderr
 
 
+def is_paused(pause: str | Path) -> bool:
+    """True once an engine reached its ``pause_before`` entry with this path."""
+    return Path(f"{pause}.ready").exists()
+
+
+def resume(pause: str | Path) -> None:
+    """Let an engine waiting at its ``pause_before`` entry with this path go on."""
+    Path(f"{pause}.go").touch()
+
+
+def kill(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL a started engine with vLLM's children (its process group) and reap it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def run_engine(spec: dict[str, Any], *, timeout_s: float = 600.0) -> list[dict[str, Any]]:
     """One fresh vLLM process over ``spec``; one result per prompt run, in order."""
     return results(start_engine(spec), timeout_s=timeout_s)

@@ -117,6 +117,7 @@ def run(spec: dict[str, Any]) -> None:
 
 
 def _pause(path: str, timeout_s: float = 300.0) -> None:
+    # The other side: kvmesh.engine.vllm.runner.is_paused and resume.
     with open(path + ".ready", "w"):
         pass
     deadline = time.monotonic() + timeout_s
