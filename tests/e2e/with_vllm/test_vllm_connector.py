@@ -72,12 +72,14 @@ def _fleet_runs(tmp: Path, redis_url: str, model: Path) -> Runs:
         }
     )
     fleet = start_fleet(tmp, nodes=2, extra_storage_args=["--l2", l2])
-    # Small deadlines: once kvmesh is stopped, a test need not wait out the 5 s default.
+    # The connector's default 5 s RPC deadline. With 1 s, B once recomputed p in a full
+    # suite run (four workers on two cores; a call past its deadline is the likely
+    # cause, and the subtests now print the engine's log). A stopped fleet refuses
+    # connections at once, so the longer deadline costs nothing after the stop.
     # One process per engine (vLLM's engine core and worker beside the connector's two
     # halves): a start costs a third of the CPU; the OpenAI server test (and kvmesh
     # bench vllm) run vLLM's usual three processes.
-    base = {"model": str(model), "max_tokens": 3, "logprobs": TOP_K, "one_process": True,
-            "connector": {"rpc_timeout_s": 1.0}}  # fmt: skip
+    base = {"model": str(model), "max_tokens": 3, "logprobs": TOP_K, "one_process": True}
     p, q = prompt(1), prompt(2)
     a_q, a_again, b_p = tmp / "a-before-q", tmp / "a-before-p-again", tmp / "b-before-p"
     a = start_engine(
@@ -93,7 +95,7 @@ def _fleet_runs(tmp: Path, redis_url: str, model: Path) -> Runs:
         wait_paused(a, a_q)  # A computed p; its stores run in the background
         wait_holds(fleet.endpoint("node-0-storage"), CACHED // CHUNK)
         resume(b_p)
-        b_runs, _ = results_and_log(b)  # B exits once its stores of q are done
+        b_runs, b_log = results_and_log(b)  # B exits once its stores of q are done
         assert wait_events_acked(fleet.endpoint("node-1-storage"))
         resume(a_q)
         wait_paused(a, a_again)
@@ -106,7 +108,7 @@ def _fleet_runs(tmp: Path, redis_url: str, model: Path) -> Runs:
             kill(engine)
         if not stopped:
             fleet.stop()
-    return Runs(a_runs[0], a_runs[1], a_runs[2:], a_log, b_runs[0], b_runs[1])
+    return Runs(a_runs[0], a_runs[1], a_runs[2:], a_log, b_runs[0], b_runs[1], b_log)
 
 
 def wait_paused(engine: subprocess.Popen[str], pause: Path) -> None:
@@ -130,6 +132,7 @@ class Runs:
     a_log: str
     warm_p_other_node: dict[str, Any]
     cold_q_other_node: dict[str, Any]
+    b_log: str
 
 
 def test_vllm_processes_reuse_prompts_through_kvmesh_and_survive_it_stopping(
@@ -148,10 +151,10 @@ def test_vllm_processes_reuse_prompts_through_kvmesh_and_survive_it_stopping(
         assert len(runs.cold_p["token_ids"]) == len(runs.cold_q_other_node["token_ids"]) == 3
     with subtests.test("a fresh vLLM process gets the prompt from kvmesh with the same answer"):
         # Longer than one prefill chunk: stored in two steps, loaded whole but the last token.
-        assert runs.warm_p_other_node["cached_tokens"] == CACHED
+        assert runs.warm_p_other_node["cached_tokens"] == CACHED, runs.b_log[-3000:]
         assert_same_answer(runs.cold_p, runs.warm_p_other_node)
     with subtests.test("two vLLM processes on two nodes reuse each other's prefixes"):
-        assert runs.warm_q["cached_tokens"] == CACHED
+        assert runs.warm_q["cached_tokens"] == CACHED, runs.a_log[-3000:]
         assert_same_answer(runs.cold_q_other_node, runs.warm_q)
     with subtests.test("kvmesh stopped mid-run: vLLM still answers"):
         # A's last two prompts ran after the fleet stopped: recomputed, the same answers,
