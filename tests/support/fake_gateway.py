@@ -49,6 +49,8 @@ class FakeGateway:
     #: Store/Retrieve answer FAILED_PRECONDITION this many times (a restarted gateway).
     forget_engine: int = 0
     calls: list[tuple[str, Any]] = field(default_factory=list)
+    #: The deadline (``timeout``) each RegisterKVCache, Store and Retrieve was sent with.
+    deadlines: list[tuple[str, float | None]] = field(default_factory=list)
     chunks: dict[tuple[str, str, tuple[int, ...]], list[torch.Tensor]] = field(default_factory=dict)
     layers: list[torch.Tensor] = field(default_factory=list)
     registered: bool = False
@@ -103,8 +105,9 @@ class FakeGateway:
         self._enter("Ping", request)
         return gateway_pb2.PingResponse(engine_known=self.registered)
 
-    def register_kv_cache(self, request: Any, **_: Any) -> Any:
+    def register_kv_cache(self, request: Any, *, timeout: float | None = None, **_: Any) -> Any:
         self._enter("RegisterKVCache", request)
+        self.deadlines.append(("RegisterKVCache", timeout))
         lay = request.layout
         shape = (2, lay.num_blocks, lay.block_size, lay.kv_heads, lay.head_dim)
         numel = 2 * lay.num_blocks * lay.block_size * lay.kv_heads * lay.head_dim
@@ -168,8 +171,9 @@ class FakeGateway:
         existed = self._lookups.pop(request.request_id, None) is not None
         return gateway_pb2.EndSessionResponse(existed=existed)
 
-    def store(self, request: Any, **_: Any) -> Any:
+    def store(self, request: Any, *, timeout: float | None = None, **_: Any) -> Any:
         self._enter("Store", request)
+        self.deadlines.append(("Store", timeout))
         self._check_engine()
         rng = request.range
         tokens = list(rng.token_ids)
@@ -185,8 +189,9 @@ class FakeGateway:
             stored += 1
         return gateway_pb2.StoreResponse(stored_chunks=stored, already_cached_chunks=cached)
 
-    def retrieve(self, request: Any, **_: Any) -> Any:
+    def retrieve(self, request: Any, *, timeout: float | None = None, **_: Any) -> Any:
         self._enter("Retrieve", request)
+        self.deadlines.append(("Retrieve", timeout))
         self._check_engine()
         rng = request.range
         tokens = list(rng.token_ids)

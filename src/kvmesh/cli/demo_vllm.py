@@ -67,7 +67,13 @@ def run_vllm_demo(
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("--engine vllm needs vLLM: pip install 'kvmesh[vllm]'")
     from kvmesh.engine.vllm.model import make_tiny_model
-    from kvmesh.engine.vllm.runner import kill, results, resume, run_engine, start_engine
+    from kvmesh.engine.vllm.runner import (
+        kill,
+        results_and_log,
+        resume,
+        run_engine,
+        start_engine,
+    )
 
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="kvmesh-demo-vllm-") as tmp:
@@ -103,7 +109,14 @@ def run_vllm_demo(
             node = len(gateways) - 1
             progress.phase(f"a fresh vLLM process on node {node}: the prompt from kvmesh")
             resume(pause)
-            (warm,) = results(warm_engine)
+            (warm,), warm_log = results_and_log(warm_engine)
+            if not warm["cached_tokens"]:
+                # What the engine's connector said about kvmesh, for the operator.
+                said = [line for line in warm_log.splitlines() if "kvmesh" in line.lower()]
+                logger.warning(
+                    "the warm run got no token from kvmesh; its engine logged:\n%s",
+                    "\n".join(said[-20:]) or "(nothing about kvmesh)",
+                )
         finally:
             kill(warm_engine)
     progress.done()

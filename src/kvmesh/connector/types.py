@@ -62,8 +62,11 @@ class KVMeshConnectorConfig:
     #: The first Lookup waits up to this long for its result (L1 hits finish at once);
     #: 0 returns at once and the result comes from a later poll.
     lookup_wait_ms: int = 0
-    #: Deadline of each RPC; None keeps the typed client's per-RPC defaults.
+    #: Deadline of each RPC but the registration; None keeps the typed client's
+    #: per-RPC defaults.
     rpc_timeout_s: float | None = None
+    #: Deadline of RegisterKVCache; None keeps the typed client's default (30 s).
+    register_timeout_s: float | None = None
     #: Threads that run the worker's retrieves and stores.
     transfer_threads: int = 2
     #: Store a prompt's chunks once its whole prefill ran (in the step that finishes it),

@@ -148,7 +148,9 @@ class WorkerHooks(ConnectorBase):
     def _register(self) -> None:
         assert self._registration is not None
         with self._register_lock:
-            resp = self.client.register_kv_cache(self._registration, timeout=self._timeout)
+            resp = self.client.register_kv_cache(
+                self._registration, timeout=self.config.register_timeout_s
+            )
         self._check_chunk_size(resp.chunk_size)
         logger.info(
             "engine %s registered with gateway %s (chunk size %d, storage %s)",

@@ -36,5 +36,5 @@ def test_vllm_demo_on_two_nodes_gets_the_prompt_over_p2p(tiny_model: Path) -> No
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["parameters"]["via_p2p"] is True
-    assert result["tokens_from_cache"] == FROM_CACHE
+    assert result["tokens_from_cache"] == FROM_CACHE, done.stderr[-5000:]
     assert result["outputs_match"] is True

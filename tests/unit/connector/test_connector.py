@@ -271,6 +271,25 @@ def test_register_refuses_a_region_that_is_not_the_layers_size(kv: SharedKVCache
         conn.register_kv_caches(names, regions)
 
 
+def test_the_registration_has_its_own_deadline_and_requests_keep_theirs(
+    kv: SharedKVCache,
+) -> None:
+    """A node maps the KV memory (and may load torch) for a registration: seconds on a
+    loaded host, more than the per-request deadline allows."""
+    gateway = FakeGateway()
+    config = _config(rpc_timeout_s=0.5, register_timeout_s=30.0)
+    conn = KVMeshConnector(config, KVConnectorRole.WORKER, client=gateway)  # type: ignore[arg-type]
+    try:
+        names = kv.named_layers()
+        conn.register_kv_caches(names, dict(zip(names, kv.regions(), strict=True)))
+        _store_then_load(conn, kv, 2 * CHUNK, list(range(40, 72)))
+    finally:
+        conn.shutdown()
+    assert gateway.deadlines[0] == ("RegisterKVCache", 30.0)
+    assert {name for name, _ in gateway.deadlines[1:]} == {"Store", "Retrieve"}
+    assert {deadline for _, deadline in gateway.deadlines[1:]} == {0.5}
+
+
 def _store_then_load(
     conn: KVMeshConnector, kv: SharedKVCache, n_tokens: int, load_blocks: list[int]
 ) -> set[str]:

@@ -54,6 +54,8 @@ def test_settings_default_and_prefixed_keys() -> None:
     s = parse_settings({"kvmesh.gateway": "lane:/x.lane", "rpc_timeout_s": "2.5"})
     assert s.gateway == "lane:/x.lane"
     assert s.rpc_timeout_s == 2.5
+    assert s.register_timeout_s == 30.0  # its own, longer default
+    assert parse_settings({"register_timeout_s": 60}).register_timeout_s == 60.0
 
 
 BAD_SETTINGS: list[tuple[dict[str, Any], str]] = [
@@ -62,6 +64,7 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str]] = [
     ({"gateway": 5}, "'gateway' must be a string"),
     ({"rpc_timeout_s": 0}, "'rpc_timeout_s' must be > 0"),
     ({"lookup_timeout_s": "nan"}, "'lookup_timeout_s' must be > 0"),
+    ({"register_timeout_s": -1}, "'register_timeout_s' must be > 0"),
     ({"lookup_wait_ms": 5000}, "'lookup_wait_ms' must be in [0, 1000]"),
     ({"transfer_threads": 0}, "'transfer_threads' must be >= 1"),
     ({"transfer_threads": "two"}, "'transfer_threads' must be int"),

@@ -96,6 +96,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             lookup_timeout_s=self.settings.lookup_timeout_s,
             lookup_wait_ms=self.settings.lookup_wait_ms,
             rpc_timeout_s=self.settings.rpc_timeout_s,
+            register_timeout_s=self.settings.register_timeout_s,
             transfer_threads=self.settings.transfer_threads,
             store_after_prefill=self.settings.store_after_prefill,
         )

@@ -30,8 +30,13 @@ class VLLMSettings:
     #: The first lookup of a request waits this long for its answer before the scheduler
     #: moves on (an L1 hit answers within it; an L2 load is polled in later steps).
     lookup_wait_ms: int = 20
-    #: Deadline of every RPC to the gateway: kvmesh slow or down costs at most this.
+    #: Deadline of every RPC to the gateway but the registration: kvmesh slow or down
+    #: costs at most this.
     rpc_timeout_s: float = 5.0
+    #: Deadline of the KV registration (once per worker as vLLM starts, and again if a
+    #: restarted gateway forgot the engine): the node maps the KV memory for it, and at
+    #: its first registration loads torch, which takes seconds on a loaded host.
+    register_timeout_s: float = 30.0
     #: Threads that run the worker's retrieves and stores.
     transfer_threads: int = 2
     #: Folder of the shared-memory file vLLM's KV cache is allocated in (storage maps it).
@@ -51,6 +56,7 @@ _FIELDS: dict[str, type] = {
     "lookup_timeout_s": float,
     "lookup_wait_ms": int,
     "rpc_timeout_s": float,
+    "register_timeout_s": float,
     "transfer_threads": int,
     "shm_dir": str,
     "keep_failure_policy": bool,
@@ -79,7 +85,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> VLLMSettings:
     settings = VLLMSettings(**values)
     if not settings.gateway.strip():
         raise SettingsError("kv_connector_extra_config: 'gateway' must not be empty")
-    for key in ("lookup_timeout_s", "rpc_timeout_s"):
+    for key in ("lookup_timeout_s", "rpc_timeout_s", "register_timeout_s"):
         number = getattr(settings, key)
         if not math.isfinite(number) or number <= 0:
             raise SettingsError(f"kv_connector_extra_config: {key!r} must be > 0, got {number}")
