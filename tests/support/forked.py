@@ -1,8 +1,9 @@
 """``kvmesh SERVICE ARGS`` children forked from an interpreter that imported kvmesh once.
 
-A storage node spends about 2 s of CPU importing torch before it serves, and
-the suite starts about a hundred nodes, coordinators and gateways: on two
-cores that import was a third of the suite's time. :func:`fork_cli` starts the
+A kvmesh process spends 0.3-0.4 s of CPU importing kvmesh and grpc before it
+serves, and a storage node another second importing torch when its first
+engine registers; the suite starts about a hundred nodes, coordinators and
+gateways, most of whose storage nodes get an engine. :func:`fork_cli` starts the
 same ``kvmesh.cli.main.main`` a ``kvmesh`` process runs, with the caller's
 arguments, environment and working directory, in a process forked from
 multiprocessing's fork server, which imported kvmesh's services once per test
@@ -34,8 +35,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-#: What the fork server imports before it forks (what a service process imports first).
-PRELOAD = ("kvmesh.cli.main", "kvmesh.storage.app", "kvmesh.gateway.app", "kvmesh.coordinator.app")
+#: What the fork server imports before it forks: what a service process imports first,
+#: and the copy code (with torch) a storage node loads when an engine registers.
+PRELOAD = (
+    "kvmesh.cli.main",
+    "kvmesh.storage.app",
+    "kvmesh.gateway.app",
+    "kvmesh.coordinator.app",
+    "kvmesh.storage.core.transfer.chunks",
+)
 _PR_SET_PDEATHSIG = 1
 
 

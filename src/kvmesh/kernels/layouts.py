@@ -23,7 +23,6 @@ what every copy needs, so the per-call cost of the ops stays small.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 from collections.abc import Sequence
@@ -35,28 +34,9 @@ import numpy.typing as npt
 import torch
 
 from kvmesh.common.errors import InvalidArgument
+from kvmesh.kernels.kinds import KVLayoutKind
 
 logger = logging.getLogger(__name__)
-
-
-class KVLayoutKind(enum.Enum):
-    """Per-layer paged KV formats kvmesh moves (reference §7.1 formats 1, 2, 3)."""
-
-    FLASH_ATTN = "flash_attn"
-    FLASHINFER = "flashinfer"
-    MLA = "mla"
-    VLLM_CPU = "vllm_cpu"
-    VLLM_CPU_AMX = "vllm_cpu_amx"
-
-    @property
-    def is_vllm_cpu(self) -> bool:
-        """vLLM's CPU layouts: ``[num_blocks, kv_heads, block_size, 2 * head_dim]``."""
-        return self in (KVLayoutKind.VLLM_CPU, KVLayoutKind.VLLM_CPU_AMX)
-
-    @property
-    def kv_size(self) -> int:
-        """Number of K/V planes a chunk object holds (1 for MLA's single latent plane)."""
-        return 1 if self is KVLayoutKind.MLA else 2
 
 
 #: dtypes the kernels (and the transfer engine) accept. Copies move raw bytes,
@@ -72,19 +52,6 @@ SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(
         torch.uint8,
     }
 )
-
-
-def paged_layer_shape(
-    kind: KVLayoutKind, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
-) -> tuple[int, ...]:
-    """Shape of one layer's paged tensor for ``kind`` (MLA ignores ``kv_heads``)."""
-    if kind is KVLayoutKind.FLASH_ATTN:
-        return (2, num_blocks, block_size, kv_heads, head_dim)
-    if kind is KVLayoutKind.FLASHINFER:
-        return (num_blocks, 2, block_size, kv_heads, head_dim)
-    if kind.is_vllm_cpu:
-        return (num_blocks, kv_heads, block_size, 2 * head_dim)
-    return (num_blocks, block_size, head_dim)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from kvmesh.kernels._plan import BlockIds, plan_chunks
-from kvmesh.kernels.layouts import KVLayoutKind, PagedKVCache
+from kvmesh.kernels.kinds import KVLayoutKind
+from kvmesh.kernels.layouts import PagedKVCache
 
 logger = logging.getLogger(__name__)
 

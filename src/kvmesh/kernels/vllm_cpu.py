@@ -38,7 +38,8 @@ import torch
 
 from kvmesh.kernels import native
 from kvmesh.kernels._plan import ChunkPlan
-from kvmesh.kernels.layouts import KVLayoutKind, PagedKVCache
+from kvmesh.kernels.kinds import KVLayoutKind
+from kvmesh.kernels.layouts import PagedKVCache
 
 logger = logging.getLogger(__name__)
 

@@ -142,6 +142,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     async def RegisterEngineMemory(
         self, request: storage_pb2.RegisterEngineMemoryRequest, context: Any
     ) -> storage_pb2.RegisterEngineMemoryResponse:
+        await self.node.load_copies()  # torch, at the first registration: off the event loop
         layout = layout_from_proto(request.layout)
         handles = [handle_from_proto(h, i) for i, h in enumerate(request.layers)]
         already = self.node.register_engine(request.engine_id, layout, handles)

@@ -448,8 +448,8 @@ class CliProcess:
     """``kvmesh <service> ARGS`` as a child process on a fixed port; kill and restart it.
 
     The child is forked from a server that imported kvmesh once
-    (:mod:`tests.support.forked`): a storage node then serves in a fraction of a
-    second instead of importing torch again. It is a real process all the same:
+    (:mod:`tests.support.forked`, torch included): a node then imports nothing
+    before it serves, nor at its first registration. It is a real process all the same:
     its own sockets and memory, SIGKILL for a crash, SIGTERM for a clean stop.
     Its output goes to two files; :meth:`log` reads them.
     """

@@ -44,7 +44,7 @@ from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.manager import L1_BACKEND, StorageManager
 from kvmesh.storage.core.prefetch_ids import PrefetchIds
 from kvmesh.storage.core.transactions import EngineTransactions
-from kvmesh.storage.core.transfer.engine import KVHandle, TransferEngine
+from kvmesh.storage.core.transfer.engine import KVHandle, TransferEngine, load_copy_half
 from kvmesh.storage.core.transfer.layout import KVLayout, chunk_nbytes
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class StorageNode:
         self._prefetches = PrefetchIds(manager, new_id=self._new_id)
         self._txns = EngineTransactions(manager, clock=clock, new_id=self._new_id)
         self._copier = ChunkCopier(manager, transfer, copy_executor)
+        self._copies_loaded = False
 
     @property
     def waiting(self) -> int:
@@ -80,6 +81,16 @@ class StorageNode:
         return self._prefetches.waiting
 
     # ----------------------------------------------------------------- engines
+
+    async def load_copies(self) -> None:
+        """Load torch and the copies' code on a copy thread, once (before a first registration).
+
+        The node starts serving without torch; loading it takes about a second of
+        CPU, which would stall every RPC if the event loop did it.
+        """
+        if not self._copies_loaded:
+            await self._copier.run(load_copy_half)
+            self._copies_loaded = True
 
     def register_engine(
         self, engine_id: str, layout: KVLayout, handles: Sequence[KVHandle]

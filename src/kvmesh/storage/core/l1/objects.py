@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import mmap
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # tensor() imports it: a storage node starts without torch
+    import torch
 
 #: Alignment of every object inside a segment (and of segment sizes): one page.
 ALIGNMENT = 4096
@@ -89,6 +91,8 @@ class L1Object:
 
     def tensor(self) -> torch.Tensor:
         """uint8 tensor of exactly ``size`` elements sharing the object's memory."""
+        import torch
+
         return torch.frombuffer(self.view(), dtype=torch.uint8)
 
     def location(self) -> ShmLocation:

@@ -9,11 +9,13 @@ storage, one device for all layers) before it maps the storage.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument
 from kvmesh.storage.core.transfer.layout import KVLayout
+
+if TYPE_CHECKING:  # loaded by the functions that touch a device
+    import torch
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ class CudaIpcHandle:
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> CudaIpcHandle:
         """Export ``tensor`` (engine side); the exporter keeps it alive while it is registered."""
+        import torch
+
         if tensor.device.type != "cuda":
             raise InvalidArgument("only CUDA tensors can be exported over CUDA IPC")
         (
@@ -72,6 +76,8 @@ class CudaIpcHandle:
 
 
 def _cuda_device_for(handle: CudaIpcHandle, field_name: str) -> int:
+    import torch
+
     count = torch.cuda.device_count()
     if handle.device_uuid:
         for index in range(count):
@@ -90,6 +96,8 @@ def _cuda_device_for(handle: CudaIpcHandle, field_name: str) -> int:
 
 def open_cuda_ipc(layout: KVLayout, handles: tuple[CudaIpcHandle, ...]) -> list[torch.Tensor]:
     """Open each layer's CUDA IPC handle as a tensor (the storage is mapped once per handle)."""
+    import torch
+
     if not torch.cuda.is_available():
         raise FailedPrecondition(
             "CUDA IPC handles need a CUDA device; this storage node has none",

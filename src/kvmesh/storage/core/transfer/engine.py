@@ -37,45 +37,37 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, TypeAlias
 
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from kvmesh.kernels import (
-    BlockIds,
-    PagedKVCache,
-    blocks_for_tokens,
-    gather_chunks,
-    scatter_chunks,
-)
-from kvmesh.storage.core.transfer.cuda_ipc import CudaIpcHandle, open_cuda_ipc
-from kvmesh.storage.core.transfer.layout import (
-    KVLayout,
-    check_num_tokens,
-    chunk_nbytes,
-    chunk_shape,
-)
+from kvmesh.storage.core.transfer.cuda_ipc import CudaIpcHandle
+from kvmesh.storage.core.transfer.layout import KVLayout
 from kvmesh.storage.core.transfer.shm import (
     DEFAULT_ALLOWED_SHM_DIR,
     SharedMemoryHandle,
     SharedMemoryOpener,
     close_mappings,
     populate_views,
-    tensor_over,
 )
+
+if TYPE_CHECKING:
+    from kvmesh.kernels import BlockIds, PagedKVCache
+    from kvmesh.storage.core.transfer.chunks import ChunkBuffer, ChunkSource
 
 logger = logging.getLogger(__name__)
 
 KVHandle: TypeAlias = SharedMemoryHandle | CudaIpcHandle
 
-#: A chunk buffer: a tensor of the layout's dtype (chunk-shaped or flat), a
-#: flat uint8 tensor of the chunk's bytes, or any C-contiguous buffer-protocol
-#: object (bytearray, memoryview, mmap, numpy array) of exactly those bytes.
-ChunkBuffer: TypeAlias = torch.Tensor | bytearray | memoryview | mmap.mmap | np.ndarray[Any, Any]
-#: A scatter source: any :data:`ChunkBuffer`, or read-only ``bytes``.
-ChunkSource: TypeAlias = ChunkBuffer | bytes
+
+def load_copy_half() -> None:
+    """Import the copies' half (:mod:`~kvmesh.storage.core.transfer.chunks`) and torch.
+
+    A storage node starts serving without torch (about 0.9 s of CPU at each
+    start). :meth:`TransferEngine.register` imports it at the first
+    registration; a caller on an event loop runs this in a thread first, so
+    that load does not stall the loop's other RPCs.
+    """
+    from kvmesh.storage.core.transfer import chunks  # noqa: F401
 
 
 @dataclass
@@ -130,16 +122,11 @@ class TransferEngine:
             self._check_same_registration(instance_id, existing, layout, handles)
             return
 
-        if all(isinstance(h, SharedMemoryHandle) for h in handles):
-            layers, mappings = self._shm.open(layout, handles)  # type: ignore[arg-type]
-        elif all(isinstance(h, CudaIpcHandle) for h in handles):
-            layers, mappings = open_cuda_ipc(layout, handles), []  # type: ignore[arg-type]
-        else:
-            raise InvalidArgument(
-                "handles must all be SharedMemoryHandle or all CudaIpcHandle", field="handles"
-            )
-        instance = _Instance(layout, handles, PagedKVCache(layers, layout.kind), mappings)
-        del layers
+        from kvmesh.storage.core.transfer import chunks  # torch: see load_copy_half
+
+        kv, mappings = chunks.open_memory(self._shm, layout, handles)
+        instance = _Instance(layout, handles, kv, mappings)
+        del kv
         with self._lock:
             existing = self._instances.get(instance_id)
             if existing is None:
@@ -242,16 +229,10 @@ class TransferEngine:
         ``producer_event`` (CUDA only): the IPC handle of an event the engine
         recorded after writing the blocks; the copies wait for it on the device.
         """
+        from kvmesh.storage.core.transfer import chunks
+
         instance = self._instance(instance_id)
-        _check_buffer_list(outs, "outs")
-        ids, tokens = _per_chunk_ids(block_ids, num_tokens, len(outs), instance.layout)
-        chunks = [
-            _as_chunk(buf, instance.layout, n, f"outs[{i}]", writable=True)
-            for i, (buf, n) in enumerate(zip(outs, tokens, strict=True))
-        ]
-        _wait_for_producer(instance.kv, producer_event)
-        gather_chunks(instance.kv, ids, chunks)
-        _wait_for_device(instance.kv)
+        chunks.gather(instance.kv, instance.layout, block_ids, num_tokens, outs, producer_event)
 
     def scatter_chunks(
         self,
@@ -270,16 +251,18 @@ class TransferEngine:
         fine as sources. ``producer_event`` (CUDA only): the copies wait for it
         (the engine's work that last used those blocks).
         """
+        from kvmesh.storage.core.transfer import chunks
+
         instance = self._instance(instance_id)
-        _check_buffer_list(srcs, "srcs")
-        ids, tokens = _per_chunk_ids(block_ids, num_tokens, len(srcs), instance.layout)
-        chunks = [
-            _as_chunk(buf, instance.layout, n, f"srcs[{i}]", writable=False)
-            for i, (buf, n) in enumerate(zip(srcs, tokens, strict=True))
-        ]
-        _wait_for_producer(instance.kv, producer_event)
-        scatter_chunks(instance.kv, ids, chunks, skip_first_n_tokens=skip_first_n_tokens)
-        _wait_for_device(instance.kv)
+        chunks.scatter(
+            instance.kv,
+            instance.layout,
+            block_ids,
+            num_tokens,
+            srcs,
+            skip_first_n_tokens,
+            producer_event,
+        )
 
     # ---- internals ---------------------------------------------------------------------------
 
@@ -312,169 +295,6 @@ class TransferEngine:
         logger.debug("re-register of instance %s with the same layout: no-op", instance_id)
 
 
-#: Bytes of a ``cudaIpcEventHandle_t``.
-CUDA_IPC_EVENT_BYTES = 64
-
-
-def _wait_for_producer(kv: PagedKVCache, handle: bytes) -> None:
-    """Order this process's copies after the engine's event (reference §7.6).
-
-    The engine records an interprocess event on its stream after the forward
-    that wrote (or last read) the blocks and sends its IPC handle; the copy
-    stream waits for it on the device, so neither side blocks a CPU thread on
-    the other's work.
-    """
-    if not handle:
-        return
-    if kv.device.type != "cuda":
-        raise InvalidArgument(
-            "producer_event_handle is for KV memory on a CUDA device; this engine's KV cache "
-            "is in shared memory (send none)",
-            field="producer_event_handle",
-        )
-    if len(handle) != CUDA_IPC_EVENT_BYTES:
-        raise InvalidArgument(
-            f"producer_event_handle must be a {CUDA_IPC_EVENT_BYTES}-byte cudaIpcEventHandle_t, "
-            f"got {len(handle)} bytes",
-            field="producer_event_handle",
-        )
-    try:
-        event = torch.cuda.Event.from_ipc_handle(kv.device, handle)  # type: ignore[no-untyped-call]
-    except RuntimeError as exc:
-        raise InvalidArgument(
-            f"producer_event_handle does not open as a CUDA IPC event: {exc}",
-            field="producer_event_handle",
-        ) from None
-    torch.cuda.current_stream(kv.device).wait_event(event)
-
-
-def _wait_for_device(kv: PagedKVCache) -> None:
-    """Return only when the copies are done: the engine reads (or frees) the memory next.
-
-    CUDA ops are stream-ordered and return early. The reply is sent after the
-    copies finished on the device, so an engine may use its blocks as soon as
-    the RPC returns and needs no completion event (``completion_event_handle``
-    stays empty).
-    """
-    if kv.device.type == "cuda":
-        torch.cuda.synchronize(kv.device)
-
-
 def _check_instance_id(instance_id: object) -> None:
     if not isinstance(instance_id, str) or not instance_id:
         raise InvalidArgument("instance_id must be a non-empty string", field="instance_id")
-
-
-def _check_buffer_list(buffers: object, field_name: str) -> None:
-    if isinstance(buffers, (str, bytes, bytearray, torch.Tensor)) or not isinstance(
-        buffers, Sequence
-    ):
-        raise InvalidArgument(
-            f"{field_name} must be a sequence of chunk buffers, one per chunk", field=field_name
-        )
-
-
-def _per_chunk_ids(
-    block_ids: Sequence[BlockIds] | BlockIds,
-    num_tokens: Sequence[int],
-    num_buffers: int,
-    layout: KVLayout,
-) -> tuple[list[BlockIds], list[int]]:
-    """Normalize the flat or per-chunk block-id forms into one id list per chunk."""
-    if isinstance(num_tokens, (str, bytes)) or not isinstance(num_tokens, Sequence):
-        raise InvalidArgument("num_tokens must be a sequence of ints", field="num_tokens")
-    tokens = [check_num_tokens(n, f"num_tokens[{i}]") for i, n in enumerate(num_tokens)]
-    if len(tokens) != num_buffers:
-        raise InvalidArgument(
-            f"num_tokens has {len(tokens)} entries for {num_buffers} chunk buffers",
-            field="num_tokens",
-        )
-    flat: list[int] | None = None
-    if isinstance(block_ids, torch.Tensor):
-        if block_ids.dim() == 1:
-            flat = block_ids.tolist()
-    elif isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Sequence):
-        raise InvalidArgument("block_ids must be a sequence", field="block_ids")
-    elif len(block_ids) > 0 and all(
-        isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in block_ids
-    ):
-        flat = [int(b) for b in block_ids]  # type: ignore[arg-type]
-    if flat is None:
-        per_chunk = list(block_ids)
-        if len(per_chunk) != len(tokens):
-            raise InvalidArgument(
-                f"block_ids has {len(per_chunk)} per-chunk lists for {len(tokens)} chunks",
-                field="block_ids",
-            )
-        return per_chunk, tokens
-    need = sum(blocks_for_tokens(n, layout.block_size) for n in tokens)
-    if len(flat) < need:
-        raise InvalidArgument(
-            f"too few block ids: {sum(tokens)} tokens in {len(tokens)} chunks at block_size "
-            f"{layout.block_size} need {need}, got {len(flat)}",
-            field="block_ids",
-            reason="TOO_FEW_BLOCK_IDS",
-        )
-    out: list[BlockIds] = []
-    start = 0
-    for n in tokens:
-        count = blocks_for_tokens(n, layout.block_size)
-        out.append(flat[start : start + count])
-        start += count
-    return out, tokens
-
-
-def _as_chunk(
-    buf: object, layout: KVLayout, num_tokens: int, field_name: str, *, writable: bool
-) -> torch.Tensor:
-    """``buf`` as a chunk-shaped tensor of the layout's dtype, sharing its memory."""
-    shape = chunk_shape(layout, num_tokens)
-    nbytes = chunk_nbytes(layout, num_tokens)
-    if isinstance(buf, torch.Tensor):
-        if buf.dtype == layout.dtype:
-            if tuple(buf.shape) == shape:
-                return buf  # the kernels check contiguity and device
-            if buf.dim() == 1 and buf.numel() * layout.itemsize == nbytes:
-                return _view_chunk(buf, shape, field_name)
-        elif buf.dtype == torch.uint8 and buf.dim() == 1 and buf.numel() == nbytes:
-            return _view_chunk(buf, shape, field_name, layout.dtype)
-        raise InvalidArgument(
-            f"{field_name} is a {buf.dtype} tensor of shape {tuple(buf.shape)}; expected "
-            f"{layout.dtype} {shape}, flat {layout.dtype}, or {nbytes} raw uint8 bytes",
-            field=field_name,
-        )
-    try:
-        view = memoryview(buf)  # type: ignore[arg-type]
-    except TypeError:
-        raise InvalidArgument(
-            f"{field_name} must be a tensor or a buffer, got {type(buf).__name__}",
-            field=field_name,
-        ) from None
-    with view:
-        if not view.c_contiguous:
-            raise InvalidArgument(f"{field_name} must be C-contiguous", field=field_name)
-        if writable and view.readonly:
-            raise InvalidArgument(f"{field_name} is read-only", field=field_name)
-        if view.nbytes != nbytes:
-            raise InvalidArgument(
-                f"{field_name} holds {view.nbytes} bytes, a {num_tokens}-token chunk is {nbytes}",
-                field=field_name,
-            )
-    return _view_chunk(tensor_over(buf), shape, field_name, layout.dtype)
-
-
-def _view_chunk(
-    flat: torch.Tensor,
-    shape: tuple[int, int, int, int],
-    field_name: str,
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    if not flat.is_contiguous():
-        raise InvalidArgument(f"{field_name} must be contiguous", field=field_name)
-    try:
-        typed = flat if dtype is None else flat.view(dtype)
-        return typed.view(shape)
-    except RuntimeError as exc:
-        raise InvalidArgument(
-            f"{field_name} cannot be viewed as a chunk: {exc}", field=field_name
-        ) from None

@@ -9,13 +9,17 @@ cannot ask for absurd mappings or index arithmetic. :func:`chunk_shape` and
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvmesh.common.errors import InvalidArgument
-from kvmesh.kernels import SUPPORTED_DTYPES, KVLayoutKind, paged_layer_shape
+from kvmesh.kernels.kinds import KVLayoutKind, paged_layer_shape
+
+if TYPE_CHECKING:  # torch loads with the first layout built (an engine registering)
+    import torch
 
 # Bounds that no real model reaches; they keep a hostile layout from asking for
 # absurd mappings or index arithmetic (the region size check does the rest).
@@ -26,22 +30,27 @@ _MAX_HEAD_DIM = 1 << 16
 _MAX_NUM_BLOCKS = 1 << 31
 _MAX_LAYER_BYTES = 1 << 44
 
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8": torch.float8_e4m3fn,  # vLLM's kv_cache_dtype "fp8" is e4m3
-    "float8_e5m2": torch.float8_e5m2,
-    "fp8_e5m2": torch.float8_e5m2,
-    "uint8": torch.uint8,
-}
+
+@functools.cache
+def _dtype_names() -> dict[str, torch.dtype]:
+    import torch
+
+    return {
+        "float16": torch.float16,
+        "half": torch.float16,
+        "fp16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float32": torch.float32,
+        "float": torch.float32,
+        "fp32": torch.float32,
+        "float8_e4m3fn": torch.float8_e4m3fn,
+        "fp8_e4m3": torch.float8_e4m3fn,
+        "fp8": torch.float8_e4m3fn,  # vLLM's kv_cache_dtype "fp8" is e4m3
+        "float8_e5m2": torch.float8_e5m2,
+        "fp8_e5m2": torch.float8_e5m2,
+        "uint8": torch.uint8,
+    }
 
 
 def parse_dtype(value: torch.dtype | str) -> torch.dtype:
@@ -49,13 +58,18 @@ def parse_dtype(value: torch.dtype | str) -> torch.dtype:
 
     Raises :class:`InvalidArgument` for unknown or unsupported dtypes.
     """
+    import torch
+
+    from kvmesh.kernels.layouts import SUPPORTED_DTYPES
+
     if isinstance(value, torch.dtype):
         dtype = value
     elif isinstance(value, str):
         name = value.strip().lower().removeprefix("torch.")
-        if name not in _DTYPE_NAMES:
+        names = _dtype_names()
+        if name not in names:
             raise InvalidArgument(f"unknown KV dtype {value!r}", field="layout.dtype")
-        dtype = _DTYPE_NAMES[name]
+        dtype = names[name]
     else:
         raise InvalidArgument(
             f"dtype must be a torch.dtype or a name, got {type(value).__name__}",
@@ -152,7 +166,7 @@ class KVLayout:
     @property
     def itemsize(self) -> int:
         """Bytes per element of :attr:`dtype`."""
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def layer_shape(self) -> tuple[int, ...]:

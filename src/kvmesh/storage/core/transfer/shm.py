@@ -21,14 +21,16 @@ import stat
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.pages import populate
 from kvmesh.storage.core.transfer.layout import KVLayout
+
+if TYPE_CHECKING:  # loaded by the first registration (tensor_over)
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +210,8 @@ def tensor_over(buf: Any) -> torch.Tensor:
     export: closing a mapping with live views raises ``BufferError`` instead,
     and the mapping goes when its last view does.
     """
+    import torch
+
     with warnings.catch_warnings():
         # torch warns that read-only buffers give writable tensors; sources are only read.
         warnings.simplefilter("ignore", UserWarning)
