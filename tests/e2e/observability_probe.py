@@ -93,16 +93,7 @@ def main() -> None:
             engine = Engine(shm / "engine", "obs-engine")
             client = GatewayClient(gateway.target)
             directory = DirectoryClient(coordinator.target)
-            client.register_kv_cache(
-                gateway_pb2.RegisterKVCacheRequest(
-                    engine_id=engine.engine_id,
-                    model_name=MODEL,
-                    world_size=1,
-                    worker_id=0,
-                    layout=engine.layout(),
-                    layers=engine.handles(),
-                )
-            )
+            client.register_kv_cache(engine.gateway_request())
             tokens = [int(t) for t in range(1000, 1000 + 2 * CHUNK)]
             blocks = list(range(2 * CHUNK // 16))
             EXPORTER.clear()

@@ -52,6 +52,7 @@ class LocalNodeStorage:
 
     async def register_engine(self, engine_id: str, registration: object) -> tuple[bool, str]:
         assert isinstance(registration, storage_pb2.RegisterEngineMemoryRequest)
+        await self.node.load_copies()  # torch, at the first registration: off the event loop
         layout = layout_from_proto(registration.layout)
         handles = [handle_from_proto(h, i) for i, h in enumerate(registration.layers)]
         return self.node.register_engine(engine_id, layout, handles), self.instance_id

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.node.app import NodeApp
 from kvmesh.rpc.server import Server
@@ -103,6 +104,17 @@ class Engine:
             engine_id=overrides.pop("engine_id", self.engine_id),
             layout=overrides.pop("layout", self.layout()),
             layers=overrides.pop("layers", self.handles()),
+        )
+
+    def gateway_request(self) -> gateway_pb2.RegisterKVCacheRequest:
+        """The gateway's RegisterKVCacheRequest for this engine (one worker of one)."""
+        return gateway_pb2.RegisterKVCacheRequest(
+            engine_id=self.engine_id,
+            model_name=MODEL,
+            world_size=1,
+            worker_id=0,
+            layout=self.layout(),
+            layers=self.handles(),
         )
 
     def snapshot(self) -> np.ndarray[Any, Any]:

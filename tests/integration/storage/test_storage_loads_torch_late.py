@@ -1,10 +1,11 @@
-"""A ``kvmesh storage`` process serves without torch and loads it at the first registration.
+"""A storage node serves without torch and loads it at the first registration.
 
 Importing torch costs a storage process about 0.9 s of CPU at each start; a node
 with no engine registered (a fleet starting, a P2P peer, an L2-only node) never
-needs it. The first RegisterEngineMemory loads it on a copy thread, and the
-data path then works as before: a chunk stored from the engine comes back
-byte for byte.
+needs it. The first registration loads it on a copy thread, and the data path
+then works as before. Both ways in: ``kvmesh storage`` (RegisterEngineMemory,
+then a chunk stored from the engine comes back byte for byte) and ``kvmesh
+node`` (the gateway's RegisterKVCache, through the in-process link).
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.api.storage.v1 import storage_pb2
+from kvmesh.gateway.client import GatewayClient
 from kvmesh.storage.client import StorageClient
 from tests.integration.storage.conftest import ShmDirs
 from tests.integration.storage.support import (
@@ -35,52 +40,75 @@ def _maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def test_storage_serves_without_torch_and_loads_it_at_the_first_registration(
-    shm_dirs: ShmDirs, tmp_path: Path
-) -> None:
+@contextmanager
+def _serving(service: str, shm_dirs: ShmDirs, tmp_path: Path) -> Iterator[tuple[int, str]]:
+    """``kvmesh SERVICE`` on a free port: its pid and gRPC address; SIGTERM and exit 0 after."""
     ready = tmp_path / "ready.json"
     command = [
-        sys.executable, "-m", "kvmesh.cli", "storage", "--port", "0", "--metrics-port", "-1",
+        sys.executable, "-m", "kvmesh.cli", service, "--port", "0", "--metrics-port", "-1",
         "--shm-dir", str(shm_dirs.l1), "--allowed-memory-dir", str(shm_dirs.engine),
         "--l1-size-bytes", "8MiB", "--l2", "none", "--ready-file", str(ready),
         "--data-dir", str(tmp_path / "data"),
     ]  # fmt: skip
-    storage = subprocess.Popen(
+    process = subprocess.Popen(
         command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    engine = Engine(shm_dirs.engine, "engine-late-torch")
     try:
-        wait_until(lambda: ready.exists() or storage.poll() is not None, timeout=60)
-        assert storage.poll() is None, storage.communicate()[1][-3000:]
-        address = json.loads(ready.read_text())["grpc"]
-        assert not _maps_torch(storage.pid)
-
-        keys = row(new_hashes(1))
-        blocks = chunk_blocks(0)
-
-        async def register_store_and_read_back() -> bytes:
-            client = StorageClient(address)
-            try:
-                await client.register_engine_memory(engine.register_request(), timeout=60)
-                chunk = {"engine_id": engine.engine_id, "keys": keys, "block_ids": blocks,
-                         "chunk_tokens": CHUNK_TOKENS}  # fmt: skip
-                stored = await client.store_chunks(
-                    storage_pb2.StoreChunksRequest(**chunk), timeout=30
-                )
-                assert list(stored.outcomes) == [storage_pb2.STORE_OUTCOME_STORED]
-                engine.fill(blocks, 0.0)  # the retrieve must bring the bytes back
-                await client.retrieve_chunks(storage_pb2.RetrieveChunksRequest(**chunk), timeout=30)
-                return engine.blocks_bytes(blocks)
-            finally:
-                await client.close()
-
-        before = engine.blocks_bytes(blocks)
-        assert asyncio.run(register_store_and_read_back()) == before
-        assert _maps_torch(storage.pid)
+        wait_until(lambda: ready.exists() or process.poll() is not None, timeout=60)
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        yield process.pid, json.loads(ready.read_text())["grpc"]
     finally:
-        storage.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    assert process.returncode == 0
+
+
+def test_storage_serves_without_torch_and_loads_it_at_the_first_registration(
+    shm_dirs: ShmDirs, tmp_path: Path
+) -> None:
+    engine = Engine(shm_dirs.engine, "engine-late-torch")
+    keys = row(new_hashes(1))
+    blocks = chunk_blocks(0)
+    before = engine.blocks_bytes(blocks)
+
+    async def register_store_and_read_back(address: str) -> bytes:
+        client = StorageClient(address)
         try:
-            storage.wait(timeout=60)
+            await client.register_engine_memory(engine.register_request(), timeout=60)
+            chunk = {"engine_id": engine.engine_id, "keys": keys, "block_ids": blocks,
+                     "chunk_tokens": CHUNK_TOKENS}  # fmt: skip
+            stored = await client.store_chunks(storage_pb2.StoreChunksRequest(**chunk), timeout=30)
+            assert list(stored.outcomes) == [storage_pb2.STORE_OUTCOME_STORED]
+            engine.fill(blocks, 0.0)  # the retrieve must bring the bytes back
+            await client.retrieve_chunks(storage_pb2.RetrieveChunksRequest(**chunk), timeout=30)
+            return engine.blocks_bytes(blocks)
         finally:
-            engine.close()
-    assert storage.returncode == 0
+            await client.close()
+
+    try:
+        with _serving("storage", shm_dirs, tmp_path) as (pid, address):
+            assert not _maps_torch(pid)
+            assert asyncio.run(register_store_and_read_back(address)) == before
+            assert _maps_torch(pid)
+    finally:
+        engine.close()
+
+
+def test_a_node_loads_torch_when_its_gateway_registers_the_first_engine(
+    shm_dirs: ShmDirs, tmp_path: Path
+) -> None:
+    engine = Engine(shm_dirs.engine, "engine-late-torch-node")
+    try:
+        with _serving("node", shm_dirs, tmp_path) as (pid, address):
+            assert not _maps_torch(pid)
+            client = GatewayClient(address)
+            try:
+                client.register_kv_cache(engine.gateway_request(), timeout=60)
+                assert client.ping(
+                    gateway_pb2.PingRequest(engine_id=engine.engine_id), timeout=10
+                ).engine_known
+            finally:
+                client.close()
+            assert _maps_torch(pid)
+    finally:
+        engine.close()
