@@ -83,11 +83,7 @@ class StorageNode:
     # ----------------------------------------------------------------- engines
 
     async def load_copies(self) -> None:
-        """Load torch and the copies' code on a copy thread, once (before a first registration).
-
-        The node starts serving without torch; loading it takes about a second of
-        CPU, which would stall every RPC if the event loop did it.
-        """
+        """Before a registration: load torch (a second of CPU) on a copy thread, not the loop."""
         if not self._copies_loaded:
             await self._copier.run(load_copy_half)
             self._copies_loaded = True
