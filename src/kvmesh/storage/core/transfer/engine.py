@@ -8,13 +8,16 @@ and in tests) or a :class:`~kvmesh.storage.core.transfer.cuda_ipc.CudaIpcHandle`
 (the fields of torch's ``_share_cuda_()``, on GPU hosts). The engine then
 names chunks only by block ids; :class:`TransferEngine` copies between its
 memory and L1 chunk objects with :mod:`kernels`, and the engine process does
-no copy work (DESIGN §3).
+no copy work (DESIGN §3). This module is the registry and loads no torch; the
+copies and the opening of memory (:mod:`~kvmesh.storage.core.transfer.chunks`)
+load with the first registration.
 
 Everything the engine says is checked before memory is touched (the handles
 by :mod:`~kvmesh.storage.core.transfer.shm` and
 :mod:`~kvmesh.storage.core.transfer.cuda_ipc`; block ids, token counts and
-chunk buffers here). Copies are bounded to the registered regions by
-construction (block ids are range-checked by the kernels).
+chunk buffers in :mod:`~kvmesh.storage.core.transfer.chunks`). Copies are
+bounded to the registered regions by construction (block ids are
+range-checked by the kernels).
 
 Re-registration: registering an instance again with an equal layout and equal
 handles is a no-op (an engine may retry a register whose reply it lost). A
@@ -229,9 +232,9 @@ class TransferEngine:
         ``producer_event`` (CUDA only): the IPC handle of an event the engine
         recorded after writing the blocks; the copies wait for it on the device.
         """
-        from kvmesh.storage.core.transfer import chunks
-
         instance = self._instance(instance_id)
+        from kvmesh.storage.core.transfer import chunks  # loaded by the registration
+
         chunks.gather(instance.kv, instance.layout, block_ids, num_tokens, outs, producer_event)
 
     def scatter_chunks(
@@ -251,9 +254,9 @@ class TransferEngine:
         fine as sources. ``producer_event`` (CUDA only): the copies wait for it
         (the engine's work that last used those blocks).
         """
-        from kvmesh.storage.core.transfer import chunks
-
         instance = self._instance(instance_id)
+        from kvmesh.storage.core.transfer import chunks  # loaded by the registration
+
         chunks.scatter(
             instance.kv,
             instance.layout,
