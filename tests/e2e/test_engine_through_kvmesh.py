@@ -31,7 +31,7 @@ from tests.e2e.support import (
     stored_chunks,
     tokens,
 )
-from tests.support.harness import free_port
+from tests.support.ports import free_port
 from tests.support.waiting import wait_until
 
 

@@ -9,7 +9,6 @@ real sockets.
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import threading
@@ -89,13 +88,6 @@ def no_thread_left_since(before: set[threading.Thread]) -> None:
         wait_until(lambda: not extra(), timeout=10.0)
     except AssertionError:
         raise AssertionError(f"threads still running: {[t.name for t in extra()]}") from None
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kvmesh_cli(

@@ -48,6 +48,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.ports import free_port
+
 READY_TIMEOUT_S = 20.0
 _START_ATTEMPTS = 3
 
@@ -63,14 +65,6 @@ def require_vllm() -> None:
     """Skip, or fail under KVMESH_REQUIRE_SERVICES=1, while vLLM is not installed."""
     if importlib.util.find_spec("vllm") is None:
         _missing("vLLM is not installed (pip install 'kvmesh[vllm]')")
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # setpriv (util-linux) sets PR_SET_PDEATHSIG and execs the server, so no server

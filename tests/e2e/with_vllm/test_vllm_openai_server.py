@@ -18,7 +18,7 @@ import pytest
 from kvmesh.engine.vllm.worker import engine_env, transfer_config
 from tests.e2e.support import start_fleet
 from tests.e2e.with_vllm.support import resident_chunks
-from tests.support.servers import free_port
+from tests.support.ports import free_port
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,8 @@ import pytest
 
 from kvmesh.cli import fleetfile
 from kvmesh.cli.demo import _running_gateway
-from tests.support.harness import REPO_ROOT, free_port
+from tests.support.harness import REPO_ROOT
+from tests.support.ports import free_port
 from tests.support.waiting import wait_until
 
 

@@ -29,7 +29,8 @@ from kvmesh.gateway.app import GatewayApp
 from kvmesh.gateway.config import GatewayConfig
 from kvmesh.storage.app import StorageApp
 from kvmesh.storage.config import StorageConfig
-from tests.support.harness import REPO_ROOT, free_port, server_thread
+from tests.support.harness import REPO_ROOT, server_thread
+from tests.support.ports import free_port
 
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 HEALTH_SCRIPT = REPO_ROOT / "deploy" / "grpc_health_check.py"

@@ -57,7 +57,7 @@ from tests.integration.storage.support import (
     new_hashes,
     row,
 )
-from tests.support.harness import free_port
+from tests.support.ports import free_port
 
 MIB = 1 << 20
 CHUNKS_PER_ROUND = NUM_BLOCKS // BLOCKS_PER_CHUNK

@@ -33,7 +33,8 @@ from tests.integration.coordinator.support import Clients
 from tests.integration.storage.events import test_emitter_over_grpc as link
 from tests.integration.storage.events.support import key
 from tests.support.fake_coordinator import DEADLINE_S, Cursor
-from tests.support.harness import ServerThread, free_port, no_thread_left_since
+from tests.support.harness import ServerThread, no_thread_left_since
+from tests.support.ports import free_port
 
 # The link module's own fixture, so its tests get what they expect.
 rig_factory = link.rig_factory

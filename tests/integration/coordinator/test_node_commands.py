@@ -44,7 +44,7 @@ from tests.integration.storage.support import (
     object_keys,
     row,
 )
-from tests.support.harness import free_port
+from tests.support.ports import free_port
 
 MIB = 1 << 20
 ALL = common_pb2.TIER_ALL

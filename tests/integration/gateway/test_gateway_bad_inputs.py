@@ -40,7 +40,8 @@ from tests.integration.gateway.support import (
     prange,
     prompt,
 )
-from tests.support.harness import ServerThread, free_port
+from tests.support.harness import ServerThread
+from tests.support.ports import free_port
 
 
 @dataclass

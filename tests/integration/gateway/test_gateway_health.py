@@ -22,7 +22,8 @@ from kvmesh.gateway.config import GatewayConfig
 from kvmesh.storage.app import StorageApp
 from kvmesh.storage.config import StorageConfig
 from tests.integration.gateway.conftest import ShmDirs
-from tests.support.harness import ServerThread, free_port
+from tests.support.harness import ServerThread
+from tests.support.ports import free_port
 from tests.support.waiting import wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

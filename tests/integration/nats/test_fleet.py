@@ -30,7 +30,7 @@ from tests.integration.nats.support import (
     wait_true,
 )
 from tests.integration.storage.support import MODEL, Engine, Node, chunk_blocks, new_hashes
-from tests.support.harness import free_port
+from tests.support.ports import free_port
 
 
 def store(node: Node, engine: Engine, count: int) -> list[bytes]:

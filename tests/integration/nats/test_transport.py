@@ -37,7 +37,7 @@ from kvmesh.storage.events.transport import CommandResult, TransportError
 from tests.integration.coordinator.support import pkey
 from tests.integration.nats.conftest import Fleet
 from tests.integration.nats.support import RawNats, batch_seqs, wait_true
-from tests.support.harness import free_port
+from tests.support.ports import free_port
 from tests.support.servers import ServerProcess, ServerStartError
 
 

@@ -19,7 +19,7 @@ from tests.integration.p2p.support import (
     storage_args,
 )
 from tests.integration.storage.support import Engine
-from tests.support.harness import free_port
+from tests.support.ports import free_port
 
 
 @dataclass

@@ -22,7 +22,7 @@ import pytest
 from tests.integration.p2p.conftest import Fleet, running_fleet
 from tests.integration.p2p.support import TcpProxy, fetch_spans, wait_in_directory
 from tests.integration.storage.support import new_hashes
-from tests.support.harness import free_port
+from tests.support.ports import free_port
 from tests.support.waiting import wait_until
 
 

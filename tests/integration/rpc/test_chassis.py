@@ -32,14 +32,8 @@ from kvmesh.rpc.interceptors import error_info
 from kvmesh.rpc.server import Server
 from kvmesh.storage.app import StorageApp
 from kvmesh.storage.config import StorageConfig
-from tests.support.harness import (
-    REPO_ROOT,
-    ServerThread,
-    free_port,
-    kvmesh_cli,
-    server_thread,
-    spawn_cli,
-)
+from tests.support.harness import REPO_ROOT, ServerThread, kvmesh_cli, server_thread, spawn_cli
+from tests.support.ports import free_port
 from tests.support.waiting import wait_until
 
 

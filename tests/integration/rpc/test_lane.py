@@ -44,7 +44,8 @@ from tests.integration.rpc.lane_support import (
     recv_exact,
     socket_dir,
 )
-from tests.support.harness import REPO_ROOT, ServerThread, free_port, server_thread, spawn_cli
+from tests.support.harness import REPO_ROOT, ServerThread, server_thread, spawn_cli
+from tests.support.ports import free_port
 from tests.support.waiting import wait_until
 
 

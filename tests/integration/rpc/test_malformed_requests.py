@@ -45,7 +45,8 @@ from kvmesh.rpc.server import Server
 from kvmesh.storage.app import StorageApp
 from kvmesh.storage.config import StorageConfig
 from tests.integration.coordinator.support import ADMITTED, batch, pkey, stores
-from tests.support.harness import ServerThread, free_port, server_thread
+from tests.support.harness import ServerThread, server_thread
+from tests.support.ports import free_port
 
 MIB = 1 << 20
 TIMEOUT_S = 10.0

@@ -31,8 +31,9 @@ from kvmesh.common.span_export import QuietExporter
 from kvmesh.coordinator.client import MembershipClient
 from kvmesh.gateway.app import GatewayApp
 from kvmesh.gateway.config import GatewayConfig
-from tests.support.harness import REPO_ROOT, free_port, kvmesh_cli, server_thread, spawn_cli
+from tests.support.harness import REPO_ROOT, kvmesh_cli, server_thread, spawn_cli
 from tests.support.otlp_receiver import Received, grpc_receiver, http_receiver
+from tests.support.ports import free_port
 from tests.support.waiting import wait_until
 
 LIST_INSTANCES = "/kvmesh.coordinator.v1.MembershipService/ListInstances"

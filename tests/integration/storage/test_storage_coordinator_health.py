@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.storage.app import COORDINATOR_LINK, SERVICE_NAME
 from tests.integration.coordinator.support import CliProcess
 from tests.integration.storage.conftest import NodeFactory, ShmDirs
-from tests.support.harness import free_port
+from tests.support.ports import free_port
 from tests.support.waiting import wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

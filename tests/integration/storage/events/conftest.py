@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.support.fake_coordinator import CoordinatorHandle, FakeCoordinator
-from tests.support.harness import ServerThread, free_port, no_thread_left_since, server_thread
+from tests.support.harness import ServerThread, no_thread_left_since, server_thread
+from tests.support.ports import free_port
 
 
 @pytest.fixture(scope="session")

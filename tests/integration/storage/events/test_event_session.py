@@ -30,7 +30,7 @@ from tests.integration.storage.events.support import (
     store_batch,
 )
 from tests.support.fake_coordinator import CoordinatorHandle
-from tests.support.harness import free_port
+from tests.support.ports import free_port
 from tests.support.waiting import wait_until
 
 NODE = "node-a"

@@ -10,7 +10,7 @@ from kvmesh.common.errors import InvalidArgument, NotFound, Unavailable
 from kvmesh.storage.events.grpc_membership import GrpcMembershipClient
 from kvmesh.storage.events.registrar import Registrar, Registration
 from tests.support.fake_coordinator import CoordinatorHandle
-from tests.support.harness import free_port
+from tests.support.ports import free_port
 from tests.support.waiting import wait_until
 
 NODE = "node-a"

@@ -14,7 +14,8 @@ import pytest
 from kvmesh.storage.core.l2.base import L2Adapter, L2Unavailable
 from kvmesh.storage.core.l2.memory import MemoryL2Adapter, MemoryL2Pool
 from tests.integration.storage.l2.l2_support import make_key, payload_for
-from tests.support.servers import ServerProcess, free_port
+from tests.support.ports import free_port
+from tests.support.servers import ServerProcess
 from tests.support.waiting import wait_until
 
 
