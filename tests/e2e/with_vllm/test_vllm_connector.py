@@ -72,10 +72,11 @@ def _fleet_runs(tmp: Path, redis_url: str, model: Path) -> Runs:
         }
     )
     fleet = start_fleet(tmp, nodes=2, extra_storage_args=["--l2", l2])
-    # The connector's default 5 s RPC deadline. With 1 s, B once recomputed p in a full
-    # suite run (four workers on two cores; a call past its deadline is the likely
-    # cause, and the subtests now print the engine's log). A stopped fleet refuses
-    # connections at once, so the longer deadline costs nothing after the stop.
+    # The connector's default deadlines. With 1 s for every call, the registration
+    # included, B once recomputed p in a full suite run (four workers on two cores);
+    # the registration now has its own deadline (register_timeout_s), and the subtests
+    # print the engine's log. A stopped fleet refuses connections at once, so the
+    # longer deadlines cost nothing after the stop.
     # One process per engine (vLLM's engine core and worker beside the connector's two
     # halves): a start costs a third of the CPU; the OpenAI server test (and kvmesh
     # bench vllm) run vLLM's usual three processes.

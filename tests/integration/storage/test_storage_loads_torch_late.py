@@ -50,12 +50,12 @@ def _serving(service: str, shm_dirs: ShmDirs, tmp_path: Path) -> Iterator[tuple[
         "--l1-size-bytes", "8MiB", "--l2", "none", "--ready-file", str(ready),
         "--data-dir", str(tmp_path / "data"),
     ]  # fmt: skip
-    process = subprocess.Popen(
-        command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    log = tmp_path / f"{service}.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: ready.exists() or process.poll() is not None, timeout=60)
-        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert process.poll() is None, log.read_text()[-3000:]
         yield process.pid, json.loads(ready.read_text())["grpc"]
     finally:
         process.send_signal(signal.SIGTERM)

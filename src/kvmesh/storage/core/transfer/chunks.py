@@ -67,9 +67,9 @@ def gather(
 ) -> None:
     """Check the arguments (naming the field, before any copy), then copy blocks into ``outs``."""
     ids, chunks = _checked(layout, block_ids, num_tokens, outs, "outs", writable=True)
-    wait_for_producer(kv, producer_event)
+    _wait_for_producer(kv, producer_event)
     gather_into(kv, ids, chunks)
-    wait_for_device(kv)
+    _wait_for_device(kv)
 
 
 def scatter(
@@ -83,9 +83,9 @@ def scatter(
 ) -> None:
     """Check the arguments, then copy ``srcs`` into the blocks (retrieve direction)."""
     ids, chunks = _checked(layout, block_ids, num_tokens, srcs, "srcs", writable=False)
-    wait_for_producer(kv, producer_event)
+    _wait_for_producer(kv, producer_event)
     scatter_from(kv, ids, chunks, skip_first_n_tokens=skip_first_n_tokens)
-    wait_for_device(kv)
+    _wait_for_device(kv)
 
 
 def _checked(
@@ -98,10 +98,10 @@ def _checked(
     writable: bool,
 ) -> tuple[list[BlockIds], list[torch.Tensor]]:
     """One block-id list and one chunk-shaped tensor per buffer (InvalidArgument otherwise)."""
-    check_buffer_list(buffers, field_name)
-    ids, tokens = per_chunk_ids(block_ids, num_tokens, len(buffers), layout)
+    _check_buffer_list(buffers, field_name)
+    ids, tokens = _per_chunk_ids(block_ids, num_tokens, len(buffers), layout)
     chunks = [
-        as_chunk(buf, layout, n, f"{field_name}[{i}]", writable=writable)
+        _as_chunk(buf, layout, n, f"{field_name}[{i}]", writable=writable)
         for i, (buf, n) in enumerate(zip(buffers, tokens, strict=True))
     ]
     return ids, chunks
@@ -111,7 +111,7 @@ def _checked(
 CUDA_IPC_EVENT_BYTES = 64
 
 
-def wait_for_producer(kv: PagedKVCache, handle: bytes) -> None:
+def _wait_for_producer(kv: PagedKVCache, handle: bytes) -> None:
     """Order this process's copies after the engine's event (reference §7.6).
 
     The engine records an interprocess event on its stream after the forward
@@ -143,7 +143,7 @@ def wait_for_producer(kv: PagedKVCache, handle: bytes) -> None:
     torch.cuda.current_stream(kv.device).wait_event(event)
 
 
-def wait_for_device(kv: PagedKVCache) -> None:
+def _wait_for_device(kv: PagedKVCache) -> None:
     """Return only when the copies are done: the engine reads (or frees) the memory next.
 
     CUDA ops are stream-ordered and return early. The reply is sent after the
@@ -155,7 +155,7 @@ def wait_for_device(kv: PagedKVCache) -> None:
         torch.cuda.synchronize(kv.device)
 
 
-def check_buffer_list(buffers: object, field_name: str) -> None:
+def _check_buffer_list(buffers: object, field_name: str) -> None:
     if isinstance(buffers, (str, bytes, bytearray, torch.Tensor)) or not isinstance(
         buffers, Sequence
     ):
@@ -164,7 +164,7 @@ def check_buffer_list(buffers: object, field_name: str) -> None:
         )
 
 
-def per_chunk_ids(
+def _per_chunk_ids(
     block_ids: Sequence[BlockIds] | BlockIds,
     num_tokens: Sequence[int],
     num_buffers: int,
@@ -214,7 +214,7 @@ def per_chunk_ids(
     return out, tokens
 
 
-def as_chunk(
+def _as_chunk(
     buf: object, layout: KVLayout, num_tokens: int, field_name: str, *, writable: bool
 ) -> torch.Tensor:
     """``buf`` as a chunk-shaped tensor of the layout's dtype, sharing its memory."""
@@ -225,9 +225,9 @@ def as_chunk(
             if tuple(buf.shape) == shape:
                 return buf  # the kernels check contiguity and device
             if buf.dim() == 1 and buf.numel() * layout.itemsize == nbytes:
-                return view_chunk(buf, shape, field_name)
+                return _view_chunk(buf, shape, field_name)
         elif buf.dtype == torch.uint8 and buf.dim() == 1 and buf.numel() == nbytes:
-            return view_chunk(buf, shape, field_name, layout.dtype)
+            return _view_chunk(buf, shape, field_name, layout.dtype)
         raise InvalidArgument(
             f"{field_name} is a {buf.dtype} tensor of shape {tuple(buf.shape)}; expected "
             f"{layout.dtype} {shape}, flat {layout.dtype}, or {nbytes} raw uint8 bytes",
@@ -250,10 +250,10 @@ def as_chunk(
                 f"{field_name} holds {view.nbytes} bytes, a {num_tokens}-token chunk is {nbytes}",
                 field=field_name,
             )
-    return view_chunk(tensor_over(buf), shape, field_name, layout.dtype)
+    return _view_chunk(tensor_over(buf), shape, field_name, layout.dtype)
 
 
-def view_chunk(
+def _view_chunk(
     flat: torch.Tensor,
     shape: tuple[int, int, int, int],
     field_name: str,
