@@ -9,6 +9,7 @@ import uuid
 import grpc
 
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.connector.heartbeat import Heartbeat
 from kvmesh.connector.types import (
     ConnectorError,
     KVConnectorRole,
@@ -45,6 +46,8 @@ class ConnectorBase:
         # Back-off after the gateway could not be reached (see gateway_down).
         self._backoff_s = 0.0
         self._retry_at = 0.0
+        # The role's heartbeat thread (started by the role's hooks; see heartbeat).
+        self._heartbeat: Heartbeat | None = None
 
     #: Longest pause between two tries of an unreachable gateway.
     MAX_BACKOFF_S = 30.0

@@ -25,7 +25,12 @@ worker, per step: :meth:`start_load_kv` → :meth:`wait_for_load` → forward �
 :meth:`save_kv` → :meth:`wait_for_save`. A failed or short retrieve is
 reported (request ids, and block ids via :meth:`get_block_ids_with_load_errors`)
 so the engine recomputes from the first missing block. If the gateway
-forgot the engine (it restarted), the worker registers again and retries once.
+forgot the engine (it restarted, or reaped it), the call counts as a miss and
+the worker's heartbeat registers again off the forward path.
+
+Both halves beat (``heartbeat_s``, :mod:`kvmesh.connector.heartbeat`): the
+worker pings with its engine id, the scheduler with the instance id its
+lookups carry, so the gateway reaps a killed engine's memory and leases.
 
 Every call has a deadline (the typed client's defaults, or ``rpc_timeout_s``).
 
@@ -77,6 +82,9 @@ class KVMeshConnector(SchedulerHooks, WorkerHooks):
 
     def shutdown(self) -> None:
         """Finish transfers, unregister the KV memory (worker) and close the channel."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         if self.role is KVConnectorRole.WORKER:
             self.wait_for_load()
             self.wait_for_save()

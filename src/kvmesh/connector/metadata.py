@@ -38,6 +38,9 @@ class SchedulerOutput:
 
     #: request id → tokens the model computes for it in this step.
     num_scheduled_tokens: Mapping[str, int]
+    #: Requests the engine preempted since the last step: their blocks are free again
+    #: (vLLM: ``preempted_req_ids``).
+    preempted_req_ids: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,12 @@ class ConnectorMetadata:
 
     retrieve_ops: list[RetrieveOp] = field(default_factory=list)
     store_ops: list[StoreOp] = field(default_factory=list)
+    #: Preempted requests: the workers finish their stores still reading the freed
+    #: blocks before this step's forward pass (or a load) can write them.
+    preempted: list[str] = field(default_factory=list)
+    #: Blocks the engine counts as loaded but no retrieve fills (their load could not be
+    #: planned): the workers report them as load errors, so the engine recomputes them.
+    failed_blocks: list[int] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.retrieve_ops or self.store_ops)
+        return bool(self.retrieve_ops or self.store_ops or self.preempted or self.failed_blocks)

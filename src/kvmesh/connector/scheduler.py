@@ -11,6 +11,7 @@ import grpc
 
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.connector.base import ConnectorBase
+from kvmesh.connector.heartbeat import Heartbeat
 from kvmesh.connector.metadata import (
     ConnectorMetadata,
     Request,
@@ -64,6 +65,17 @@ class SchedulerHooks(ConnectorBase):
         super().__init__(config, role, client=client)
         self._requests: dict[str, _RequestState] = {}
 
+    def _beat_as_owner(self) -> None:
+        """Scheduler heartbeat: keeps the gateway's leases of this instance's lookups alive."""
+        try:
+            self.client.ping(
+                gateway_pb2.PingRequest(engine_id=self.config.instance_id), timeout=self._timeout
+            )
+        except grpc.RpcError as exc:
+            self._note_failure("heartbeat", exc)
+            return
+        self._note_ok()
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -74,6 +86,11 @@ class SchedulerHooks(ConnectorBase):
         timeout). Never blocks beyond one short RPC.
         """
         self._require(KVConnectorRole.SCHEDULER)
+        if self._heartbeat is None and self.config.instance_id and self.config.heartbeat_s > 0:
+            self._heartbeat = Heartbeat(
+                self._beat_as_owner, self.config.heartbeat_s, "kvmesh-heartbeat-scheduler"
+            )
+            self._heartbeat.start()
         state = self._requests.get(request.request_id)
         if state is None:
             state = _RequestState(
@@ -210,66 +227,109 @@ class SchedulerHooks(ConnectorBase):
         """The retrieves and stores the workers run in this step."""
         self._require(KVConnectorRole.SCHEDULER)
         meta = ConnectorMetadata()
-        bs = self.config.block_size
+        for request_id in sorted(scheduler_output.preempted_req_ids):
+            state = self._requests.get(request_id)
+            if state is None:
+                continue
+            # The engine freed the request's blocks; it asks again (and allocates anew)
+            # when it resumes the request. A store already started still reads the old
+            # blocks: the workers wait for it before the step runs (see worker).
+            state.block_ids = []
+            state.load_pending = False
+            if state.stores_emitted:
+                meta.preempted.append(request_id)
         for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(request_id)
             if state is None:
                 continue
-            request = state.request
+            loading = state.load_pending
+            try:
+                self._plan(meta, state, scheduled)
+            except Exception:
+                # Never into the engine: a promised load that cannot be planned is a
+                # load error (vLLM recomputes those blocks), a store is skipped.
+                logger.exception("kvmesh could not plan request %s", request_id)
+                state.load_pending = False
+                if loading:
+                    meta.failed_blocks.extend(state.block_ids)
+        return meta
+
+    def _plan(self, meta: ConnectorMetadata, state: _RequestState, scheduled: int) -> None:
+        """Add a request's retrieve (a pending load) and stores (new prompt chunks) to ``meta``."""
+        bs = self.config.block_size
+        request = state.request
+        request_id = request.request_id
+        if state.load_pending:
+            chunk = self.chunk_size
+            start = (state.local_hit_tokens // chunk) * chunk
+            end = state.hit_tokens or 0
+            meta.retrieve_ops.append(
+                RetrieveOp(
+                    request_id=request_id,
+                    token_ids=request.prompt_token_ids[:end],
+                    cache_salt=request.cache_salt,
+                    start=start,
+                    end=end,
+                    skip_first_n_tokens=state.local_hit_tokens - start,
+                    block_ids=state.block_ids[start // bs : end // bs],
+                )
+            )
+            state.load_pending = False
+        state.num_computed_tokens += scheduled
+        if (
+            self.config.store_after_prefill
+            and state.num_computed_tokens < request.num_prompt_tokens
+        ):
+            return  # stored in the step that finishes the prefill
+        limit = min(
+            request.num_prompt_tokens,  # only prompt chunks (save_decode_cache = false)
+            len(state.block_ids) * bs,
+            state.num_computed_tokens,
+        )
+        try:
+            end = (limit // self.chunk_size) * self.chunk_size
+        except (grpc.RpcError, ConnectorError) as exc:
+            # The unreachable gateway was reported once (gateway_down's back-off).
+            logger.debug("cannot plan stores of %s: %s", request_id, exc)
+            return
+        if end > state.stored_tokens:
+            start = state.stored_tokens
+            meta.store_ops.append(
+                StoreOp(
+                    request_id=request_id,
+                    token_ids=request.prompt_token_ids[:end],
+                    cache_salt=request.cache_salt,
+                    start=start,
+                    end=end,
+                    block_ids=state.block_ids[start // bs : end // bs],
+                )
+            )
+            state.stored_tokens = end
+            state.stores_emitted = True
+
+    def drop_load(self, request_id: str) -> None:
+        """Forget a request's pending load (the caller reports its blocks as load errors)."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            state.load_pending = False
+
+    def fail_pending_loads(self) -> ConnectorMetadata:
+        """A step that could not be planned: every pending load's blocks as load errors."""
+        meta = ConnectorMetadata()
+        for state in self._requests.values():
             if state.load_pending:
                 state.load_pending = False
-                chunk = self.chunk_size
-                start = (state.local_hit_tokens // chunk) * chunk
-                end = state.hit_tokens or 0
-                meta.retrieve_ops.append(
-                    RetrieveOp(
-                        request_id=request_id,
-                        token_ids=request.prompt_token_ids[:end],
-                        cache_salt=request.cache_salt,
-                        start=start,
-                        end=end,
-                        skip_first_n_tokens=state.local_hit_tokens - start,
-                        block_ids=state.block_ids[start // bs : end // bs],
-                    )
-                )
-            state.num_computed_tokens += scheduled
-            if (
-                self.config.store_after_prefill
-                and state.num_computed_tokens < request.num_prompt_tokens
-            ):
-                continue  # stored in the step that finishes the prefill
-            limit = min(
-                request.num_prompt_tokens,  # only prompt chunks (save_decode_cache = false)
-                len(state.block_ids) * bs,
-                state.num_computed_tokens,
-            )
-            try:
-                end = (limit // self.chunk_size) * self.chunk_size
-            except (grpc.RpcError, ConnectorError) as exc:
-                # The unreachable gateway was reported once (gateway_down's back-off).
-                logger.debug("cannot plan stores of %s: %s", request_id, exc)
-                continue
-            if end > state.stored_tokens:
-                start = state.stored_tokens
-                meta.store_ops.append(
-                    StoreOp(
-                        request_id=request_id,
-                        token_ids=request.prompt_token_ids[:end],
-                        cache_salt=request.cache_salt,
-                        start=start,
-                        end=end,
-                        block_ids=state.block_ids[start // bs : end // bs],
-                    )
-                )
-                state.stored_tokens = end
-                state.stores_emitted = True
+                meta.failed_blocks.extend(state.block_ids)
         return meta
 
     def request_finished(self, request: Request) -> bool:
         """End the request's session; True when its blocks must wait for a store to finish."""
         self._require(KVConnectorRole.SCHEDULER)
         state = self._requests.pop(request.request_id, None)
-        self._end_session(request.request_id)
+        try:
+            self._end_session(request.request_id)
+        except Exception:  # the session's expiry releases what it holds
+            logger.exception("ending the session of %s failed", request.request_id)
         return state is not None and state.stores_emitted
 
     def _end_session(self, request_id: str) -> None:

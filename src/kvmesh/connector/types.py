@@ -74,6 +74,15 @@ class KVMeshConnectorConfig:
     #: prefill step's forward slow it down (its time to first token), while after the
     #: last step they overlap decoding. False: store after every step (LMCache's way).
     store_after_prefill: bool = False
+    #: The engine instance both halves belong to (vLLM: ``kv_transfer_config.engine_id``,
+    #: shared by its scheduler and workers). The scheduler's lookups carry it and its
+    #: heartbeat keeps it alive, so the gateway ends their leases when the engine is
+    #: gone. Empty: the scheduler's lookups have no owner (their leases end by
+    #: EndSession or their TTL).
+    instance_id: str = ""
+    #: Seconds between two heartbeats (Ping) of each half; 0 turns them off, and the
+    #: gateway then reaps an idle engine after its ``engine_reap_seconds``.
+    heartbeat_s: float = 2.0
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -15,6 +16,7 @@ from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.common.dtypes import proto_of_torch
 from kvmesh.connector.base import ConnectorBase
+from kvmesh.connector.heartbeat import Heartbeat
 from kvmesh.connector.metadata import ConnectorMetadata, RetrieveOp, StoreOp
 from kvmesh.connector.types import (
     ConnectorError,
@@ -57,8 +59,12 @@ class WorkerHooks(ConnectorBase):
         self._register_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._loads: list[_Transfer] = []
+        self._load_ops: list[RetrieveOp] = []
         self._saves: list[_Transfer] = []
         self._load_error_blocks: set[int] = set()
+        self._registered = False
+        #: Successful registrations (1 + re-registrations after the gateway forgot us).
+        self.registrations = 0
 
     def register_kv_caches(
         self, kv_caches: Mapping[str, torch.Tensor], regions: Mapping[str, ShmRegion]
@@ -127,7 +133,10 @@ class WorkerHooks(ConnectorBase):
     ) -> None:
         """Register KV memory the caller already described (one handle per layer, in order).
 
-        Raises ``grpc.RpcError`` when the gateway refuses (its message names the field).
+        Raises ``grpc.RpcError`` when the gateway refuses (its message names the
+        field) or cannot be reached. Either way the heartbeat (``heartbeat_s``)
+        keeps trying: it registers again whenever the gateway does not know the
+        engine (it was down at start, restarted, or reaped the engine).
         """
         self._require(KVConnectorRole.WORKER)
         self._registration = gateway_pb2.RegisterKVCacheRequest(
@@ -138,12 +147,22 @@ class WorkerHooks(ConnectorBase):
             layout=layout,
             layers=handles,
         )
-        self._register()
+        try:
+            self._register()
+        finally:
+            self._start_heartbeat()
 
     @property
     def registered(self) -> bool:
-        """True once KV memory was registered (loads and stores are possible)."""
-        return self._registration is not None
+        """True while the gateway holds this engine's registration (loads and stores run)."""
+        return self._registered
+
+    def _start_heartbeat(self) -> None:
+        if self._heartbeat is None and self.config.heartbeat_s > 0:
+            self._heartbeat = Heartbeat(
+                self._beat, self.config.heartbeat_s, f"kvmesh-heartbeat-{self.engine_id}"
+            )
+            self._heartbeat.start()
 
     def _register(self) -> None:
         assert self._registration is not None
@@ -151,14 +170,64 @@ class WorkerHooks(ConnectorBase):
             resp = self.client.register_kv_cache(
                 self._registration, timeout=self.config.register_timeout_s
             )
-        self._check_chunk_size(resp.chunk_size)
-        logger.info(
-            "engine %s registered with gateway %s (chunk size %d, storage %s)",
+            self._check_chunk_size(resp.chunk_size)
+            first = self.registrations == 0
+            self.registrations += 1
+            self._registered = True
+        (logger.info if first else logger.warning)(
+            "engine %s %s with gateway %s (chunk size %d, storage %s)",
             self.engine_id,
+            "registered" if first else "registered again",
             self.config.gateway,
             resp.chunk_size,
             resp.storage_instance_id or "?",
         )
+
+    def _beat(self) -> None:
+        """One heartbeat: ping, and register when the gateway does not know the engine."""
+        if self._registration is None:
+            return
+        if self._registered:
+            try:
+                known = self.client.ping(
+                    gateway_pb2.PingRequest(engine_id=self.engine_id), timeout=self._timeout
+                ).engine_known
+            except grpc.RpcError as exc:
+                self._note_failure("heartbeat", exc)
+                return
+            self._note_ok()
+            if known:
+                return
+            self._registered = False
+            logger.warning(
+                "kvmesh gateway %s no longer knows engine %s (restarted, or reaped it); "
+                "registering again, requests are computed meanwhile",
+                self.config.gateway,
+                self.engine_id,
+            )
+        try:
+            self._register()
+        except grpc.RpcError as exc:
+            self._note_failure("registering the KV memory", exc)
+        except ConnectorError as exc:
+            logger.warning("registering the KV memory failed: %s", exc)
+
+    def _forgotten(self, call: str, exc: grpc.RpcError) -> bool:
+        """True (and the heartbeat registers again, off this thread) when a call failed
+        because the gateway no longer knows this engine."""
+        if status_code(exc) != grpc.StatusCode.FAILED_PRECONDITION:
+            return False
+        if self._registered:
+            self._registered = False
+            logger.warning(
+                "%s: gateway %s does not know engine %s; registering it again in the background",
+                call,
+                self.config.gateway,
+                self.engine_id,
+            )
+        if self._heartbeat is not None:
+            self._heartbeat.wake()
+        return True
 
     def _prompt_range(self, op: RetrieveOp | StoreOp) -> gateway_pb2.PromptRange:
         return gateway_pb2.PromptRange(
@@ -171,22 +240,6 @@ class WorkerHooks(ConnectorBase):
             end_token=op.end,
         )
 
-    def _with_reregister(self, call: str, fn: Callable[[], _Resp]) -> _Resp:
-        """Run ``fn``; if the gateway forgot this engine (it restarted), register and retry once."""
-        try:
-            return fn()
-        except grpc.RpcError as exc:
-            if (
-                status_code(exc) != grpc.StatusCode.FAILED_PRECONDITION
-                or self._registration is None
-            ):
-                raise
-            logger.warning(
-                "%s: gateway does not know engine %s; registering again", call, self.engine_id
-            )
-            self._register()
-            return fn()
-
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
@@ -197,8 +250,8 @@ class WorkerHooks(ConnectorBase):
     def _retrieve(self, op: RetrieveOp, producer_event: bytes = b"") -> list[int]:
         """Run one retrieve; the block ids it could not fill (empty on success)."""
         skip_blocks = op.skip_first_n_tokens // self.config.block_size
-        if self._registration is None:
-            logger.warning("retrieve of %s before register_kv_caches", op.request_id)
+        if not self._registered:
+            logger.debug("retrieve of %s while the engine is not registered", op.request_id)
             return list(op.block_ids[skip_blocks:])
         request = gateway_pb2.RetrieveRequest(
             engine_id=self.engine_id,
@@ -208,11 +261,10 @@ class WorkerHooks(ConnectorBase):
             producer_event_handle=producer_event,
         )
         try:
-            resp = self._with_reregister(
-                "retrieve", lambda: self.client.retrieve(request, timeout=self._timeout)
-            )
+            resp = self.client.retrieve(request, timeout=self._timeout)
         except grpc.RpcError as exc:
-            logger.warning("retrieve of %s failed: %s", op.request_id, rpc_failure(exc))
+            if not self._forgotten("retrieve", exc):
+                logger.warning("retrieve of %s failed: %s", op.request_id, rpc_failure(exc))
             return list(op.block_ids[skip_blocks:])
         loaded = resp.retrieved_chunks * self.chunk_size
         if op.start + loaded >= op.end:
@@ -225,8 +277,8 @@ class WorkerHooks(ConnectorBase):
 
     def _store(self, op: StoreOp, producer_event: bytes = b"") -> list[int]:
         """Run one store; [] on success, else the op's block ids."""
-        if self._registration is None:
-            logger.warning("store of %s before register_kv_caches", op.request_id)
+        if not self._registered:
+            logger.debug("store of %s while the engine is not registered", op.request_id)
             return list(op.block_ids)
         if self.gateway_down():
             return list(op.block_ids)
@@ -237,11 +289,10 @@ class WorkerHooks(ConnectorBase):
             producer_event_handle=producer_event,
         )
         try:
-            resp = self._with_reregister(
-                "store", lambda: self.client.store(request, timeout=self._timeout)
-            )
+            resp = self.client.store(request, timeout=self._timeout)
         except grpc.RpcError as exc:
-            self._note_failure(f"store of {op.request_id}", exc)
+            if not self._forgotten("store", exc):
+                self._note_failure(f"store of {op.request_id}", exc)
             return list(op.block_ids)
         self._note_ok()
         if resp.skipped_chunks:
@@ -260,17 +311,42 @@ class WorkerHooks(ConnectorBase):
         for op in metadata.retrieve_ops:
             future = self._executor().submit(self._retrieve, op, producer_event)
             self._loads.append(_Transfer(op.request_id, future))
+            self._load_ops.append(op)
 
     def wait_for_load(self) -> set[str]:
         """Wait for the started retrieves; the ids of requests whose load fell short."""
         failed: set[str] = set()
-        for transfer in self._loads:
-            missing = transfer.future.result()
+        for transfer, op in zip(self._loads, self._load_ops, strict=True):
+            try:
+                missing = transfer.future.result()
+            except Exception:  # never into the engine: the op's blocks are recomputed
+                logger.exception("retrieve of %s failed", transfer.request_id)
+                missing = list(op.block_ids[op.skip_first_n_tokens // self.config.block_size :])
             if missing:
                 failed.add(transfer.request_id)
                 self._load_error_blocks.update(missing)
         self._loads = []
+        self._load_ops = []
         return failed
+
+    def note_load_errors(self, block_ids: Iterable[int]) -> None:
+        """Report blocks as not loaded (the engine recomputes them)."""
+        self._load_error_blocks.update(block_ids)
+
+    def fail_loads(self, ops: Iterable[RetrieveOp]) -> None:
+        """Report every block of ``ops`` past the engine's own hit as not loaded.
+
+        Waits for retrieves already started first: storage may still be copying
+        into those blocks, and the engine is about to recompute them.
+        """
+        for transfer in self._loads:
+            with contextlib.suppress(Exception):
+                transfer.future.result()
+        self._loads = []
+        self._load_ops = []
+        for op in ops:
+            skip = op.skip_first_n_tokens // self.config.block_size
+            self._load_error_blocks.update(op.block_ids[skip:])
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks that retrieves failed to fill since the last call (the engine recomputes them)."""
@@ -298,8 +374,32 @@ class WorkerHooks(ConnectorBase):
         self._saves = [t for t in self._saves if not t.future.done()]
         return done, running
 
+    def finish_saves_of(self, request_ids: Collection[str]) -> int:
+        """Wait for the started stores of ``request_ids``; how many were still running.
+
+        The engine freed those requests' blocks (it preempted them) and the next
+        forward pass may write them: a store still copying out of them would
+        save another request's KV under this prompt's keys. A store that fails
+        counts as finished (it was logged).
+        """
+        wanted = set(request_ids)
+        running = [t for t in self._saves if t.request_id in wanted and not t.future.done()]
+        for transfer in running:
+            try:
+                transfer.future.result()
+            except Exception:  # _store logs its own failures; anything else is logged here
+                logger.exception("store of %s failed", transfer.request_id)
+        return len(running)
+
     def wait_for_save(self) -> set[str]:
         """Wait for the started stores; the ids of requests whose store failed."""
-        failed = {t.request_id for t in self._saves if t.future.result()}
+        failed = set()
+        for transfer in self._saves:
+            try:
+                if transfer.future.result():
+                    failed.add(transfer.request_id)
+            except Exception:
+                logger.exception("store of %s failed", transfer.request_id)
+                failed.add(transfer.request_id)
         self._saves = []
         return failed

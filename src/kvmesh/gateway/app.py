@@ -119,6 +119,29 @@ _SERIES = [
     ),
     Series("kvmesh_gateway_active_sessions", "Open request sessions.", "active_sessions"),
     Series("kvmesh_gateway_registered_engines", "Registered engine workers.", "registered_engines"),
+    Series(
+        "kvmesh_gateway_live_owners",
+        "Engine instances (schedulers) whose lookups or heartbeats arrived within the reap time.",
+        "live_owners",
+    ),
+    Series(
+        "kvmesh_gateway_engines_reaped",
+        "Engine workers reaped after going silent (their KV memory unmapped).",
+        "engines_reaped",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_owners_reaped",
+        "Engine instances reaped after going silent (their sessions and leases ended).",
+        "owners_reaped",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_reregistrations",
+        "Registrations of an engine this gateway had reaped or unregistered before.",
+        "reregistrations",
+        "counter",
+    ),
 ]
 
 
@@ -219,7 +242,10 @@ class GatewayApp:
                 logger.exception("probing the storage node failed")
 
     async def _sweep_loop(self) -> None:
-        period = max(0.05, min(self.config.session_ttl_seconds / 4, 5.0))
+        periods = [self.config.session_ttl_seconds / 4, 5.0]
+        if self.config.engine_reap_seconds > 0:
+            periods.append(self.config.engine_reap_seconds / 4)
+        period = max(0.05, min(periods))
         while True:
             await asyncio.sleep(period)
             try:

@@ -26,8 +26,9 @@ class GatewaySettings:
         "repeated prefix is not re-hashed; 0 turns the memo off",
     )
     engine_reap_seconds: float = setting(
-        120.0,
-        "an engine that pinged once and then went silent this long is unregistered (0 = never)",
+        15.0,
+        "an engine (or an engine's scheduler) silent this long — no call, no heartbeat — is "
+        "reaped: its KV memory unmapped, its lookups' leases ended (0 = never)",
     )
 
     def validate_gateway(self) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 from google.rpc import error_details_pb2
 
+from kvmesh.common.deadlines import CALL_DEADLINE, deadline_in
 from kvmesh.common.errors import ERROR_DOMAIN, KvmeshError
 from kvmesh.common.telemetry import current_trace_id
 from kvmesh.rpc.errors import STATUS_DETAILS_KEY, error_info, status_bytes
@@ -117,6 +118,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         async def behaviour(request: Any, context: Any) -> Any:
             start = time.perf_counter()
             code: str | None = None
+            CALL_DEADLINE.set(deadline_in(context.time_remaining()))
             try:
                 result = inner(request, context)
                 if inspect.isawaitable(result):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.storage.v1 import storage_pb2
@@ -208,3 +209,35 @@ def test_lookup_mixes_l1_and_l2_hits_and_stops_at_the_first_miss(
     assert (response.result.hit_chunks, response.result.l1_hit_chunks) == (4, 2)
     assert response.result.l2_hit_chunks == 2
     assert node.l1_bytes(hashes) == [engine.chunk(chunk_blocks(c)) for c in range(4)]
+
+
+def test_a_copy_whose_caller_is_about_to_give_up_never_starts(node: Node, engine: Engine) -> None:
+    """A deadline under the copy-start margin: DEADLINE_EXCEEDED, no engine memory touched."""
+    import grpc
+
+    from kvmesh.common.deadlines import COPY_START_MARGIN_S
+    from tests.integration.storage.support import CHUNK_TOKENS as TOKENS
+    from tests.integration.storage.support import row
+
+    node.register(engine)
+    hashes = new_hashes(2)
+    request = storage_pb2.StoreChunksRequest(
+        engine_id=engine.engine_id, keys=row(hashes), block_ids=blocks_of(range(2)),
+        chunk_tokens=TOKENS,
+    )  # fmt: skip
+    with pytest.raises(grpc.RpcError) as info:
+        node.call("store_chunks", request, timeout=COPY_START_MARGIN_S / 2)
+    assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    # Nothing was stored (the reservation was given back), and a caller that waits may copy.
+    assert node.store(engine, hashes, blocks_of(range(2))) == [STORED] * 2
+    target = blocks_of(range(2), base=40)
+    engine.fill(target, 0.0)
+    before = engine.blocks_bytes(target)
+    retrieve = storage_pb2.RetrieveChunksRequest(
+        engine_id=engine.engine_id, keys=row(hashes), block_ids=target, chunk_tokens=TOKENS
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        node.call("retrieve_chunks", retrieve, timeout=COPY_START_MARGIN_S / 2)
+    assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(COPY_START_MARGIN_S)  # a copy started late would have landed by now
+    assert engine.blocks_bytes(target) == before

@@ -21,6 +21,7 @@ from kvmesh.connector import (
 )
 from kvmesh.engine import SharedKVCache
 from tests.support.fake_gateway import FakeGateway
+from tests.support.waiting import wait_until
 
 CHUNK, BLOCK = 256, 16
 
@@ -346,11 +347,21 @@ def test_a_failed_load_reports_every_block(
     assert conn.get_block_ids_with_load_errors() == set(load_blocks)
 
 
-def test_a_gateway_that_forgot_the_engine_gets_it_registered_again(
+def test_a_gateway_that_forgot_the_engine_gets_it_registered_again_in_the_background(
     worker: tuple[KVMeshConnector, FakeGateway], kv: SharedKVCache
 ) -> None:
     conn, gateway = worker
     gateway.forget_engine = 1
+    sched = _scheduler(gateway)
+    request = _request(512)
+    sched.get_num_new_matched_tokens(request, 0)
+    sched.update_state_after_alloc(request, list(range(1, 33)), 0)
+
+    # The store that finds the engine unknown fails at once (a future miss); the
+    # registration runs on the heartbeat thread, never inside the engine's step.
+    conn.save_kv(sched.build_connector_meta(SchedulerOutput({"r1": 512})))
+    assert conn.wait_for_save() == {"r1"}
+    wait_until(lambda: conn.registered, 10)
 
     assert _store_then_load(conn, kv, 512, list(range(40, 72))) == set()
     assert gateway.names().count("RegisterKVCache") == 2

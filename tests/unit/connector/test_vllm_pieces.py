@@ -85,8 +85,59 @@ def test_a_bad_setting_names_the_key_and_what_is_valid(extra: dict[str, Any], me
 # ---- the shared-memory file vLLM's CPU KV cache lives in ------------------------------------
 
 
-def test_the_pool_maps_the_kv_allocation_and_removes_its_file(tmp_path: Path) -> None:
+def test_the_pool_keeps_the_kv_file_nameless_so_nothing_outlives_its_processes(
+    tmp_path: Path,
+) -> None:
+    """The default: no name in the folder, ever; storage opens vLLM's descriptor of it."""
     pool = SharedMemoryPool(tmp_path)
+    with pool:
+        kv = torch.zeros(4 << 20, dtype=torch.int8)
+    assert pool.buffer is kv
+    assert list(tmp_path.iterdir()) == []
+    assert str(pool.path).startswith(f"/proc/{os.getpid()}/fd/")
+    assert os.readlink(pool.path).startswith(f"{tmp_path}/")
+    kv[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.int8)
+    with open(pool.path, "rb") as f:  # what storage maps: the same pages
+        assert f.read(4) == b"\x01\x02\x03\x04"
+    pool.close()
+    assert not os.path.exists(pool.path)
+    assert int(kv[:4].sum()) == 10  # vLLM's mapping stays valid after close
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_nameless_kv_file_is_freed_when_its_process_is_killed() -> None:
+    """SIGKILL leaves nothing in /dev/shm: the kernel frees the file with its last mapping."""
+    code = (
+        "import os, sys, torch\n"
+        "from kvmesh.connector.vllm.shm_pool import SharedMemoryPool\n"
+        "pool = SharedMemoryPool(sys.argv[1])\n"
+        "with pool:\n"
+        "    kv = torch.zeros(8 << 20, dtype=torch.int8)\n"
+        "print(pool.path, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    folder = Path(tempfile.mkdtemp(prefix="kvmesh-pool-kill-", dir="/dev/shm"))
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-c", code, str(folder)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout is not None
+        path = child.stdout.readline().strip()
+        assert os.readlink(path).startswith(f"{folder}/")
+        assert list(folder.iterdir()) == []
+        child.kill()
+        child.wait(10)
+        assert not os.path.exists(path)
+        assert list(folder.iterdir()) == []
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_the_named_pool_maps_the_kv_allocation_and_removes_its_file(tmp_path: Path) -> None:
+    pool = SharedMemoryPool(tmp_path, named=True)
     with pool:
         small = torch.zeros(16, dtype=torch.int8)  # below MIN_BYTES: left to torch
         kv = torch.zeros(4 << 20, dtype=torch.int8)
@@ -112,7 +163,7 @@ def test_the_pool_allocates_its_file_and_maps_every_page_up_front() -> None:
             kv = torch.zeros(4 << 20, dtype=torch.int8)
         assert pool.buffer is kv
         assert pool.path.stat().st_blocks * 512 >= 4 << 20
-        assert resident_bytes(str(pool.path)) >= 4 << 20
+        assert resident_bytes(os.readlink(pool.path)) >= 4 << 20
         assert int(kv.abs().sum()) == 0  # still what torch.zeros promises
         pool.close()
     finally:
@@ -128,7 +179,7 @@ def test_a_kv_cache_the_folder_cannot_hold_stays_in_vllms_memory(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    pool = SharedMemoryPool(tmp_path)
+    pool = SharedMemoryPool(tmp_path, named=True)
     with caplog.at_level(logging.WARNING, logger="kvmesh"), pool:
         kv = torch.zeros(4 << 20, dtype=torch.int8)
     assert pool.buffer is None
@@ -226,3 +277,9 @@ def test_lora_adapters_never_share_a_salt() -> None:
     }
     assert len(salts) == 4
     assert cache_salt(Req(None, None)) == ""  # type: ignore[arg-type]
+
+
+def test_the_connectors_default_gateway_is_where_the_gateway_listens_by_default() -> None:
+    from kvmesh.gateway.config import DEFAULT_PORT
+
+    assert parse_settings({}).gateway == f"127.0.0.1:{DEFAULT_PORT}"

@@ -501,17 +501,6 @@ def test_cache_salt_separates_tenants() -> None:
     assert status.hit_chunks == 0
 
 
-def test_silent_engine_is_reaped_after_it_pinged() -> None:
-    gw, storage, clock = make(engine_reap_s=30.0)
-    register(gw, "quiet")
-    register(gw, "pinger")
-    assert gw.ping("pinger")
-    clock.now += 31
-    run(gw.sweep())
-    assert gw.engine_ids() == ["quiet"]  # never pinged: registration grace
-    assert "pinger" not in storage.engines
-
-
 def test_tokens_can_be_omitted_once_the_session_has_them() -> None:
     gw, storage, _ = make()
     register(gw)

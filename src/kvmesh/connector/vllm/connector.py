@@ -48,13 +48,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole as VLLMRole,
 )
 
-from kvmesh.api.common.v1 import common_pb2
-from kvmesh.common.dtypes import proto_of_torch
 from kvmesh.connector.core import KVMeshConnector as Hooks
 from kvmesh.connector.metadata import ConnectorMetadata, Request, SchedulerOutput
 from kvmesh.connector.types import KVConnectorRole, KVMeshConnectorConfig, rpc_failure
-from kvmesh.connector.vllm.cuda import StreamEvents, gpu_layout_kind, ipc_handle, layout_fields
-from kvmesh.connector.vllm.layouts import cache_salt, cpu_layout
+from kvmesh.connector.vllm.cuda import StreamEvents
+from kvmesh.connector.vllm.layouts import cache_salt
+from kvmesh.connector.vllm.registration import (
+    UnsupportedConfig,
+    describe_cpu,
+    describe_cuda,
+    distinct_layers,
+)
 from kvmesh.connector.vllm.settings import VLLMSettings, parse_settings
 from kvmesh.connector.vllm.shm_pool import SharedMemoryPool
 
@@ -85,22 +89,29 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         transfer = vllm_config.kv_transfer_config
         self.settings: VLLMSettings = parse_settings(transfer.kv_connector_extra_config)
         _show_kvmesh_logs(self.settings.log_level)
+        _check_supported(vllm_config, kv_cache_config)
         parallel = vllm_config.parallel_config
         self._on_cpu = vllm_config.device_config.device_type == "cpu"
+        is_scheduler = role == VLLMRole.SCHEDULER
+        # One id for the engine instance, the same in its scheduler and its workers.
+        instance = str(getattr(transfer, "engine_id", "") or "")
+        rank = _worker_rank()
         config = KVMeshConnectorConfig(
             gateway=self.settings.gateway,
             model_name=self.settings.model_name or str(vllm_config.model_config.model),
             block_size=vllm_config.cache_config.block_size,
             world_size=parallel.world_size,
-            worker_id=_worker_rank(),
+            worker_id=rank,
+            engine_id=f"{instance}-worker-{rank}" if instance and not is_scheduler else "",
+            instance_id=instance,
             lookup_timeout_s=self.settings.lookup_timeout_s,
             lookup_wait_ms=self.settings.lookup_wait_ms,
             rpc_timeout_s=self.settings.rpc_timeout_s,
             register_timeout_s=self.settings.register_timeout_s,
             transfer_threads=self.settings.transfer_threads,
             store_after_prefill=self.settings.store_after_prefill,
+            heartbeat_s=self.settings.heartbeat_s,
         )
-        is_scheduler = role == VLLMRole.SCHEDULER
         self.hooks = Hooks(
             config, KVConnectorRole.SCHEDULER if is_scheduler else KVConnectorRole.WORKER
         )
@@ -109,12 +120,15 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pool: SharedMemoryPool | None = None
         self._storing: set[str] = set()
         self._finished: set[str] = set()
+        # Blocks of loads the scheduler promised but could not plan: reported as load
+        # errors by the workers, so vLLM recomputes them (never reads unloaded blocks).
+        self._unplanned: list[int] = []
         # GPU: events on vLLM's stream that order storage's copies (None on CPU).
         self._events: StreamEvents | None = None
         if is_scheduler:
             self._prefer_recompute(transfer)
         elif self._on_cpu:
-            self._pool = SharedMemoryPool(self.settings.shm_dir)
+            self._pool = SharedMemoryPool(self.settings.shm_dir, named=self.settings.named_kv_file)
         logger.info(
             "kvmesh connector (%s) for model %s, gateway %s",
             "scheduler" if is_scheduler else "worker",
@@ -137,6 +151,8 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return False
 
     # ------------------------------------------------------------------ scheduler
+    #
+    # Nothing raises into vLLM: a failure becomes a miss (recompute) and a log line.
 
     def _plain(self, request: VLLMRequest) -> Request:
         plain = self._requests.get(request.request_id)
@@ -155,8 +171,12 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Tokens kvmesh supplies beyond vLLM's own hit; None while the lookup runs."""
         if not request.prompt_token_ids:
             return 0, False  # prompt embeddings: nothing to key on
-        plain = self._plain(request)
-        tokens, _ = self.hooks.get_num_new_matched_tokens(plain, num_computed_tokens)
+        try:
+            plain = self._plain(request)
+            tokens, _ = self.hooks.get_num_new_matched_tokens(plain, num_computed_tokens)
+        except Exception:
+            logger.exception("kvmesh lookup of %s failed; recomputing it", request.request_id)
+            return 0, False
         if tokens is not None:
             first = self._asked.pop(request.request_id, None)
             logger.debug(
@@ -173,23 +193,40 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: VLLMRequest, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         block_ids = blocks.get_block_ids()[0] if blocks is not None else []
-        self.hooks.update_state_after_alloc(self._plain(request), block_ids, num_external_tokens)
+        try:
+            self.hooks.update_state_after_alloc(
+                self._plain(request), block_ids, num_external_tokens
+            )
+        except Exception:
+            logger.exception("kvmesh could not plan the load of %s", request.request_id)
+            if num_external_tokens > 0:  # vLLM counts them loaded: make it recompute them
+                self.hooks.drop_load(request.request_id)
+                self._unplanned.extend(block_ids)
 
     def build_connector_meta(self, scheduler_output: VLLMSchedulerOutput) -> KVMeshMetadata:
-        for new in scheduler_output.scheduled_new_reqs:
-            self.hooks.set_block_ids(new.req_id, new.block_ids[0])
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, request_id in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i]
-            if new_ids is None:
-                continue
-            if request_id in cached.resumed_req_ids:
-                self.hooks.set_block_ids(request_id, new_ids[0])
-            else:
-                self.hooks.extend_block_ids(request_id, new_ids[0])
-        plan = self.hooks.build_connector_meta(
-            SchedulerOutput(num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens))
-        )
+        try:
+            for new in scheduler_output.scheduled_new_reqs:
+                self.hooks.set_block_ids(new.req_id, new.block_ids[0])
+            cached = scheduler_output.scheduled_cached_reqs
+            for i, request_id in enumerate(cached.req_ids):
+                new_ids = cached.new_block_ids[i]
+                if new_ids is None:
+                    continue
+                if request_id in cached.resumed_req_ids:
+                    self.hooks.set_block_ids(request_id, new_ids[0])
+                else:
+                    self.hooks.extend_block_ids(request_id, new_ids[0])
+            plan = self.hooks.build_connector_meta(
+                SchedulerOutput(
+                    num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
+                    preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ()),
+                )
+            )
+        except Exception:
+            logger.exception("kvmesh could not plan this step's loads and stores")
+            plan = self.hooks.fail_pending_loads()
+        plan.failed_blocks.extend(self._unplanned)
+        self._unplanned = []
         return KVMeshMetadata(plan)
 
     def request_finished(
@@ -198,6 +235,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """End the session; keep the blocks while the request's stores still run."""
         plain = self._requests.pop(request.request_id, None) or self._plain(request)
         self._requests.pop(request.request_id, None)
+        self._asked.pop(request.request_id, None)
         return self.hooks.request_finished(plain), None
 
     # --------------------------------------------------------------------- worker
@@ -206,122 +244,88 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._pool
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Register vLLM's KV memory with the gateway (the storage node maps the file)."""
-        described = self._describe(kv_caches)
-        if described is None:
+        """Register vLLM's KV memory with the gateway (the storage node maps it).
+
+        A configuration kvmesh does not serve stops vLLM here, with one line
+        (:class:`UnsupportedConfig`); an unreachable gateway does not: the
+        heartbeat registers once it answers.
+        """
+        layers = distinct_layers(kv_caches)
+        block_size = self.hooks.config.block_size
+        if layers[0].device.type == "cuda":
+            layout, handles = describe_cuda(layers, block_size)
+            self._events = StreamEvents()
+        elif self._pool is None or self._pool.buffer is None:
+            logger.warning(
+                "kvmesh: vLLM's KV cache is not in shared memory (device %s, or %s could not "
+                "hold it); kvmesh stays off for this engine",
+                layers[0].device.type,
+                self.settings.shm_dir,
+            )
             return
-        layout, handles = described
+        else:
+            layout, handles = describe_cpu(layers, self._pool, block_size)
         try:
             self.hooks.register_memory(layout, handles)
         except grpc.RpcError as exc:
             logger.warning(
                 "kvmesh gateway %s did not take the KV registration (%s); requests are "
-                "computed as without kvmesh, and registration is retried when it answers",
+                "computed as without kvmesh, and the registration is retried in the background",
                 self.settings.gateway,
                 rpc_failure(exc),
             )
-
-    def _describe(
-        self, kv_caches: dict[str, torch.Tensor]
-    ) -> tuple[common_pb2.KVLayout, list[common_pb2.MemoryHandle]] | None:
-        """The layout and one handle per layer, or None (with a warning) when unusable."""
-        layers: list[torch.Tensor] = []
-        seen: set[int] = set()
-        for tensor in kv_caches.values():  # layer order; shared layers appear once
-            if tensor.data_ptr() not in seen:
-                seen.add(tensor.data_ptr())
-                layers.append(tensor)
-        first = layers[0]
-        if first.device.type == "cuda":
-            return self._describe_cuda(layers)
-        if self._pool is None or self._pool.buffer is None:
-            logger.warning(
-                "kvmesh: vLLM's KV cache is not in shared memory (device %s); kvmesh serves "
-                "vLLM's CPU backend (shared memory) and CUDA (IPC handles) only, so it stays "
-                "off for this engine",
-                first.device.type,
-            )
-            return None
-        kind, problem = cpu_layout(first, vllm_block_size=self.hooks.config.block_size)
-        if problem is None and any(
-            t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
-            for t in layers
-        ):
-            problem = "layers differ in shape or dtype, or are not contiguous"
-        offsets = [self._pool.offset_of(t) for t in layers]
-        if problem is None and any(o is None for o in offsets):
-            problem = "a layer lies outside the shared-memory file"
-        dtype = proto_of_torch(first.dtype)
-        if problem is None and dtype is None:
-            problem = f"KV dtype {first.dtype} is not supported"
-        if problem is not None:
-            logger.warning("kvmesh stays off for this engine: %s", problem)
-            return None
-        num_blocks, kv_heads, block_size, width = first.shape
-        layout = common_pb2.KVLayout(
-            kind=kind,
-            num_layers=len(layers),
-            num_blocks=num_blocks,
-            block_size=block_size,
-            kv_heads=kv_heads,
-            head_dim=width // 2,
-            dtype=dtype,  # type: ignore[arg-type]
-        )
-        size = first.numel() * first.element_size()
-        handles = [
-            common_pb2.MemoryHandle(
-                shared_memory=common_pb2.SharedMemoryHandle(
-                    path=str(self._pool.path), offset_bytes=offset or 0, size_bytes=size
-                )
-            )
-            for offset in offsets
-        ]
-        return layout, handles
-
-    def _describe_cuda(
-        self, layers: list[torch.Tensor]
-    ) -> tuple[common_pb2.KVLayout, list[common_pb2.MemoryHandle]] | None:
-        """GPU: the layout, and one CUDA IPC handle per layer (storage opens them)."""
-        first = layers[0]
-        kind, problem = gpu_layout_kind(first, block_size=self.hooks.config.block_size)
-        dtype = proto_of_torch(first.dtype)
-        if problem is None and any(
-            t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous()
-            for t in layers
-        ):
-            problem = "layers differ in shape or dtype, or are not contiguous"
-        if problem is None and dtype is None:
-            problem = f"KV dtype {first.dtype} is not supported"
-        if problem is not None:
-            logger.warning("kvmesh stays off for this engine: %s", problem)
-            return None
-        layout = common_pb2.KVLayout(
-            kind=kind,
-            num_layers=len(layers),
-            dtype=dtype,  # type: ignore[arg-type]
-            **layout_fields(kind, tuple(first.shape)),
-        )
-        self._events = StreamEvents()
-        return layout, [ipc_handle(t) for t in layers]
+        except Exception:
+            logger.exception("kvmesh could not register the KV memory; retrying in the background")
 
     def _producer_event(self) -> bytes:
         """GPU: an event after the work queued on vLLM's stream so far (b"" on CPU)."""
         return self._events.record() if self._events is not None else b""
 
+    def _metadata(self) -> ConnectorMetadata | None:
+        meta = self._get_connector_metadata()
+        return meta.ops if isinstance(meta, KVMeshMetadata) else None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step runs: finish the stores still reading preempted requests' blocks.
+
+        vLLM frees a preempted request's blocks at once; this step's forward
+        pass (or a load) may write them, so a store still copying out of them
+        would save another request's KV under this prompt's keys.
+        """
+        if not isinstance(kv_connector_metadata, KVMeshMetadata):
+            return
+        preempted = kv_connector_metadata.ops.preempted
+        if preempted:
+            try:
+                waited = self.hooks.finish_saves_of(preempted)
+            except Exception:
+                logger.exception("kvmesh: waiting for the stores of preempted requests failed")
+                return
+            logger.debug("%d preempted requests; waited for %d stores", len(preempted), waited)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Load this step's hits into their blocks before the forward pass runs."""
-        meta = self._get_connector_metadata()
-        if isinstance(meta, KVMeshMetadata) and meta.ops.retrieve_ops:
-            start = time.perf_counter()
-            self.hooks.start_load_kv(meta.ops, self._producer_event())
+        ops = self._metadata()
+        if ops is None:
+            return
+        self.hooks.note_load_errors(ops.failed_blocks)
+        if not ops.retrieve_ops:
+            return
+        start = time.perf_counter()
+        try:
+            self.hooks.start_load_kv(ops, self._producer_event())
             failed = self.hooks.wait_for_load()
-            logger.debug(
-                "loaded %d tokens for %d requests in %.1f ms (%d fell short)",
-                sum(op.end - op.start - op.skip_first_n_tokens for op in meta.ops.retrieve_ops),
-                len(meta.ops.retrieve_ops),
-                (time.perf_counter() - start) * 1e3,
-                len(failed),
-            )
+        except Exception:
+            logger.exception("kvmesh loads failed; vLLM recomputes their blocks")
+            self.hooks.fail_loads(ops.retrieve_ops)
+            return
+        logger.debug(
+            "loaded %d tokens for %d requests in %.1f ms (%d fell short)",
+            sum(op.end - op.start - op.skip_first_n_tokens for op in ops.retrieve_ops),
+            len(ops.retrieve_ops),
+            (time.perf_counter() - start) * 1e3,
+            len(failed),
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv already waited
@@ -333,17 +337,23 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def wait_for_save(self) -> None:
         """Start storing this step's newly computed chunks; they finish in the background."""
-        meta = self._get_connector_metadata()
-        if isinstance(meta, KVMeshMetadata) and meta.ops.store_ops:
-            start = time.perf_counter()
-            self.hooks.save_kv(meta.ops, self._producer_event())
-            self._storing.update(op.request_id for op in meta.ops.store_ops)
-            logger.debug(
-                "started %d stores (%d tokens) in %.2f ms",
-                len(meta.ops.store_ops),
-                sum(op.end - op.start for op in meta.ops.store_ops),
-                (time.perf_counter() - start) * 1e3,
-            )
+        ops = self._metadata()
+        if ops is None or not ops.store_ops:
+            return
+        start = time.perf_counter()
+        # Counted first: a request that asked vLLM to keep its blocks is always reported.
+        self._storing.update(op.request_id for op in ops.store_ops)
+        try:
+            self.hooks.save_kv(ops, self._producer_event())
+        except Exception:
+            logger.exception("kvmesh could not start this step's stores; they are skipped")
+            return
+        logger.debug(
+            "started %d stores (%d tokens) in %.2f ms",
+            len(ops.store_ops),
+            sum(op.end - op.start for op in ops.store_ops),
+            (time.perf_counter() - start) * 1e3,
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished requests whose stores are done (vLLM may free their blocks now)."""
@@ -358,9 +368,26 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self.hooks.get_block_ids_with_load_errors()
 
     def shutdown(self) -> None:
-        self.hooks.shutdown()
+        try:
+            self.hooks.shutdown()
+        except Exception:
+            logger.exception("kvmesh connector shutdown failed")
         if self._pool is not None:
             self._pool.close()
+
+
+def _check_supported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
+    """Stop vLLM at start, with one line, on a configuration kvmesh does not serve."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise UnsupportedConfig(
+            f"kvmesh serves models with one KV cache group; this one has {len(groups)} "
+            "(hybrid attention): run it without --kv-transfer-config"
+        )
+    if getattr(vllm_config.model_config, "use_mla", False):
+        raise UnsupportedConfig(
+            "kvmesh does not serve MLA models yet: run this one without --kv-transfer-config"
+        )
 
 
 def _show_kvmesh_logs(level: str) -> None:

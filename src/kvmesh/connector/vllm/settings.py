@@ -13,8 +13,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-#: Where the connector finds the gateway when the config names none.
-DEFAULT_GATEWAY = "127.0.0.1:8100"
+#: Where the connector finds the gateway when the config names none: the address
+#: ``kvmesh node`` and ``kvmesh gateway`` listen on by default (a test pins the two).
+DEFAULT_GATEWAY = "127.0.0.1:8302"
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,13 @@ class VLLMSettings:
     #: Store a prompt once its whole prefill ran, not after each 4096-token prefill step
     #: (stores beside the next step's forward slow it down on a small CPU host).
     store_after_prefill: bool = True
+    #: Seconds between heartbeats of the scheduler and each worker; the node reaps an
+    #: engine silent for its ``engine_reap_seconds`` (its KV memory, its leases).
+    heartbeat_s: float = 2.0
+    #: Give vLLM's KV file a name in ``shm_dir`` instead of none: only for a node that
+    #: cannot open vLLM's ``/proc/<pid>/fd`` (another PID namespace). A named file is
+    #: removed when vLLM stops, or by the next engine if vLLM is killed.
+    named_kv_file: bool = False
 
 
 _FIELDS: dict[str, type] = {
@@ -62,6 +70,8 @@ _FIELDS: dict[str, type] = {
     "keep_failure_policy": bool,
     "log_level": str,
     "store_after_prefill": bool,
+    "heartbeat_s": float,
+    "named_kv_file": bool,
 }
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -85,7 +95,7 @@ def parse_settings(extra: Mapping[str, Any] | None) -> VLLMSettings:
     settings = VLLMSettings(**values)
     if not settings.gateway.strip():
         raise SettingsError("kv_connector_extra_config: 'gateway' must not be empty")
-    for key in ("lookup_timeout_s", "rpc_timeout_s", "register_timeout_s"):
+    for key in ("lookup_timeout_s", "rpc_timeout_s", "register_timeout_s", "heartbeat_s"):
         number = getattr(settings, key)
         if not math.isfinite(number) or number <= 0:
             raise SettingsError(f"kv_connector_extra_config: {key!r} must be > 0, got {number}")

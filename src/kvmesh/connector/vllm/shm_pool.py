@@ -8,9 +8,15 @@ tensor mapped (``MAP_SHARED``) from a fresh file under ``/dev/shm``. Every
 layer is then a view into that file, and storage copies blocks in and out of
 it directly: no copy through the connector, no bytes over gRPC.
 
-Files are named ``kvmesh-vllm-<pid>-<n>``. The pool deletes its file on
-:meth:`close`; a file whose process died without closing (SIGKILL) is removed
-by the next pool created in the same folder, by checking that its pid is gone.
+The file has no name (``O_TMPFILE``): storage maps it through vLLM's open
+descriptor, ``/proc/<pid>/fd/<n>``, so the kernel frees the memory with the
+last mapping, however vLLM stops (SIGKILL included) — nothing is left in
+``/dev/shm``. That needs storage to see vLLM's ``/proc`` (same user and PID
+namespace: the usual ``kvmesh node`` beside ``vllm serve``; in containers,
+a shared PID namespace). Where that cannot be, ``named_kv_file`` keeps the
+older way: a file named ``kvmesh-vllm-<pid>-<n>``, deleted on :meth:`close`;
+a file whose process died without closing (SIGKILL) is removed by the next
+pool created in the same folder, by checking that its pid is gone.
 """
 
 from __future__ import annotations
@@ -57,13 +63,16 @@ def reclaim_stale(folder: Path) -> list[Path]:
 class SharedMemoryPool(TorchFunctionMode):
     """Context under which vLLM's KV-cache allocation lands in a shared-memory file."""
 
-    def __init__(self, folder: str | Path = "/dev/shm") -> None:
+    def __init__(self, folder: str | Path = "/dev/shm", *, named: bool = False) -> None:
         super().__init__()
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise FileNotFoundError(f"shared-memory folder {self.folder} does not exist")
         reclaim_stale(self.folder)
+        self.named = named
+        #: Where storage opens the file: its name, or (nameless) vLLM's descriptor of it.
         self.path = self.folder / f"kvmesh-vllm-{os.getpid()}-{next(_counter)}"
+        self._fd: int | None = None
         self.buffer: torch.Tensor | None = None
 
     def __torch_function__(
@@ -98,10 +107,28 @@ class SharedMemoryPool(TorchFunctionMode):
             return int(size[0])
         return None
 
+    def _open(self) -> int:
+        """A new file: nameless unless ``named`` (or the folder cannot hold nameless files)."""
+        if not self.named:
+            try:
+                fd = os.open(self.folder, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                logger.warning(
+                    "kvmesh: %s cannot hold a nameless file (%s); vLLM's KV cache gets a named "
+                    "file, removed when vLLM stops (or by the next engine if it is killed)",
+                    self.folder,
+                    exc.strerror,
+                )
+                self.named = True
+            else:
+                self.path = Path(f"/proc/{os.getpid()}/fd/{fd}")
+                return fd
+        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+
     def _map(self, nbytes: int) -> torch.Tensor | None:
         """The file, its pages allocated and mapped here; None (torch allocates) when
         ``/dev/shm`` cannot hold it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = self._open()
         try:
             # Allocate every page now, as torch.zeros would by writing them: a full
             # /dev/shm is an error here rather than a SIGBUS in the middle of a
@@ -110,7 +137,8 @@ class SharedMemoryPool(TorchFunctionMode):
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
             os.close(fd)
-            self.path.unlink(missing_ok=True)
+            if self.named:
+                self.path.unlink(missing_ok=True)
             logger.warning(
                 "kvmesh: cannot allocate vLLM's KV cache (%d bytes) in %s (%s); vLLM keeps it "
                 "in its own memory and kvmesh stays off for this engine",
@@ -119,9 +147,17 @@ class SharedMemoryPool(TorchFunctionMode):
                 exc.strerror,
             )
             return None
-        os.close(fd)
-        logger.info("vLLM's KV cache (%d bytes) lives in %s", nbytes, self.path)
         buffer = torch.from_file(str(self.path), shared=True, size=nbytes, dtype=torch.int8)
+        if self.named:
+            os.close(fd)
+        else:
+            self._fd = fd  # storage opens the file through it: kept open until close()
+        logger.info(
+            "vLLM's KV cache (%d bytes) lives in %s%s",
+            nbytes,
+            self.path,
+            "" if self.named else f" (a nameless file in {self.folder})",
+        )
         # Map every page here too: vLLM's first reads of a block storage wrote fault nothing.
         populate(buffer.data_ptr(), buffer.numel())
         return buffer
@@ -138,6 +174,11 @@ class SharedMemoryPool(TorchFunctionMode):
         return start
 
     def close(self) -> None:
-        """Delete the file (the mapping stays valid while vLLM holds the tensor)."""
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        """Delete the file, or close the nameless one's descriptor (the mapping stays
+        valid while vLLM holds the tensor)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        elif self.named:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()

@@ -3,14 +3,22 @@
 Two kinds of engine register here. An LMCache-driven engine registers its KV
 memory, which storage maps (``register_kv_cache``); an engine-driven context
 only tells its geometry and copies chunk bytes itself through the slots
-storage hands out (``register_engine_context``). Either kind that pinged
-once and then went silent for ``reap_after_s`` is unregistered by the sweep.
+storage hands out (``register_engine_context``).
+
+Liveness: every call an engine makes, and its heartbeat (``Ping``), refresh
+it; an engine silent for ``reap_after_s`` is reaped by the sweep — its KV
+memory unmapped in storage, so a killed engine's memory comes back without
+anyone's help. Schedulers are tracked the same way under the *owner* id their
+lookups carry (vLLM: the instance id its scheduler and workers share): an
+owner silent for ``reap_after_s`` is handed to ``on_owner_gone``, which ends
+its sessions and leases. Each reap is logged once and counted.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +30,9 @@ from .node_storage import NodeStorage
 from .types import EngineSpec, GatewayStats
 
 logger = logging.getLogger(__name__)
+
+#: Ids of gone engines remembered to count re-registrations.
+_GONE_KEPT = 4096
 
 
 @dataclass(slots=True)
@@ -49,6 +60,7 @@ class EngineRegistry:
         chunk_size: int,
         reap_after_s: float,
         clock: Callable[[], float],
+        on_owner_gone: Callable[[str], Awaitable[object]] | None = None,
     ) -> None:
         self.storage = storage
         self.counters = counters
@@ -56,6 +68,12 @@ class EngineRegistry:
         self.reap_after_s = reap_after_s
         self._clock = clock
         self._engines: dict[str, RegisteredEngine] = {}
+        # Ids registered before and gone since (reaped, unregistered): a later
+        # registration of one counts as a re-registration. Bounded, oldest out.
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        # Owners (schedulers) by id → last seen; see the module docstring.
+        self._owners: dict[str, float] = {}
+        self.on_owner_gone = on_owner_gone
         self.storage_instance_id = ""
 
     def __len__(self) -> int:
@@ -119,6 +137,9 @@ class EngineRegistry:
         )
         now = self._clock()
         if existing is None:
+            if spec.engine_id in self._gone:
+                del self._gone[spec.engine_id]
+                self.counters.reregistrations += 1
             self._engines[spec.engine_id] = RegisteredEngine(
                 spec, False, chunk_bytes, (), now, now, fingerprint=fingerprint
             )
@@ -137,6 +158,10 @@ class EngineRegistry:
     async def unregister_kv_cache(self, engine_id: str) -> bool:
         """Forget an engine and unmap its memory. Idempotent."""
         engine = self._engines.pop(engine_id, None)
+        if engine is not None:
+            self._gone[engine_id] = None
+            while len(self._gone) > _GONE_KEPT:
+                self._gone.popitem(last=False)
         existed = await self.storage.unregister_engine(engine_id)
         return engine is not None or existed
 
@@ -178,15 +203,30 @@ class EngineRegistry:
     # ----------------------------------------------------------------- liveness
 
     def ping(self, engine_id: str) -> bool:
-        """Refresh an engine's liveness; False when it is unknown."""
+        """Refresh an engine's (or an owner's) liveness; False when no engine has that id.
+
+        An id that is no registered engine is taken as an owner's heartbeat (a
+        scheduler's), and a worker that reads False registers again.
+        """
         if not engine_id:
             return True
         engine = self._engines.get(engine_id)
         if engine is None:
+            self.seen_owner(engine_id)
             return False
         engine.last_seen = self._clock()
         engine.pinged = True
         return True
+
+    def seen_owner(self, owner: str) -> None:
+        """An owner's lookup or heartbeat: alive now."""
+        if owner:
+            self._owners[owner] = self._clock()
+
+    @property
+    def owners(self) -> int:
+        """Owners (schedulers) seen within the reap time."""
+        return len(self._owners)
 
     def report_block_allocation(self, engine_id: str, request_ids: Sequence[str]) -> None:
         """Count the scheduler's allocations (observability only)."""
@@ -200,14 +240,27 @@ class EngineRegistry:
             self.ping(engine_id)
 
     async def reap(self, now: float) -> None:
-        """Unregister engines that pinged once and then went silent (``reap_after_s`` > 0)."""
+        """Reap engines and owners silent for ``reap_after_s`` (> 0)."""
         if self.reap_after_s <= 0:
             return
-        for engine_id, engine in list(self._engines.items()):
-            if engine.pinged and now - engine.last_seen > self.reap_after_s:
+        for owner, seen in list(self._owners.items()):
+            if now - seen <= self.reap_after_s:
+                continue
+            del self._owners[owner]
+            if owner in self._engines or self.on_owner_gone is None:
+                continue
+            ended = await self.on_owner_gone(owner)
+            if ended:
                 logger.warning(
-                    "engine %s silent for %.0f s; unregistering it", engine_id,
-                    now - engine.last_seen,
+                    "engine instance %s silent for %.0f s: ended what its lookups held (%s)",
+                    owner, now - seen, ended,
+                )  # fmt: skip
+                self.counters.owners_reaped += 1
+        for engine_id, engine in list(self._engines.items()):
+            if now - engine.last_seen > self.reap_after_s:
+                logger.warning(
+                    "engine %s silent for %.0f s (gone: killed, or its heartbeat stopped); "
+                    "unmapping its KV memory", engine_id, now - engine.last_seen,
                 )  # fmt: skip
                 self.counters.engines_reaped += 1
                 try:

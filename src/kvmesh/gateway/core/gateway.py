@@ -241,6 +241,7 @@ class Gateway:
         data: dict[str, object] = dict(vars(self.counters))
         data["active_sessions"] = len(self.sessions)
         data["registered_engines"] = len(self.engines)
+        data["live_owners"] = self.engines.owners
         data["hash_memo_hits"] = self.hasher.memo_hits
         data["hash_memo_misses"] = self.hasher.memo_misses
         return data

@@ -72,4 +72,8 @@ class GatewayStats:
     prefetch_wait_seconds: float = 0.0
     locks_released: int = 0
     engines_reaped: int = 0
+    #: Engine instances (schedulers) gone silent whose sessions and leases were ended.
+    owners_reaped: int = 0
+    #: Registrations of an engine the gateway had forgotten (restarted, or reaped it).
+    reregistrations: int = 0
     block_allocations: int = 0

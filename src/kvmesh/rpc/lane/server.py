@@ -40,6 +40,7 @@ from google.protobuf.message import DecodeError, Message
 from google.rpc import error_details_pb2
 
 from kvmesh.common.config import ConfigError
+from kvmesh.common.deadlines import CALL_DEADLINE
 from kvmesh.common.errors import ERROR_DOMAIN
 from kvmesh.common.telemetry import context_from_traceparent, tracing_enabled
 from kvmesh.rpc.errors import STATUS_DETAILS_KEY, status_bytes
@@ -318,6 +319,7 @@ class LaneServer:
                 raise malformed_request(entry.path, exc) from None
             metadata = (("traceparent", traceparent),) if traceparent else ()
             context = LaneContext(peer, metadata, deadline)
+            CALL_DEADLINE.set(deadline)
             if self._traced:
                 with _server_span(entry.path, traceparent):
                     response = entry.handler(request, context)

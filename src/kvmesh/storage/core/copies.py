@@ -11,7 +11,13 @@ Locking rules on the data path:
   failed copy discards the reservation at once (no wait for the write TTL);
 - a retrieve read-locks each object for the duration of its copy, so
   eviction can never free memory under it, and separately releases the
-  lookup locks the caller says it holds (``release_mask``).
+  lookup locks the caller says it holds (``release_mask``);
+- a copy never starts when its caller's deadline is less than
+  :data:`~kvmesh.common.deadlines.COPY_START_MARGIN_S` away (checked on the
+  copy thread, after any wait for a free one): an engine that gave up on the
+  call recomputes or reuses those blocks, and a late copy would corrupt them
+  (or store another request's KV). The call fails with DEADLINE_EXCEEDED
+  instead, having touched no engine memory.
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ import asyncio
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TypeVar
 
+from kvmesh.common.deadlines import CALL_DEADLINE, COPY_START_MARGIN_S
+from kvmesh.common.errors import DeadlineExceeded
 from kvmesh.common.keys import ObjectKey
 from kvmesh.common.node_types import StoreOutcome
 from kvmesh.storage.core.l1.results import L1Result
@@ -166,8 +175,12 @@ class ChunkCopier:
 
         A copy cannot be interrupted: a caller cancelled meanwhile still waits
         for it (then re-raises), so the L1 objects and locks it uses are never
-        given back under it.
+        given back under it. It does not start at all when the served call's
+        deadline is too close (see the module docstring).
         """
+        deadline = CALL_DEADLINE.get()
+        if deadline is not None:
+            copy = functools.partial(_before, deadline, copy)
         future = asyncio.get_running_loop().run_in_executor(self._copies, copy)
         cancelled = False
         while not future.done():
@@ -188,6 +201,18 @@ class ChunkCopier:
         """
         if self._owns_copies:
             self._copies.shutdown(wait=True)
+
+
+def _before(deadline: float, copy: Callable[[], T]) -> T:
+    """Run ``copy`` unless the caller's deadline is too close for it (on the copy thread)."""
+    left = deadline - time.monotonic()
+    if left < COPY_START_MARGIN_S:
+        raise DeadlineExceeded(
+            f"the caller's deadline is {max(left, 0.0) * 1e3:.0f} ms away: the copy was not "
+            "started (the engine no longer waits for it)",
+            reason="COPY_NOT_STARTED",
+        )
+    return copy()
 
 
 def _log_prefault_failure(engine_id: str, future: Future[int]) -> None:

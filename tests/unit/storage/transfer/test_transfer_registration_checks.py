@@ -256,3 +256,57 @@ def test_a_path_swapped_after_the_check_is_caught_on_the_opened_file(
         engine._shm._map_file(str(shm_root / "allowed" / "swapped" / "kv_cache"), "handles[0].path")
     assert err.value.reason == "SHM_PATH_OUTSIDE_ALLOWED_DIR"
     assert not mapped_paths(shm_root)
+
+
+def _nameless_copy(directory: Path, kv: ShmKV) -> tuple[int, str]:
+    """The bytes of ``kv``'s file in a nameless file of ``directory``: (fd, /proc path)."""
+    import os
+
+    fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    os.write(fd, Path(kv.handles[0].path).read_bytes())
+    return fd, f"/proc/{os.getpid()}/fd/{fd}"
+
+
+def test_an_engines_nameless_file_is_opened_through_its_descriptor(
+    engine: TransferEngine, shm_root: Path
+) -> None:
+    """vLLM's connector keeps its KV file nameless; storage maps it via /proc/<pid>/fd/<n>."""
+    import os
+
+    layout = make_layout()
+    kv = make_shm_kv(shm_root / "allowed", layout)
+    fd, path = _nameless_copy(shm_root / "allowed", kv)
+    try:
+        handles = [SharedMemoryHandle(path, h.offset_bytes, h.size_bytes) for h in kv.handles]
+        engine.register("engine-0", layout, handles)
+        assert engine.is_registered("engine-0")
+        engine.unregister("engine-0")
+    finally:
+        os.close(fd)
+
+
+def test_a_descriptor_of_a_file_outside_the_allowed_directory_is_refused(
+    engine: TransferEngine, shm_root: Path
+) -> None:
+    import os
+
+    layout = make_layout()
+    kv = make_shm_kv(shm_root / "outside", layout)
+    fd, path = _nameless_copy(shm_root / "outside", kv)
+    try:
+        handles = [SharedMemoryHandle(path, h.offset_bytes, h.size_bytes) for h in kv.handles]
+        with pytest.raises(InvalidArgument, match="outside") as info:
+            engine.register("engine-0", layout, handles)
+        assert info.value.field == "handles[0].path"
+    finally:
+        os.close(fd)
+
+
+def test_a_descriptor_that_no_longer_exists_is_refused_with_a_reason(
+    engine: TransferEngine,
+) -> None:
+    layout = make_layout()
+    size = layout.layer_nbytes
+    handles = [SharedMemoryHandle("/proc/999999999/fd/3", 0, size)] * layout.num_layers
+    with pytest.raises(InvalidArgument, match="the engine is gone"):
+        engine.register("engine-0", layout, handles)

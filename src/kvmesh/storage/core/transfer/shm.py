@@ -9,6 +9,13 @@ regular file large enough for the region, each region must be exactly one
 layer of the layout and aligned to the dtype, and layers must not overlap.
 Each file is mapped once; the mappings live until their last view goes
 (:func:`tensor_over`, :func:`close_mappings`).
+
+A handle may also name an engine's open descriptor, ``/proc/<pid>/fd/<n>``:
+vLLM's connector keeps its KV file nameless (``O_TMPFILE``), so no file in
+``/dev/shm`` can outlive the two processes that map it (see
+``docs/architecture.md``, "Engine memory"). Such a path is accepted when the
+descriptor's file lies in the allowed directory, and storage needs the rights
+to read the engine's ``/proc`` entry (same user and PID namespace).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import itertools
 import logging
 import mmap
 import os
+import re
 import stat
 import warnings
 from collections.abc import Sequence
@@ -35,6 +43,9 @@ if TYPE_CHECKING:  # loaded by the first registration (tensor_over)
 logger = logging.getLogger(__name__)
 
 DEFAULT_ALLOWED_SHM_DIR = "/dev/shm"
+#: An engine's open descriptor of a KV file (see the module docstring).
+_PROC_FD = re.compile(r"^/proc/[1-9][0-9]*/fd/[0-9]+$")
+_DELETED = " (deleted)"
 
 
 @dataclass(frozen=True)
@@ -119,7 +130,9 @@ class SharedMemoryOpener:
         return layers, [m for m, _ in mappings.values()]
 
     def _map_file(self, real: str, field_name: str) -> tuple[mmap.mmap, torch.Tensor]:
-        flags = os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+        flags = os.O_RDWR | os.O_CLOEXEC
+        if not _PROC_FD.match(real):  # /proc/<pid>/fd/<n> is a link by nature
+            flags |= getattr(os, "O_NOFOLLOW", 0)
         try:
             fd = os.open(real, flags)
         except FileNotFoundError:
@@ -153,6 +166,8 @@ class SharedMemoryOpener:
     def _resolve_shm_path(self, path: object, field_name: str) -> str:
         if not isinstance(path, str) or not path or "\x00" in path:
             raise InvalidArgument("shared-memory path must be a non-empty string", field=field_name)
+        if _PROC_FD.match(path):
+            return self._resolve_engine_fd(path, field_name)
         if ".." in path.split(os.sep):
             raise InvalidArgument(f"shared-memory path {path!r} contains '..'", field=field_name)
         candidate = path if os.path.isabs(path) else os.path.join(self._allowed_dir, path)
@@ -164,6 +179,24 @@ class SharedMemoryOpener:
                 reason="SHM_PATH_OUTSIDE_ALLOWED_DIR",
             )
         return real
+
+    def _resolve_engine_fd(self, path: str, field_name: str) -> str:
+        """An engine's descriptor ``/proc/<pid>/fd/<n>``: kept as is, once its file is checked."""
+        try:
+            target = os.readlink(path)
+        except OSError as exc:
+            raise InvalidArgument(
+                f"cannot read the engine's descriptor {path} ({exc.strerror}): the engine is "
+                "gone, or storage runs as another user or in another PID namespace",
+                field=field_name,
+            ) from None
+        if not self._inside_allowed_dir(_real_target(target)):
+            raise InvalidArgument(
+                f"shared-memory descriptor {path} names {target!r}, outside {self._allowed_dir}",
+                field=field_name,
+                reason="SHM_PATH_OUTSIDE_ALLOWED_DIR",
+            )
+        return path
 
     def _inside_allowed_dir(self, real: str) -> bool:
         return real != self._allowed_dir and (
@@ -184,9 +217,18 @@ def _check_no_overlap(resolved: list[str], handles: tuple[SharedMemoryHandle, ..
             )
 
 
+def _real_target(target: str) -> str:
+    """The resolved path of a descriptor's target; a removed (or nameless) file keeps its
+    folder, which is what the allowed-directory check needs."""
+    if target.endswith(_DELETED):
+        head, tail = os.path.split(target.removesuffix(_DELETED))
+        return os.path.join(os.path.realpath(head), tail)
+    return os.path.realpath(target)
+
+
 def _fd_path(fd: int) -> str | None:
     try:
-        return os.path.realpath(os.readlink(f"/proc/self/fd/{fd}"))
+        return _real_target(os.readlink(f"/proc/self/fd/{fd}"))
     except OSError:  # no /proc (not Linux): the realpath check before open stands alone
         return None
 
