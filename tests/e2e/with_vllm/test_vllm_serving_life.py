@@ -3,6 +3,8 @@
 One ``vllm serve`` (the OpenAI server, one worker) with kvmesh's connector and
 one ``kvmesh node``:
 
+(reached over gRPC, and over the node's local lane):
+
 1. a prompt is stored and hits; the node is killed (SIGKILL, an upgrade gone
    wrong) and a new one starts on the same address. Requests never fail
    meanwhile; the connector's heartbeat registers again on its own, and a
@@ -58,6 +60,7 @@ def _start_node(port: int, tmp: Path, name: str) -> subprocess.Popen[bytes]:
         "--metrics-port", "-1", "--l1-size-bytes", "256MiB", "--l2", "none",
         "--engine-reap-seconds", str(REAP_S), "--shm-dir", str(tmp / "l1"),
         "--data-dir", str(tmp / name), "--ready-file", str(ready),
+        "--lane-socket", str(tmp / "node.lane"),
     ]  # fmt: skip
     (tmp / "l1").mkdir(exist_ok=True)
     with (tmp / f"{name}.log").open("w") as out:
@@ -149,14 +152,16 @@ def _stored_then_hit(base: str, model: str, prompt: list[int], port: int) -> dic
     return warm
 
 
+@pytest.mark.parametrize("target", ["grpc", "lane"])
 def test_a_node_restarted_under_vllm_is_found_again_and_a_killed_vllm_gives_its_memory_back(
-    tiny_model: Path, tmp_path: Path
+    tiny_model: Path, tmp_path: Path, target: str
 ) -> None:
     port = free_port()
     node = _start_node(port, tmp_path, "node-a")
     http = free_port()
     model = str(tiny_model)
-    config = transfer_config(f"127.0.0.1:{port}", {"heartbeat_s": 1.0})
+    gateway = f"127.0.0.1:{port}" if target == "grpc" else f"lane:{tmp_path / 'node.lane'}"
+    config = transfer_config(gateway, {"heartbeat_s": 1.0})
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--port", str(http), "--host", "127.0.0.1", "--enforce-eager",
@@ -193,7 +198,7 @@ def test_a_node_restarted_under_vllm_is_found_again_and_a_killed_vllm_gives_its_
         assert _cached(_complete(base, model, first)) == 0
         wait_until(lambda: list(_status(port).engine_ids), 60)
         _stored_then_hit(base, model, second, port)
-        print(f"\nnode restart to a hit again: {time.monotonic() - restarted:.1f} s")
+        print(f"\n{target}: node restart to a hit again: {time.monotonic() - restarted:.1f} s")
         text = log.read_text()
         assert "registered again with gateway" in text, text[-3000:]
 
