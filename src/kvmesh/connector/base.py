@@ -61,9 +61,11 @@ class ConnectorBase:
         return time.monotonic() < self._retry_at
 
     def _note_ok(self) -> None:
+        """A call went through: calls are made again at once (the heartbeat is the probe)."""
         if self._backoff_s:
             logger.warning("kvmesh gateway %s answers again", self.config.gateway)
         self._backoff_s = 0.0
+        self._retry_at = 0.0
 
     def _note_failure(self, what: str, exc: grpc.RpcError) -> None:
         """Log a failed call; an unreachable gateway starts (or doubles) the back-off."""

@@ -167,3 +167,18 @@ def test_a_retrieve_that_raises_is_a_load_error_for_its_blocks(kv: SharedKVCache
         assert conn.get_block_ids_with_load_errors() == set(range(32))
     finally:
         conn.shutdown()
+
+
+def test_the_heartbeat_ends_the_back_off_as_soon_as_the_gateway_answers_again() -> None:
+    """After an outage, lookups resume with the first heartbeat that gets through."""
+    gateway = FakeGateway(failing={"Lookup", "Ping"})
+    sched = _scheduler(gateway, instance_id="instance-a", heartbeat_s=0.02)
+    try:
+        assert sched.get_num_new_matched_tokens(_request(600), 0) == (0, False)
+        wait_until(lambda: sched._backoff_s >= 8, 30)  # several beats failed meanwhile
+        assert sched.gateway_down()
+        gateway.failing.clear()
+        wait_until(lambda: not sched.gateway_down(), 5)  # far sooner than the back-off
+        assert [r.engine_id for r in gateway.requests("Ping")][-1] == "instance-a"
+    finally:
+        sched.shutdown()
