@@ -27,6 +27,14 @@ from kvmesh.coordinator.client import AdminClient, DirectoryClient, MembershipCl
 from kvmesh.rpc.client import create_channel
 
 DEFAULT_COORDINATOR = "127.0.0.1:8300"
+#: What ``kvmesh status`` shows of each node's gateway, read off its /metrics.
+GATEWAY_SERIES = {
+    "kvmesh_gateway_registered_engines": "engines",
+    "kvmesh_gateway_engines_reaped_total": "engines_reaped",
+    "kvmesh_gateway_reregistrations_total": "reregistrations",
+    "kvmesh_gateway_live_owners": "live_owners",
+    "kvmesh_gateway_active_sessions": "sessions",
+}
 TIER_NAMES = {common_pb2.TIER_L1: "L1", common_pb2.TIER_L2: "L2"}
 
 
@@ -304,12 +312,39 @@ def node_links(fleet: dict[str, Any] | None, timeout: float) -> list[dict[str, A
         }
 
     async def ask_all() -> list[dict[str, Any]]:
-        nodes = (fleet or {}).get("nodes") or []
-        return list(
-            await asyncio.gather(*(ask(n["name"], n["storage"]) for n in nodes if n.get("storage")))
+        nodes = [n for n in (fleet or {}).get("nodes") or [] if n.get("storage")]
+        links = list(await asyncio.gather(*(ask(n["name"], n["storage"]) for n in nodes)))
+        gateways = await asyncio.gather(
+            *(
+                asyncio.to_thread(gateway_counters, n.get("gateway_metrics", ""), timeout)
+                for n in nodes
+            )
         )
+        for link, counters in zip(links, gateways, strict=True):
+            link["gateway"] = counters
+        return links
 
     return asyncio.run(ask_all())
+
+
+def gateway_counters(metrics: str, timeout: float) -> dict[str, int] | None:
+    """A gateway's engines, reaps, re-registrations and sessions (None: no answer)."""
+    import urllib.error
+    import urllib.request
+
+    if not metrics:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=timeout) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in GATEWAY_SERIES:
+            found[GATEWAY_SERIES[name]] = int(float(value))
+    return found
 
 
 def render_links(links: list[dict[str, Any]]) -> str:
@@ -324,9 +359,34 @@ def render_links(links: list[dict[str, Any]]) -> str:
             state = "connected"
         else:
             state = f"NOT connected ({link['unacked_batches']} event batches waiting)"
-        rows.append([link["node"], link["storage"], state, _p2p_cell(link.get("p2p"))])
+        rows.append(
+            [
+                link["node"],
+                link["storage"],
+                state,
+                _p2p_cell(link.get("p2p")),
+                _engines_cell(link.get("gateway")),
+            ]
+        )
     return table(
-        ["node", "storage", "coordinator link (as the node sees it)", "P2P in / out"], rows
+        [
+            "node",
+            "storage",
+            "coordinator link (as the node sees it)",
+            "P2P in / out",
+            "engines (reaped, re-registered) / sessions",
+        ],
+        rows,
+    )
+
+
+def _engines_cell(gateway: dict[str, int] | None) -> str:
+    """A node gateway's engines: registered (reaped, re-registered so far) / open sessions."""
+    if not gateway:
+        return "-"
+    return (
+        f"{gateway.get('engines', 0)} ({gateway.get('engines_reaped', 0)}, "
+        f"{gateway.get('reregistrations', 0)}) / {gateway.get('sessions', 0)}"
     )
 
 

@@ -79,3 +79,9 @@ def test_an_engine_on_node_1_gets_node_0s_prefix_through_p2p(fleet_without_l2: F
     table = render_links(list(links.values()))
     assert "tcp-stream" in table
     assert "P2P in / out" in table
+    # And each node's engines and sessions, from its gateway's metrics: the engines
+    # unregistered as they closed, nothing was reaped, no session stayed open.
+    assert links["node-1"]["gateway"] == {
+        "engines": 0, "engines_reaped": 0, "reregistrations": 0, "live_owners": 0, "sessions": 0,
+    }  # fmt: skip
+    assert "engines (reaped, re-registered) / sessions" in table
