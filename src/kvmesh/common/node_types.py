@@ -29,6 +29,8 @@ class PrefetchState:
     hit_chunks: int = 0
     l1_hit_chunks: int = 0
     l2_hit_chunks: int = 0
+    #: The TTL of the lease the locks became (0: not leased, or not completed).
+    lease_ttl_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -138,6 +138,7 @@ class SchedulerHooks(ConnectorBase):
                         token_ids=request.prompt_token_ids,
                         num_kv_readers=self.config.num_kv_readers,
                         wait_timeout_ms=self.config.lookup_wait_ms,
+                        engine_id=self.config.instance_id,
                     ),
                     timeout=self._timeout,
                 )

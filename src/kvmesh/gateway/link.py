@@ -11,35 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import grpc
-
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.storage.v1 import storage_pb2
+from kvmesh.common.deadlines import remaining
 from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
-from kvmesh.gateway.core.node_storage import KeyGridSpec, KeyRow, PreparedSlots, StorageRejected
+from kvmesh.gateway.core.node_storage import KeyGridSpec, KeyRow, PreparedSlots
 from kvmesh.storage.client import StorageClient
 
-# Codes with which storage refuses RetrieveChunks / CommitRetrieve before it
-# releases any lock (it validates everything first; an unknown transaction
-# releases nothing). Other failures (UNAVAILABLE, a deadline, INTERNAL from a
-# copy) may come after the release, so the gateway must not count those locks
-# as still held: a double release could take another request's lock.
-_REFUSED = frozenset(
-    {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.NOT_FOUND,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-    }
-)
 
-
-def _refused(exc: grpc.RpcError) -> BaseException:
-    """``StorageRejected`` wrapping ``exc`` when storage refused the call, else ``exc``."""
-    # Typed clients raise a grpc.RpcError with code() (gRPC's AioRpcError or kvmesh's
-    # RpcError, whichever transport carried the call): catch the base class.
-    code = getattr(exc, "code", None)
-    return StorageRejected(exc) if callable(code) and code() in _REFUSED else exc
+def _caller_deadline() -> float | None:
+    """What is left of the engine's deadline: storage's copies honour it too (a copy
+    never starts when the engine is about to give up; see kvmesh.common.deadlines)."""
+    left = remaining()
+    return None if left is None else max(left, 0.001)
 
 
 def _row(row: KeyRow) -> common_pb2.ChunkKeys:
@@ -67,6 +51,7 @@ def _state(prefetch_id: str, completed: bool, result: storage_pb2.PrefetchResult
         result.hit_chunks,
         result.l1_hit_chunks,
         result.l2_hit_chunks,
+        result.lease_ttl_ms,
     )
 
 
@@ -101,7 +86,7 @@ class GrpcNodeStorage:
         return response.existed
 
     async def lookup_and_lock(
-        self, request_id: str, grid: KeyGridSpec, readers: int, wait_ms: int
+        self, request_id: str, grid: KeyGridSpec, readers: int, wait_ms: int, owner: str
     ) -> PrefetchState:
         response = await self.client.lookup_and_lock(
             storage_pb2.LookupAndLockRequest(
@@ -110,6 +95,7 @@ class GrpcNodeStorage:
                 wait_timeout_ms=wait_ms,
                 request_id=request_id,
                 chunk_bytes=grid.chunk_bytes,
+                owner=owner,
             )
         )
         return _state(response.prefetch_id, response.completed, response.result)
@@ -120,10 +106,25 @@ class GrpcNodeStorage:
         )
         return _state(prefetch_id, response.completed, response.result)
 
-    async def release_prefetch(self, prefetch_id: str) -> None:
-        await self.client.release_prefetch(
-            storage_pb2.ReleasePrefetchRequest(prefetch_id=prefetch_id)
+    async def end_lease(self, lease_id: str) -> int:
+        response = await self.client.release_lease(
+            storage_pb2.ReleaseLeaseRequest(lease_id=lease_id, end=True)
         )
+        return response.released_locks
+
+    async def release_lease(self, lease_id: str, first_chunk: int, last_chunk: int) -> int:
+        response = await self.client.release_lease(
+            storage_pb2.ReleaseLeaseRequest(
+                lease_id=lease_id, start_chunk=first_chunk, end_chunk=last_chunk
+            )
+        )
+        return response.released_locks
+
+    async def end_owner_leases(self, owner: str) -> int:
+        response = await self.client.end_owner_leases(
+            storage_pb2.EndOwnerLeasesRequest(owner=owner)
+        )
+        return response.ended_leases
 
     async def store_chunks(
         self,
@@ -140,7 +141,8 @@ class GrpcNodeStorage:
                 block_ids=block_ids,
                 chunk_tokens=chunk_tokens,
                 producer_event_handle=producer_event,
-            )
+            ),
+            timeout=_caller_deadline(),
         )
         return [StoreOutcome(o) for o in response.outcomes]
 
@@ -151,30 +153,22 @@ class GrpcNodeStorage:
         block_ids: Sequence[int],
         chunk_tokens: int,
         skip_first_n_tokens: int,
-        release_mask: Sequence[bool],
+        lease_id: str,
         producer_event: bytes = b"",
     ) -> int:
-        try:
-            response = await self.client.retrieve_chunks(
-                storage_pb2.RetrieveChunksRequest(
-                    engine_id=engine_id,
-                    keys=_row(row),
-                    block_ids=block_ids,
-                    chunk_tokens=chunk_tokens,
-                    skip_first_n_tokens=skip_first_n_tokens,
-                    release_lookup_locks=release_mask,
-                    producer_event_handle=producer_event,
-                )
-            )
-        except grpc.RpcError as exc:
-            raise _refused(exc) from None
-        return response.retrieved_chunks
-
-    async def release_locks(self, grid: KeyGridSpec, count: int) -> int:
-        response = await self.client.release_locks(
-            storage_pb2.ReleaseLocksRequest(keys=_grid(grid), count=count)
+        response = await self.client.retrieve_chunks(
+            storage_pb2.RetrieveChunksRequest(
+                engine_id=engine_id,
+                keys=_row(row),
+                block_ids=block_ids,
+                chunk_tokens=chunk_tokens,
+                skip_first_n_tokens=skip_first_n_tokens,
+                lease_id=lease_id,
+                producer_event_handle=producer_event,
+            ),
+            timeout=_caller_deadline(),
         )
-        return response.released_keys
+        return response.retrieved_chunks
 
     async def touch(self, grid: KeyGridSpec) -> None:
         await self.client.touch_keys(storage_pb2.TouchKeysRequest(keys=_grid(grid)))
@@ -206,13 +200,8 @@ class GrpcNodeStorage:
         )
         return _prepared(response.transaction_id, response.slots)
 
-    async def commit_retrieve(self, transaction_id: str, release_mask: Sequence[bool]) -> int:
-        try:
-            response = await self.client.commit_retrieve(
-                storage_pb2.CommitRetrieveRequest(
-                    transaction_id=transaction_id, release_lookup_locks=release_mask
-                )
-            )
-        except grpc.RpcError as exc:
-            raise _refused(exc) from None
+    async def commit_retrieve(self, transaction_id: str, lease_id: str) -> int:
+        response = await self.client.commit_retrieve(
+            storage_pb2.CommitRetrieveRequest(transaction_id=transaction_id, lease_id=lease_id)
+        )
         return response.released_chunks

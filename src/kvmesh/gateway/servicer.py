@@ -54,6 +54,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             request.end_token,
             request.num_kv_readers,
             request.wait_timeout_ms,
+            request.engine_id,
         )
         return gateway_pb2.LookupResponse(
             status=wire.prefetch_status(status), requested_chunks=requested

@@ -98,6 +98,14 @@ def prefetch_status(status: PrefetchStatus) -> gateway_pb2.PrefetchStatus:
         hit_tokens=status.hit_tokens,
         l1_hit_chunks=status.l1_hit_chunks,
         l2_hit_chunks=status.l2_hit_chunks,
+        lease=gateway_pb2.Lease(
+            lease_id=status.lease_id,
+            ttl_ms=status.lease_ttl_ms,
+            start_token=0,
+            end_token=status.hit_tokens,
+        )
+        if status.lease_id
+        else None,
     )
 
 

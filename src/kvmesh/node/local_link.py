@@ -3,8 +3,7 @@
 When a node's gateway and storage run in one process, every engine request
 saves a whole gRPC round trip (serialisation, a socket, another event-loop
 turn). The semantics are exactly those of the gRPC link: the same
-StorageNode methods run, errors are the same KvmeshError types, and a
-refusal that released no lookup lock is reported as StorageRejected.
+StorageNode methods run, and errors are the same KvmeshError types.
 """
 
 from __future__ import annotations
@@ -12,20 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvmesh.api.storage.v1 import storage_pb2
-from kvmesh.common.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-)
 from kvmesh.common.keys import ObjectKey
 from kvmesh.common.node_types import PrefetchState, StoreOutcome
-from kvmesh.gateway.core.node_storage import KeyGridSpec, KeyRow, PreparedSlots, StorageRejected
+from kvmesh.gateway.core.node_storage import KeyGridSpec, KeyRow, PreparedSlots
 from kvmesh.storage.core.node import StorageNode
 from kvmesh.storage.servicer import handle_from_proto, layout_from_proto
-
-# Errors the node raises before it releases any lock (see link._REFUSED).
-_REFUSED = (InvalidArgument, FailedPrecondition, NotFound, ResourceExhausted)
 
 
 def _row_keys(row: KeyRow) -> list[ObjectKey]:
@@ -61,17 +51,23 @@ class LocalNodeStorage:
         return self.node.unregister_engine(engine_id)
 
     async def lookup_and_lock(
-        self, request_id: str, grid: KeyGridSpec, readers: int, wait_ms: int
+        self, request_id: str, grid: KeyGridSpec, readers: int, wait_ms: int, owner: str
     ) -> PrefetchState:
         return await self.node.lookup_and_lock(
-            request_id, _grid_rows(grid), readers, wait_ms, grid.chunk_bytes
+            request_id, _grid_rows(grid), readers, wait_ms, grid.chunk_bytes, owner=owner
         )
 
     async def prefetch_status(self, prefetch_id: str, wait_ms: int) -> PrefetchState:
         return await self.node.prefetch_status(prefetch_id, wait_ms)
 
-    async def release_prefetch(self, prefetch_id: str) -> None:
-        self.node.release_prefetch(prefetch_id)
+    async def end_lease(self, lease_id: str) -> int:
+        return self.node.lookups.end_lease(lease_id)[1]
+
+    async def release_lease(self, lease_id: str, first_chunk: int, last_chunk: int) -> int:
+        return self.node.lookups.leases.release(lease_id, first_chunk, last_chunk)
+
+    async def end_owner_leases(self, owner: str) -> int:
+        return self.node.lookups.end_owner(owner)
 
     async def store_chunks(
         self,
@@ -92,26 +88,18 @@ class LocalNodeStorage:
         block_ids: Sequence[int],
         chunk_tokens: int,
         skip_first_n_tokens: int,
-        release_mask: Sequence[bool],
+        lease_id: str,
         producer_event: bytes = b"",
     ) -> int:
-        try:
-            return await self.node.retrieve_chunks(
-                engine_id,
-                _row_keys(row),
-                block_ids,
-                chunk_tokens,
-                skip_first_n_tokens,
-                release_mask,
-                producer_event,
-            )
-        except _REFUSED as exc:
-            raise StorageRejected(exc) from None
-
-    async def release_locks(self, grid: KeyGridSpec, count: int) -> int:
-        keys = [k for row in _grid_rows(grid) for k in row]
-        released, _ = self.node.release_locks(keys, count)
-        return released
+        return await self.node.retrieve_chunks(
+            engine_id,
+            _row_keys(row),
+            block_ids,
+            chunk_tokens,
+            skip_first_n_tokens,
+            lease_id,
+            producer_event,
+        )
 
     async def touch(self, grid: KeyGridSpec) -> None:
         self.node.touch([k for row in _grid_rows(grid) for k in row])
@@ -130,8 +118,5 @@ class LocalNodeStorage:
         txn, slots = self.node.prepare_retrieve(_row_keys(row), chunk_bytes)
         return PreparedSlots(txn, slots)
 
-    async def commit_retrieve(self, transaction_id: str, release_mask: Sequence[bool]) -> int:
-        try:
-            return self.node.commit_retrieve(transaction_id, release_mask)
-        except _REFUSED as exc:
-            raise StorageRejected(exc) from None
+    async def commit_retrieve(self, transaction_id: str, lease_id: str) -> int:
+        return self.node.commit_retrieve(transaction_id, lease_id)

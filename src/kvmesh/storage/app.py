@@ -85,7 +85,7 @@ from kvmesh.storage.core.l1.pool import reclaim_dead_pools
 from kvmesh.storage.core.l2.base import L2Adapter
 from kvmesh.storage.core.l2.factory import build_l2_adapter
 from kvmesh.storage.core.manager import StorageManager, StorageOptions
-from kvmesh.storage.core.node import StorageNode
+from kvmesh.storage.core.node import DEFAULT_LEASE_TTL_S, StorageNode
 from kvmesh.storage.core.ports import NodeCommand
 from kvmesh.storage.core.transfer.engine import TransferEngine
 from kvmesh.storage.events.config import EmitterConfig
@@ -168,6 +168,10 @@ def _flat_stats(node: StorageNode, emitter: CacheEventEmitter | None) -> dict[st
         "l1_read_locked_objects": l1.get("read_locked_objects", 0),
         "l1_bytes_by_salt": node.manager.l1.bytes_by_salt(),
         "active_prefetches": status["active_prefetches"],
+        "lookup_leases": status["lookup_leases"],
+        "lease_locks": status["lease_locks"],
+        "leases_expired": status["lease_stats"].expired,
+        "leases_ended_by_owner": status["lease_stats"].ended_by_owner,
         "waiting_calls": status["waiting_calls"],
         "engines": len(status["engines"]),
         "l2_used_bytes": {t["name"]: t["index_bytes"] for t in status["l2"]},
@@ -206,6 +210,20 @@ _SERIES = [
         label="cache_salt",
     ),
     Series("kvmesh_storage_active_prefetches", "Prefetches in flight.", "active_prefetches"),
+    Series("kvmesh_storage_lookup_leases", "Lookup leases alive.", "lookup_leases"),
+    Series("kvmesh_storage_lease_locks", "Read locks held by lookup leases.", "lease_locks"),
+    Series(
+        "kvmesh_storage_leases_expired",
+        "Lookup leases ended by their TTL (nobody ended them).",
+        "leases_expired",
+        "counter",
+    ),
+    Series(
+        "kvmesh_storage_leases_ended_by_owner",
+        "Lookup leases ended because the gateway reaped the engine that looked up.",
+        "leases_ended_by_owner",
+        "counter",
+    ),
     Series(
         "kvmesh_storage_waiting_calls",
         "Calls waiting for a prefetch (they hold no thread).",
@@ -398,6 +416,8 @@ class StorageApp:
             self.manager,
             self.transfer,
             max_chunks_per_request=config.max_chunks_per_request,
+            # A lease must end before the L1 read locks it holds could lapse.
+            lease_ttl_s=min(DEFAULT_LEASE_TTL_S, 0.8 * config.read_ttl_seconds),
             copy_executor=self.copy_executor,
         )
         self._handler.node = self.node

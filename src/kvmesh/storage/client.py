@@ -24,6 +24,8 @@ class StorageClient(AsyncClient):
         "LookupAndLock": CallPolicy(timeout=5.0, idempotent=True),
         "GetPrefetchStatus": CallPolicy(timeout=2.0, idempotent=True),
         "ReleasePrefetch": CallPolicy(timeout=2.0, idempotent=True),
+        "ReleaseLease": CallPolicy(timeout=2.0, idempotent=True),
+        "EndOwnerLeases": CallPolicy(timeout=2.0, idempotent=True),
         "RetrieveChunks": CallPolicy(timeout=30.0, idempotent=False),
         "ReleaseLocks": CallPolicy(timeout=2.0, idempotent=False),
         "TouchKeys": CallPolicy(timeout=2.0, idempotent=True),
@@ -135,6 +137,30 @@ class StorageClient(AsyncClient):
             storage_pb2.ReleasePrefetchResponse,
             timeout,
             wait_for_ready,
+        )
+
+    async def release_lease(
+        self,
+        request: storage_pb2.ReleaseLeaseRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> storage_pb2.ReleaseLeaseResponse:
+        """``ReleaseLease``: see its comment in the .proto for semantics and errors."""
+        return await self._call(
+            "ReleaseLease", request, storage_pb2.ReleaseLeaseResponse, timeout, wait_for_ready
+        )
+
+    async def end_owner_leases(
+        self,
+        request: storage_pb2.EndOwnerLeasesRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> storage_pb2.EndOwnerLeasesResponse:
+        """``EndOwnerLeases``: see its comment in the .proto for semantics and errors."""
+        return await self._call(
+            "EndOwnerLeases", request, storage_pb2.EndOwnerLeasesResponse, timeout, wait_for_ready
         )
 
     async def retrieve_chunks(

@@ -117,6 +117,7 @@ def _status(status: PrefetchState) -> tuple[bool, storage_pb2.PrefetchResult]:
         hit_chunks=status.hit_chunks,
         l1_hit_chunks=status.l1_hit_chunks,
         l2_hit_chunks=status.l2_hit_chunks,
+        lease_ttl_ms=status.lease_ttl_ms,
     )
 
 
@@ -179,6 +180,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
             request.num_kv_readers,
             request.wait_timeout_ms,
             request.chunk_bytes,
+            owner=request.owner,
         )
         completed, result = _status(status)
         return storage_pb2.LookupAndLockResponse(
@@ -198,6 +200,33 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
         existed = self.node.release_prefetch(request.prefetch_id)
         return storage_pb2.ReleasePrefetchResponse(existed=existed)
 
+    async def ReleaseLease(
+        self, request: storage_pb2.ReleaseLeaseRequest, context: Any
+    ) -> storage_pb2.ReleaseLeaseResponse:
+        lookups = self.node.lookups
+        if request.end:
+            existed, released = lookups.end_lease(request.lease_id)
+        else:
+            if request.end_chunk < request.start_chunk:
+                raise InvalidArgument(
+                    f"end_chunk {request.end_chunk} < start_chunk {request.start_chunk}",
+                    field="end_chunk",
+                )
+            existed = request.lease_id in lookups.leases.ids()
+            released = lookups.leases.release(
+                request.lease_id, request.start_chunk, request.end_chunk
+            )
+        return storage_pb2.ReleaseLeaseResponse(existed=existed, released_locks=released)
+
+    async def EndOwnerLeases(
+        self, request: storage_pb2.EndOwnerLeasesRequest, context: Any
+    ) -> storage_pb2.EndOwnerLeasesResponse:
+        if not request.owner:
+            raise InvalidArgument("owner must not be empty", field="owner")
+        return storage_pb2.EndOwnerLeasesResponse(
+            ended_leases=self.node.lookups.end_owner(request.owner)
+        )
+
     async def RetrieveChunks(
         self, request: storage_pb2.RetrieveChunksRequest, context: Any
     ) -> storage_pb2.RetrieveChunksResponse:
@@ -207,7 +236,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
             request.block_ids,
             request.chunk_tokens,
             request.skip_first_n_tokens,
-            list(request.release_lookup_locks),
+            request.lease_id,
             request.producer_event_handle,
         )
         return storage_pb2.RetrieveChunksResponse(retrieved_chunks=retrieved)
@@ -257,6 +286,14 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
             ),
             engine_ids=data["engines"],
             active_prefetches=int(data["active_prefetches"]),
+            leases=storage_pb2.LeaseStatus(
+                active=int(data["lookup_leases"]),
+                held_locks=int(data["lease_locks"]),
+                granted=data["lease_stats"].granted,
+                ended=data["lease_stats"].ended,
+                expired=data["lease_stats"].expired,
+                ended_by_owner=data["lease_stats"].ended_by_owner,
+            ),
         )
         for tier in data["l2"]:
             response.l2.append(
@@ -394,7 +431,5 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     async def CommitRetrieve(
         self, request: storage_pb2.CommitRetrieveRequest, context: Any
     ) -> storage_pb2.CommitRetrieveResponse:
-        released = self.node.commit_retrieve(
-            request.transaction_id, list(request.release_lookup_locks)
-        )
+        released = self.node.commit_retrieve(request.transaction_id, request.lease_id)
         return storage_pb2.CommitRetrieveResponse(released_chunks=released)

@@ -312,7 +312,7 @@ class StorageNode:
                     keys=row(group),
                     block_ids=list(range(len(group) * BLOCKS_PER_CHUNK)),
                     chunk_tokens=CHUNK_TOKENS,
-                    release_lookup_locks=[True] * len(group),
+                    lease_id=lookup.prefetch_id,
                 ),
             )
             assert retrieved.retrieved_chunks == len(group)

@@ -207,6 +207,8 @@ class PeerNode:
     engine: Engine | WideEngine
     channel: grpc.Channel | None = None
     metrics_port: int = field(default=-1)
+    #: The lease of the last lookup (what the next retrieve uses).
+    lease_id: str = ""
 
     @property
     def target(self) -> str:
@@ -245,8 +247,11 @@ class PeerNode:
         return list(response.outcomes)
 
     def lookup(self, hashes: Sequence[bytes], *, salt: str = "", wait_ms: int = 20_000) -> Any:
-        """LookupAndLock (one kv rank), waiting for completion; the response."""
-        return self.storage.LookupAndLock(
+        """LookupAndLock (one kv rank), waiting for completion; the response.
+
+        Its lease is the one the next :meth:`retrieve` uses.
+        """
+        response = self.storage.LookupAndLock(
             storage_pb2.LookupAndLockRequest(
                 keys=grid(hashes, salt=salt),
                 num_kv_readers=1,
@@ -255,6 +260,8 @@ class PeerNode:
             ),
             timeout=wait_ms / 1000 + 10,
         )
+        self.lease_id = response.prefetch_id
+        return response
 
     def retrieve(self, hashes: Sequence[bytes], *, salt: str = "", base: int = 0) -> int:
         """RetrieveChunks into the engine's blocks from ``base``, releasing the lookup locks."""
@@ -264,7 +271,7 @@ class PeerNode:
                 keys=row(hashes, salt=salt),
                 block_ids=blocks_of(range(len(hashes)), base),
                 chunk_tokens=CHUNK_TOKENS,
-                release_lookup_locks=[True] * len(hashes),
+                lease_id=self.lease_id,
             ),
             timeout=30,
         )

@@ -69,7 +69,8 @@ def test_concurrent_lookups_of_one_prefix_fetch_it_once(tmp_path: Path, shm_root
         assert after.fetched_chunks - before.fetched_chunks == 5
         assert a.status().p2p.leases_granted == 1
         assert a.status().p2p.served_chunks == 5
-        for _ in replies:  # each lookup holds its own read lock on the fetched chunks
+        for reply in replies:  # each lookup's lease holds its own lock on the fetched chunks
+            b.lease_id = reply.prefetch_id
             assert b.retrieve(hashes) == 5
         wait_until(lambda: b.read_locked() == 0 and a.read_locked() == 0, timeout=10)
 

@@ -253,10 +253,10 @@ class Node:
         block_ids: Sequence[int],
         *,
         skip: int = 0,
-        release: Sequence[bool] = (),
+        lease: str = "",
         salt: str = "",
     ) -> int:
-        """RetrieveChunks; chunks copied."""
+        """RetrieveChunks (using the lookup locks of ``lease``); chunks copied."""
         response = self.call(
             "retrieve_chunks",
             storage_pb2.RetrieveChunksRequest(
@@ -265,7 +265,7 @@ class Node:
                 block_ids=list(block_ids),
                 chunk_tokens=CHUNK_TOKENS,
                 skip_first_n_tokens=skip,
-                release_lookup_locks=list(release),
+                lease_id=lease,
             ),
         )
         return int(response.retrieved_chunks)

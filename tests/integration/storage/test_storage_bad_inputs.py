@@ -151,13 +151,31 @@ def test_retrieve_with_skip_beyond_the_chunks_is_invalid(base: Baseline) -> None
     base.assert_intact()
 
 
-def test_rejected_retrieve_releases_no_lookup_lock(base: Baseline) -> None:
-    base.node.lookup(base.hashes)
-    request = retrieve_request(base, release_lookup_locks=[True, True, True])  # 3 > 2 keys
+def _end_lease(base: Baseline, lease_id: str) -> int:
+    ended = base.node.call(
+        "release_lease", storage_pb2.ReleaseLeaseRequest(lease_id=lease_id, end=True)
+    )
+    return int(ended.released_locks)
+
+
+def test_rejected_retrieve_uses_none_of_its_leases_locks(base: Baseline) -> None:
+    lease = base.node.lookup(base.hashes).prefetch_id
+    request = retrieve_request(base, skip_first_n_tokens=2 * CHUNK_TOKENS + 1, lease_id=lease)
     assert base.code("retrieve_chunks", request) == "INVALID_ARGUMENT"
-    assert base.node.read_locked_objects() == 2  # the caller still holds both
-    base.node.call("release_locks", storage_pb2.ReleaseLocksRequest(keys=grid(base.hashes)))
+    assert base.node.read_locked_objects() == 2  # the lease still holds both
+    assert _end_lease(base, lease) == 2
     base.assert_intact()
+
+
+def test_a_retrieve_naming_an_unknown_lease_copies_and_releases_nothing_else(
+    base: Baseline,
+) -> None:
+    lease = base.node.lookup(base.hashes).prefetch_id
+    request = retrieve_request(base, lease_id="prefetch-1-0ldincarnation")
+    assert base.node.call("retrieve_chunks", request).retrieved_chunks == 2
+    assert base.node.read_locked_objects() == 2  # another lease's locks are untouched
+    assert _end_lease(base, lease) == 2
+    assert base.node.read_locked_objects() == 0
 
 
 def test_store_of_more_chunks_than_the_node_allows_is_invalid(base: Baseline) -> None:
@@ -416,14 +434,14 @@ def test_commit_of_an_unknown_transaction_is_not_found(base: Baseline, method: s
     request: Any = (
         storage_pb2.CommitStoreRequest(transaction_id="store-404")
         if method == "commit_store"
-        else storage_pb2.CommitRetrieveRequest(
-            transaction_id="read-404", release_lookup_locks=[True, True]
-        )
+        else storage_pb2.CommitRetrieveRequest(transaction_id="read-404")
     )
-    base.node.lookup(base.hashes)
+    lease = base.node.lookup(base.hashes).prefetch_id
+    if method == "commit_retrieve":
+        request.lease_id = lease
     assert base.code(method, request) == "NOT_FOUND"
     assert base.node.read_locked_objects() == 2  # the unknown commit released nothing
-    base.node.call("release_locks", storage_pb2.ReleaseLocksRequest(keys=grid(base.hashes)))
+    assert _end_lease(base, lease) == 2
     base.assert_intact()
 
 

@@ -72,20 +72,20 @@ def test_engine_driven_store_then_retrieve_moves_exact_bytes(node: Node) -> None
     assert repeat.released_chunks == 0
 
 
-def test_commit_retrieve_releases_flagged_lookup_locks(node: Node, engine: Engine) -> None:
+def test_commit_retrieve_uses_up_its_leases_locks_on_the_chunks_it_read(
+    node: Node, engine: Engine
+) -> None:
     hashes = new_hashes(2)
     node.store(engine, hashes, blocks_of(range(2)))
-    node.lookup(hashes)
+    lease = node.lookup(hashes).prefetch_id
     read = node.call(
         "prepare_retrieve",
-        storage_pb2.PrepareRetrieveRequest(keys=row(hashes), chunk_bytes=CHUNK_BYTES),
+        storage_pb2.PrepareRetrieveRequest(keys=row(hashes[1:]), chunk_bytes=CHUNK_BYTES),
     )
-    assert [read_slot(s) for s in read.slots] == [engine.chunk(chunk_blocks(c)) for c in range(2)]
+    assert [read_slot(s) for s in read.slots] == [engine.chunk(chunk_blocks(1))]
     node.call(
         "commit_retrieve",
-        storage_pb2.CommitRetrieveRequest(
-            transaction_id=read.transaction_id, release_lookup_locks=[False, True]
-        ),
+        storage_pb2.CommitRetrieveRequest(transaction_id=read.transaction_id, lease_id=lease),
     )
     assert node.delete(hashes) == (1, 1)
     assert node.l1_hashes() == {hashes[0]}

@@ -139,21 +139,46 @@ def test_retrieve_skip_first_n_tokens_leaves_the_skipped_blocks_untouched(
         )
 
 
-def test_retrieve_release_mask_releases_lookup_locks(node: Node, engine: Engine) -> None:
+def test_a_retrieve_uses_up_its_leases_locks_once(node: Node, engine: Engine) -> None:
     hashes = new_hashes(2)
     node.store(engine, hashes, blocks_of(range(2)))
-    assert node.lookup(hashes).result.hit_chunks == 2
+    lookup = node.lookup(hashes)
+    assert lookup.result.hit_chunks == 2
+    assert lookup.result.lease_ttl_ms > 0
+    assert node.status().leases.active == 1
     # Locked by the lookup: a delete without force skips them.
     assert node.delete(hashes) == (0, 2)
 
-    # Release only chunk 0's lookup lock.
-    assert node.retrieve(engine, hashes, blocks_of(range(2), 40), release=[True]) == 2
-    assert node.delete(hashes) == (1, 1)
+    # Chunk 0 retrieved: its lookup lock leaves the lease and is released.
+    assert node.retrieve(engine, hashes[:1], blocks_of(range(1), 40), lease=lookup.prefetch_id) == 1
+    assert node.retrieve(engine, hashes[:1], blocks_of(range(1), 44), lease=lookup.prefetch_id) == 1
+    assert node.delete(hashes) == (1, 1)  # the second retrieve released nothing more
     assert node.l1_hashes() == {hashes[1]}
 
-    assert node.retrieve(engine, hashes[1:], blocks_of(range(1), 50), release=[True]) == 1
+    assert node.retrieve(engine, hashes[1:], blocks_of(range(1), 50), lease=lookup.prefetch_id) == 1
     assert node.delete(hashes[1:]) == (1, 0)
     assert node.l1_hashes() == set()
+    assert node.status().leases.held_locks == 0
+
+
+def test_ending_a_lease_releases_what_it_holds_and_an_old_id_is_unknown(
+    node: Node, engine: Engine
+) -> None:
+    hashes = new_hashes(3)
+    node.store(engine, hashes, blocks_of(range(3)))
+    lease = node.lookup(hashes).prefetch_id
+    freed = node.call(
+        "release_lease",
+        storage_pb2.ReleaseLeaseRequest(lease_id=lease, start_chunk=0, end_chunk=1),
+    )
+    assert (freed.existed, freed.released_locks) == (True, 1)
+    assert node.delete(hashes) == (1, 2)
+    ended = node.call("release_lease", storage_pb2.ReleaseLeaseRequest(lease_id=lease, end=True))
+    assert (ended.existed, ended.released_locks) == (True, 2)
+    again = node.call("release_lease", storage_pb2.ReleaseLeaseRequest(lease_id=lease, end=True))
+    assert (again.existed, again.released_locks) == (False, 0)
+    assert node.status().leases.active == 0
+    assert node.status().leases.held_locks == 0
 
 
 # -- L2 round trip ------------------------------------------------------------------------
@@ -181,7 +206,7 @@ def test_l2_round_trip_after_l1_is_cleared(disk_node: Node, engine: Engine) -> N
 
     target = blocks_of(range(4), base=40)
     engine.fill(target, 0.0)
-    assert node.retrieve(engine, hashes, target, release=[True] * 4) == 4
+    assert node.retrieve(engine, hashes, target, lease=response.prefetch_id) == 4
     assert engine.blocks_bytes(target) == engine.blocks_bytes(blocks_of(range(4)))
     # Loaded chunks are temporary (default prefetch policy): gone with their last reader.
     assert node.read_locked_objects() == 0

@@ -1,7 +1,9 @@
 """The gateway core's request semantics, against an in-memory NodeStorage.
 
-The fake keeps per-key read-lock counts, so every test can check that a lock
-taken by a lookup is released exactly once, whichever path releases it.
+The fake keeps per-key read-lock counts, and holds a lookup's locks in the
+real lease table (``kvmesh.storage.core.lookup_leases``), so every test can
+check that a lock taken by a lookup is released exactly once, whichever path
+releases it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from kvmesh.common.keys import ObjectKey, worker_kv_rank
 from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
 from kvmesh.gateway.core import EngineSpec, Gateway, PromptRangeSpec
 from kvmesh.gateway.core.node_storage import KeyGridSpec, KeyRow, PreparedSlots
+from kvmesh.storage.core.controllers.prefetch import PrefetchResult
+from kvmesh.storage.core.lookup_leases import LookupLeases
 
 CHUNK = 16
 BLOCK = 4
@@ -44,6 +48,14 @@ class FakeStorage:
         self.next_id = 0
         self.retrieve_masks: list[list[bool]] = []
         self.producer_events: list[bytes] = []
+        self.prepared: dict[str, list[ObjectKey]] = {}
+        self.leases = LookupLeases(self, ttl_s=1e9)  # type: ignore[arg-type]
+
+    def finish_read(self, keys: Sequence[ObjectKey], count: int) -> None:
+        """What the lease table calls (StorageManager.finish_read)."""
+        for k in keys:
+            assert self.locks[k] >= count, f"over-release on {k}"
+            self.locks[k] -= count
 
     @staticmethod
     def keys(grid: KeyGridSpec) -> list[list[ObjectKey]]:
@@ -60,7 +72,7 @@ class FakeStorage:
     async def unregister_engine(self, engine_id: str) -> bool:
         return self.engines.pop(engine_id, None) is not None
 
-    def _finish(self, grid: KeyGridSpec, readers: int) -> PrefetchState:
+    def _finish(self, grid: KeyGridSpec, readers: int, pid: str = "") -> PrefetchState:
         rows = self.keys(grid)
         hit = 0
         l2_hits = 0
@@ -77,20 +89,24 @@ class FakeStorage:
         for row in rows:
             for k in row[:hit]:
                 self.locks[k] += readers
+        locked = tuple(k for row in rows for k in row[:hit])
+        result = PrefetchResult(pid, hit, len(rows), len(grid.chunk_hashes), readers, 0, 0, locked)
+        self.leases.grant(pid, result)
         return PrefetchState("", True, hit, hit - l2_hits, l2_hits)
 
     async def lookup_and_lock(
-        self, request_id: str, grid: KeyGridSpec, readers: int, wait_ms: int
+        self, request_id: str, grid: KeyGridSpec, readers: int, wait_ms: int, owner: str = ""
     ) -> PrefetchState:
         self.next_id += 1
         pid = f"p{self.next_id}"
+        self.leases.expect(pid, owner)
         needs_l2 = any(
             k in self.l2 and k not in self.resident for row in self.keys(grid) for k in row
         )
         if needs_l2 and not self.l2_release.is_set():
             self.pending[pid] = (grid, readers)
             return PrefetchState(pid, False)
-        state = self._finish(grid, readers)
+        state = self._finish(grid, readers, pid)
         return PrefetchState(pid, True, state.hit_chunks, state.l1_hit_chunks, state.l2_hit_chunks)
 
     async def prefetch_status(self, prefetch_id: str, wait_ms: int) -> PrefetchState:
@@ -99,14 +115,26 @@ class FakeStorage:
         if not self.l2_release.is_set():
             return PrefetchState(prefetch_id, False)
         grid, readers = self.pending.pop(prefetch_id)
-        state = self._finish(grid, readers)
+        state = self._finish(grid, readers, prefetch_id)
         return PrefetchState(
             prefetch_id, True, state.hit_chunks, state.l1_hit_chunks, state.l2_hit_chunks
         )
 
-    async def release_prefetch(self, prefetch_id: str) -> None:
-        self.pending.pop(prefetch_id, None)
-        self.abandoned.add(prefetch_id)
+    async def end_lease(self, lease_id: str) -> int:
+        existed, released = self.leases.end(lease_id)
+        if not existed and self.pending.pop(lease_id, None) is not None:
+            self.leases.forget_pending(lease_id)
+            self.abandoned.add(lease_id)
+        return released
+
+    async def release_lease(self, lease_id: str, first_chunk: int, last_chunk: int) -> int:
+        return self.leases.release(lease_id, first_chunk, last_chunk)
+
+    async def end_owner_leases(self, owner: str) -> int:
+        ended, running = self.leases.end_owner(owner)
+        for lease_id in running:
+            await self.end_lease(lease_id)
+        return ended + len(running)
 
     async def store_chunks(
         self,
@@ -134,14 +162,15 @@ class FakeStorage:
         block_ids: Sequence[int],
         chunk_tokens: int,
         skip_first_n_tokens: int,
-        release_mask: Sequence[bool],
+        lease_id: str,
         producer_event: bytes = b"",
     ) -> int:
         self.producer_events.append(producer_event)
-        self.retrieve_masks.append(list(release_mask))
         keys = [
             ObjectKey(h, row.model_name, row.kv_rank, 0, row.cache_salt) for h in row.chunk_hashes
         ]
+        release_mask = self.leases.consume(lease_id, keys)
+        self.retrieve_masks.append(list(release_mask))
         got = 0
         for k in keys:
             if k not in self.resident:
@@ -152,15 +181,6 @@ class FakeStorage:
                 assert self.locks[k] > 0, f"released a lock that was not held on {k}"
                 self.locks[k] -= 1
         return got
-
-    async def release_locks(self, grid: KeyGridSpec, count: int) -> int:
-        n = 0
-        for row in self.keys(grid):
-            for k in row:
-                assert self.locks[k] >= count, f"over-release on {k}"
-                self.locks[k] -= count
-                n += 1
-        return n
 
     async def touch(self, grid: KeyGridSpec) -> None:
         for row in self.keys(grid):
@@ -178,10 +198,16 @@ class FakeStorage:
         return 1
 
     async def prepare_retrieve(self, row: KeyRow, chunk_bytes: int) -> PreparedSlots:
+        self.prepared["r1"] = [
+            ObjectKey(h, row.model_name, row.kv_rank, 0, row.cache_salt) for h in row.chunk_hashes
+        ]
         return PreparedSlots("r1", [Slot(0, "/dev/shm/x", 0, chunk_bytes)])
 
-    async def commit_retrieve(self, transaction_id: str, release_mask: Sequence[bool]) -> int:
-        return len(release_mask)
+    async def commit_retrieve(self, transaction_id: str, lease_id: str) -> int:
+        keys = self.prepared.pop(transaction_id, [])
+        mask = self.leases.consume(lease_id, keys)
+        self.finish_read([k for k, flag in zip(keys, mask, strict=True) if flag], 1)
+        return len(keys)
 
     def held(self) -> int:
         return sum(self.locks.values())

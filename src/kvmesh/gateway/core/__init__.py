@@ -9,7 +9,7 @@ the link to a storage node.
 from .engines import EngineRegistry, RegisteredEngine
 from .gateway import Gateway
 from .lookups import MAX_KV_READERS, LookupLocks
-from .node_storage import KeyGridSpec, KeyRow, NodeStorage, PreparedSlots, StorageRejected
+from .node_storage import KeyGridSpec, KeyRow, NodeStorage, PreparedSlots
 from .sessions import LookupState, Session, SessionTable
 from .transfers import Transfers
 from .types import EngineSpec, GatewayStats, PrefetchStatus, PromptRangeSpec, StoreResult
@@ -31,7 +31,6 @@ __all__ = [
     "RegisteredEngine",
     "Session",
     "SessionTable",
-    "StorageRejected",
     "StoreResult",
     "Transfers",
 ]

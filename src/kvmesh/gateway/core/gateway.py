@@ -22,10 +22,11 @@ Differences from LMCache 0.5.6, on purpose:
   expected failure is a status code, never a missing reply;
 - a chunk size that the engine's block size does not divide is rejected at
   registration, instead of silently giving 0 % hits;
-- a Lookup whose engine goes away mid-call (closed channel, passed deadline)
-  still gives back the locks storage took for it, and locks whose release
-  storage refused or never received stay counted until a retry, EndSession
-  or expiry releases them (see ``lookups``).
+- storage owns a lookup's read locks, as a lease the gateway only names:
+  each lock is released exactly once, and a Lookup whose engine goes away
+  mid-call still ends its lease (see ``lookups``);
+- an engine or engine instance silent for ``engine_reap_s`` is reaped: its
+  KV memory unmapped, its sessions and leases ended (see ``engines``).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class Gateway:
             chunk_size=chunk_size,
             max_wait_ms=max_wait_ms,
         )
+        self.engines.on_owner_gone = self.end_owner
         self.transfers = Transfers(
             storage,
             self.engines,
@@ -150,6 +152,7 @@ class Gateway:
         end_token: int,
         num_kv_readers: int,
         wait_ms: int,
+        owner: str = "",
     ) -> tuple[PrefetchStatus, int]:
         """Hash the prompt and lock its cached prefix; returns (status, requested chunks)."""
         return await self.lookups.lookup(
@@ -161,6 +164,7 @@ class Gateway:
             end_token,
             num_kv_readers,
             wait_ms,
+            owner,
         )
 
     async def query_prefetch_status(self, request_id: str) -> PrefetchStatus:
@@ -178,6 +182,10 @@ class Gateway:
     async def end_session(self, request_id: str) -> tuple[bool, int]:
         """End a request: release what it still holds, refresh LRU of its chunks."""
         return await self.lookups.end_session(request_id)
+
+    async def end_owner(self, owner: str) -> int:
+        """End the sessions and leases of an engine instance that went silent."""
+        return await self.lookups.end_owner(owner)
 
     # ---------------------------------------------------------------- transfers
 

@@ -1,18 +1,19 @@
-"""Lookups and their read locks: lock, report prefetch status, release exactly once.
+"""Lookups and their leases: lock, report prefetch status, end exactly once.
 
-Lock accounting. A lookup read-locks every key of its hit prefix
-``num_kv_readers`` times (one row per kv rank). The session records how many
-of those locks are still held per (rank, chunk); Retrieve releases one per
-retrieved chunk of its rank (:meth:`LookupLocks.take_release_mask`),
-FreeLookupLocks releases what is left in a range, and EndSession or session
-expiry release everything that remains. So a lock is released exactly once,
-and an aborted request never pins memory until the storage-side TTL (LMCache
-leaks them until then).
+A lookup read-locks every key of its hit prefix ``num_kv_readers`` times (one
+row per kv rank), and **storage owns those locks**, as a lease under the
+lookup's prefetch id (``kvmesh.storage.core.lookup_leases``): a Retrieve
+names the lease and storage takes the locks of the chunks it serves out of
+it, FreeLookupLocks releases a range, EndSession (or the session's expiry, a
+new lookup of the same request, the reaping of the engine instance that
+looked up) ends it. The gateway keeps only the lease's id: no lock counts, and
+no guess from a failed call's status code about what storage released. An
+aborted request never pins memory until a TTL (LMCache leaks them until
+then), and a lock is never released twice (LMCache's double release could
+drop another request's lock).
 
 A Lookup whose engine goes away mid-call (closed channel, passed deadline)
-still gives back the locks storage took for it, and locks whose release
-storage refused or never received stay counted until a retry, EndSession or
-expiry releases them.
+still ends the lease storage made for it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 
 import numpy as np
 
@@ -32,7 +33,7 @@ from kvmesh.common.node_types import PrefetchState
 from .engines import EngineRegistry
 from .node_storage import KeyGridSpec, NodeStorage
 from .sessions import LookupState, Session, SessionTable
-from .types import GatewayStats, PrefetchStatus, PromptRangeSpec
+from .types import GatewayStats, PrefetchStatus
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,12 @@ class LookupLocks:
         end_token: int,
         num_kv_readers: int,
         wait_ms: int,
+        owner: str = "",
     ) -> tuple[PrefetchStatus, int]:
-        """Hash the prompt and lock its cached prefix; returns (status, requested chunks)."""
+        """Hash the prompt and lock its cached prefix; returns (status, requested chunks).
+
+        ``owner`` (the engine instance) owns the lease; its reaping ends it.
+        """
         if not request_id:
             raise InvalidArgument("request_id must not be empty", field="request_id")
         validate_model_name(model_name)
@@ -94,6 +99,7 @@ class LookupLocks:
             )
         end = end_token or token_ids.size
         n_chunks = end // self.chunk_size
+        self.engines.seen_owner(owner)
         self.counters.lookups += 1
         self.counters.lookup_requested_tokens += n_chunks * self.chunk_size
         session = self.sessions.open(request_id)
@@ -106,23 +112,29 @@ class LookupLocks:
             if n_chunks == 0 or not self.engines.serves(model_name, world_size):
                 if n_chunks:
                     self.counters.lookups_without_engine += 1
-                lookup = LookupState(model_name, world_size, cache_salt, readers, n_chunks, [], "")
+                lookup = LookupState(
+                    model_name, world_size, cache_salt, readers, n_chunks, [], "", owner
+                )
                 self._complete(lookup, PrefetchState("", True))
                 session.lookup = lookup
                 return self._status(lookup), n_chunks
             ranks = [worker_kv_rank(world_size, r) for r in range(world_size)]
             chunk_bytes = self.engines.chunk_bytes_for(model_name, world_size)
             grid = KeyGridSpec(model_name, cache_salt, ranks, hashes, chunk_bytes)
-            lookup = LookupState(model_name, world_size, cache_salt, readers, n_chunks, hashes, "")
+            lookup = LookupState(
+                model_name, world_size, cache_salt, readers, n_chunks, hashes, "", owner
+            )
             if self.storage.cancel_safe:
-                state = await self.storage.lookup_and_lock(request_id, grid, readers, wait_ms)
+                state = await self.storage.lookup_and_lock(
+                    request_id, grid, readers, wait_ms, owner
+                )
                 return self._adopt(session, lookup, state), n_chunks
             call = asyncio.ensure_future(
-                self.storage.lookup_and_lock(request_id, grid, readers, wait_ms)
+                self.storage.lookup_and_lock(request_id, grid, readers, wait_ms, owner)
             )
             try:
                 # Shielded: if the engine goes away mid-call (channel closed, deadline
-                # passed), storage still answers and the locks it took are given back.
+                # passed), storage still answers, and the lease it made is ended.
                 state = await asyncio.shield(call)
             except asyncio.CancelledError:
                 self._background(self._release_abandoned(lookup, call))
@@ -151,7 +163,7 @@ class LookupLocks:
         lookup.hit_chunks = min(state.hit_chunks, lookup.requested_chunks)
         lookup.l1_hit_chunks = state.l1_hit_chunks
         lookup.l2_hit_chunks = state.l2_hit_chunks
-        lookup.remaining = [[lookup.readers] * lookup.hit_chunks for _ in range(lookup.world_size)]
+        lookup.lease_ttl_ms = state.lease_ttl_ms
         if not counted:
             return
         self.counters.lookup_hit_tokens += lookup.hit_chunks * self.chunk_size
@@ -167,6 +179,8 @@ class LookupLocks:
             lookup.hit_chunks * self.chunk_size,
             lookup.l1_hit_chunks,
             lookup.l2_hit_chunks,
+            lookup.lease_id,
+            lookup.lease_ttl_ms,
         )
 
     # -------------------------------------------------------- callers gone away
@@ -179,25 +193,22 @@ class LookupLocks:
     async def _release_abandoned(
         self, lookup: LookupState, call: asyncio.Future[PrefetchState]
     ) -> None:
-        """Give back what a lookup locked after its caller went away (no session knows it)."""
+        """End the lease of a lookup whose caller went away (no session knows it)."""
         try:
             state = await call
         except Exception:  # storage failed the lookup, so it locked nothing
             return
-        lookup.prefetch_id = state.prefetch_id
-        if state.completed:
-            self._complete(lookup, state, counted=False)
         try:
-            await self._release_lookup(lookup)
-        except Exception:
-            logger.exception("releasing the locks of an abandoned lookup failed")
+            await self.storage.end_lease(state.prefetch_id)
+        except Exception:  # its TTL ends it
+            logger.exception("ending the lease of an abandoned lookup failed")
 
     def _late_status(self, lookup: LookupState, call: asyncio.Future[PrefetchState]) -> None:
         """Record a prefetch status that arrived after its caller went away.
 
-        Storage delivers a completed result once; recording it keeps the locks
-        counted so EndSession or expiry releases them. A lookup released in the
-        meantime is marked completed already and ignores it.
+        Storage delivers a completed result once; recording it lets later
+        retrieves use the lease (EndSession ends it either way). A lookup
+        ended in the meantime ignores it.
         """
         if call.cancelled() or call.exception() is not None:
             return
@@ -262,52 +273,13 @@ class LookupLocks:
     # ------------------------------------------------------------------ release
 
     async def _release_lookup(self, lookup: LookupState) -> int:
-        """Release every lock a lookup still holds (or abandon its prefetch)."""
-        if not lookup.completed:
-            await self.storage.release_prefetch(lookup.prefetch_id)
-            lookup.completed = True
-            lookup.hit_chunks = 0
+        """End the lookup's lease (or abandon its running prefetch); locks released."""
+        if lookup.ended:
             return 0
-        return await self._release_remaining(lookup, 0, lookup.hit_chunks)
-
-    async def _release_remaining(self, lookup: LookupState, first: int, last: int) -> int:
-        """Release the locks still held on chunks [first, last) of every rank.
-
-        Callers hold the session lock. A cell is zeroed only after storage took
-        its release, so when storage is unreachable the locks stay counted and
-        a retried EndSession (or the session's expiry) releases them later.
-        """
-        ranks = lookup.kv_ranks()
-        released = 0
-        # Group rows by identical remaining counts so one RPC covers many keys.
-        batches: dict[tuple[int, int, int], list[int]] = {}
-        for r in range(len(ranks)):
-            row = lookup.remaining[r] if r < len(lookup.remaining) else []
-            stop = min(last, len(row))
-            c = first
-            while c < stop:
-                count = row[c]
-                if count <= 0:
-                    c += 1
-                    continue
-                end = c + 1
-                while end < stop and row[end] == count:
-                    end += 1
-                batches.setdefault((count, c, end), []).append(r)
-                c = end
-        for (count, lo, hi), rows in batches.items():
-            grid = KeyGridSpec(
-                lookup.model_name,
-                lookup.cache_salt,
-                [ranks[r] for r in rows],
-                lookup.chunk_hashes[lo:hi],
-            )
-            await self.storage.release_locks(grid, count)
-            for r in rows:
-                lookup.remaining[r][lo:hi] = [0] * (hi - lo)
-            batch = count * len(rows) * (hi - lo)
-            released += batch
-            self.counters.locks_released += batch
+        released = await self.storage.end_lease(lookup.prefetch_id) if lookup.prefetch_id else 0
+        lookup.ended = True
+        lookup.completed = True
+        self.counters.locks_released += released
         return released
 
     async def free_lookup_locks(self, request_id: str, start_token: int, end_token: int) -> int:
@@ -319,79 +291,22 @@ class LookupLocks:
                 raise NotFound(f"request {request_id!r} has no lookup", reason="NO_LOOKUP")
             first, last = self.sessions.chunk_range(start_token, end_token, session.tokens.size)
             status = await self._poll(session, 0)
-            if not status.completed or first >= last:
+            lease_id = session.lookup.lease_id
+            if not status.completed or first >= last or not lease_id:
                 return 0
-            return await self._release_remaining(session.lookup, first, last)
-
-    def take_release_mask(
-        self,
-        session: Session,
-        worker_id: int,
-        first: int,
-        last: int,
-        rng: PromptRangeSpec | None = None,
-    ) -> list[bool]:
-        """Which chunks of [first, last) hold a lookup lock of this worker (and consume it).
-
-        With ``rng``, only a lookup of the same model, world size and salt
-        counts; without, the session's lookup as it is. Callers hold the
-        session lock, and hand the mask to storage, which releases the flagged
-        locks with the transfer.
-        """
-        lookup = session.lookup
-        mask = [False] * (last - first)
-        if (
-            lookup is None
-            or not lookup.completed
-            or (
-                rng is not None
-                and not lookup.matches(rng.model_name, rng.world_size, rng.cache_salt)
-            )
-            or worker_id >= len(lookup.remaining)
-        ):
-            return mask
-        row = lookup.remaining[worker_id]
-        for c in range(first, min(last, lookup.hit_chunks)):
-            if row[c] > 0:
-                row[c] -= 1
-                mask[c - first] = True
-        return mask
-
-    async def restore_mask(
-        self,
-        session: Session,
-        lookup: LookupState | None,
-        worker_id: int,
-        first: int,
-        mask: Sequence[bool],
-    ) -> None:
-        """Count lookup locks consumed by a refused transfer as held again.
-
-        Storage refused the call before releasing them; without this they
-        would be released by no one until storage's read TTL. If the lookup
-        has been replaced or ended since, nobody counts them any more, so they
-        are released here.
-        """
-        if lookup is None or not any(mask):
-            return
-        async with session.lock:
-            current = session.lookup is lookup and self.sessions.is_current(session)
-            if current and worker_id < len(lookup.remaining):
-                row = lookup.remaining[worker_id]
-                for i, flag in enumerate(mask):
-                    if flag:
-                        row[first + i] += 1
-                return
-        hashes = [h for h, flag in zip(lookup.chunk_hashes[first:], mask, strict=False) if flag]
-        grid = KeyGridSpec(
-            lookup.model_name,
-            lookup.cache_salt,
-            [worker_kv_rank(lookup.world_size, worker_id)],
-            hashes,
-        )
-        await self.storage.release_locks(grid, 1)
+            released = await self.storage.release_lease(lease_id, first, last)
+            self.counters.locks_released += released
+            return released
 
     # ------------------------------------------------------------- session ends
+
+    async def end_owner(self, owner: str) -> int:
+        """End the sessions and leases of a gone engine instance; leases ended in storage."""
+        for session in self.sessions.owned_by(owner):
+            self.sessions.pop(session.request_id)
+            async with session.lock:
+                session.lookup = None  # storage ends its lease below, with the rest
+        return await self.storage.end_owner_leases(owner)
 
     async def end_session(self, request_id: str) -> tuple[bool, int]:
         """End a request: release what it still holds, refresh LRU of its chunks."""

@@ -15,20 +15,6 @@ from typing import Protocol
 from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
 
 
-class StorageRejected(Exception):
-    """Storage refused a request before it changed anything; ``error`` is its answer.
-
-    A :class:`NodeStorage` raises it from the calls that also release lookup
-    locks (``retrieve_chunks``, ``commit_retrieve``) when the refusal means
-    those locks were *not* released, so the core can keep counting them as
-    held. The core re-raises ``error`` so the engine sees storage's status.
-    """
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 @dataclass(frozen=True, slots=True)
 class PreparedSlots:
     """Result of a prepare-store or prepare-retrieve on storage."""
@@ -84,17 +70,29 @@ class NodeStorage(Protocol):
         ...
 
     async def lookup_and_lock(
-        self, request_id: str, grid: KeyGridSpec, readers: int, wait_ms: int
+        self, request_id: str, grid: KeyGridSpec, readers: int, wait_ms: int, owner: str
     ) -> PrefetchState:
-        """Read-lock the cached prefix of the grid (loading L2 hits into L1)."""
+        """Read-lock the cached prefix of the grid (loading L2 hits into L1).
+
+        The prefetch id is the id of the lease storage holds the locks under,
+        owned by ``owner`` (the engine instance; "" = none).
+        """
         ...
 
     async def prefetch_status(self, prefetch_id: str, wait_ms: int) -> PrefetchState:
         """Status of a running prefetch (completed results are delivered once)."""
         ...
 
-    async def release_prefetch(self, prefetch_id: str) -> None:
-        """Abandon a running prefetch (its locks are released when it finishes)."""
+    async def end_lease(self, lease_id: str) -> int:
+        """End a lookup's lease (or abandon its running prefetch); locks released."""
+        ...
+
+    async def release_lease(self, lease_id: str, first_chunk: int, last_chunk: int) -> int:
+        """Release the lease's locks on chunks [first, last) of its prefix; how many."""
+        ...
+
+    async def end_owner_leases(self, owner: str) -> int:
+        """End every lease of ``owner`` (a reaped engine instance); how many."""
         ...
 
     async def store_chunks(
@@ -115,18 +113,14 @@ class NodeStorage(Protocol):
         block_ids: Sequence[int],
         chunk_tokens: int,
         skip_first_n_tokens: int,
-        release_mask: Sequence[bool],
+        lease_id: str,
         producer_event: bytes = b"",
     ) -> int:
         """Copy the cached prefix of the row into the engine's blocks; chunks copied.
 
-        Releases one lookup lock per chunk flagged in ``release_mask``, also when
-        the copy fails, unless it raises :class:`StorageRejected`.
+        Storage uses (and releases, exactly once) the lookup locks ``lease_id``
+        holds on these chunks, whatever the copy's outcome.
         """
-        ...
-
-    async def release_locks(self, grid: KeyGridSpec, count: int) -> int:
-        """Release ``count`` read locks on every key of the grid; keys released."""
         ...
 
     async def touch(self, grid: KeyGridSpec) -> None:
@@ -149,9 +143,7 @@ class NodeStorage(Protocol):
         """Slots of the row's resident prefix, read-locked until committed."""
         ...
 
-    async def commit_retrieve(self, transaction_id: str, release_mask: Sequence[bool]) -> int:
-        """Release a prepared retrieve's locks (and flagged lookup locks).
-
-        Raises :class:`StorageRejected` when nothing was released.
-        """
+    async def commit_retrieve(self, transaction_id: str, lease_id: str) -> int:
+        """Release a prepared retrieve's locks, and the lookup locks ``lease_id`` holds
+        on its chunks."""
         ...

@@ -22,7 +22,11 @@ from kvmesh.common.keys import worker_kv_rank
 
 @dataclass(slots=True)
 class LookupState:
-    """A request's lookup: what it asked for, and the read locks it still holds."""
+    """A request's lookup: what it asked for, and the id of the lease storage holds.
+
+    The read locks themselves are storage's alone (its lookup lease, under
+    ``prefetch_id``): the gateway counts none of them.
+    """
 
     model_name: str
     world_size: int
@@ -31,12 +35,19 @@ class LookupState:
     requested_chunks: int
     chunk_hashes: list[bytes]
     prefetch_id: str
+    owner: str = ""
     completed: bool = False
     hit_chunks: int = 0
     l1_hit_chunks: int = 0
     l2_hit_chunks: int = 0
-    # remaining[rank][chunk]: lookup read locks still held (set when completed).
-    remaining: list[list[int]] = field(default_factory=list)
+    lease_ttl_ms: int = 0
+    #: The lease was ended (EndSession, a new lookup, expiry): nothing to use any more.
+    ended: bool = False
+
+    @property
+    def lease_id(self) -> str:
+        """The storage lease holding this lookup's locks ("" when there is none)."""
+        return self.prefetch_id if self.completed and self.hit_chunks and not self.ended else ""
 
     def kv_ranks(self) -> list[int]:
         return [worker_kv_rank(self.world_size, r) for r in range(self.world_size)]
@@ -125,6 +136,12 @@ class SessionTable:
     def keep(self, session: Session) -> None:
         """Put back a removed session whose release failed, unless the request came back."""
         self._sessions.setdefault(session.request_id, session)
+
+    def owned_by(self, owner: str) -> list[Session]:
+        """Sessions whose lookup was made by ``owner``."""
+        if not owner:
+            return []
+        return [s for s in self._sessions.values() if s.lookup and s.lookup.owner == owner]
 
     def idle(self, now: float) -> list[Session]:
         """Sessions idle for longer than the TTL at ``now``."""

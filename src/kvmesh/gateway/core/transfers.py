@@ -4,9 +4,9 @@ LMCache-driven: storage copies between the engine's mapped blocks and L1
 (``store``, ``retrieve``). Engine-driven: storage hands out L1 slots, the
 engine copies, and a commit publishes the stored chunks or releases the read
 locks (``prepare_store``/``commit_store``, ``prepare_retrieve``/
-``commit_retrieve``). A retrieve of either kind uses up the lookup locks of
-its chunks (see ``lookups``); when storage refuses it before releasing
-anything, they are counted as held again.
+``commit_retrieve``). A retrieve of either kind names its lookup's lease, and
+storage uses up (and releases, exactly once) the locks it holds on the
+retrieved chunks (see ``lookups``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from kvmesh.common.node_types import StoreOutcome
 
 from .engines import EngineRegistry, RegisteredEngine
 from .lookups import LookupLocks
-from .node_storage import KeyRow, NodeStorage, PreparedSlots, StorageRejected
-from .sessions import LookupState, Session, SessionTable
+from .node_storage import KeyRow, NodeStorage, PreparedSlots
+from .sessions import Session, SessionTable
 from .types import GatewayStats, PromptRangeSpec, StoreResult
 
 # Committed engine-driven store transactions remembered, so a retried commit is harmless.
@@ -78,6 +78,16 @@ class Transfers:
         )
         return row, first, last
 
+    @staticmethod
+    def _lease_of(session: Session, rng: PromptRangeSpec | None = None) -> str:
+        """The lease of the session's lookup, if it is for the same model, world and salt."""
+        lookup = session.lookup
+        if lookup is None:
+            return ""
+        if rng is not None and not lookup.matches(rng.model_name, rng.world_size, rng.cache_salt):
+            return ""
+        return lookup.lease_id
+
     def _check_block_ids(
         self, engine: RegisteredEngine, block_ids: Sequence[int], n_chunks: int
     ) -> None:
@@ -127,7 +137,6 @@ class Transfers:
         """Copy the range's cached prefix into the engine's blocks; chunks retrieved."""
         engine = self.engines.get(engine_id, engine_driven=False)
         session = self._session(rng)
-        worker = engine.spec.worker_id
         async with session.lock:
             row, first, last = self._row(engine, rng, session)
             if skip_first_n_tokens > rng.end_token - rng.start_token:
@@ -135,24 +144,14 @@ class Transfers:
                     "skip_first_n_tokens is beyond the range", field="skip_first_n_tokens"
                 )
             self._check_block_ids(engine, block_ids, last - first)
-            lookup = session.lookup
-            mask = self.lookups.take_release_mask(session, worker, first, last, rng)
+            lease_id = self._lease_of(session, rng)
         self.counters.retrieves += 1
         if last == first:
             return 0
-        try:
-            got = await self.storage.retrieve_chunks(
-                engine_id,
-                row,
-                block_ids,
-                self.chunk_size,
-                skip_first_n_tokens,
-                mask,
-                producer_event,
-            )
-        except StorageRejected as rejected:
-            await self.lookups.restore_mask(session, lookup, worker, first, mask)
-            raise rejected.error from None
+        got = await self.storage.retrieve_chunks(
+            engine_id, row, block_ids, self.chunk_size, skip_first_n_tokens, lease_id,
+            producer_event,
+        )  # fmt: skip
         self.counters.retrieved_chunks += got
         self.counters.retrieve_missed_chunks += (last - first) - got
         return got
@@ -204,23 +203,13 @@ class Transfers:
     async def commit_retrieve(self, engine_id: str, transaction_id: str) -> int:
         """Release a prepared retrieve's locks and the lookup locks it used."""
         self.engines.get(engine_id, engine_driven=True)
-        mask: list[bool] = []
         request_id = self._txn_sessions.pop(transaction_id, None)
         session = self.sessions.get(request_id) if request_id else None
-        lookup: LookupState | None = None
-        worker = first = 0
+        lease_id = ""
         if session is not None:
             async with session.lock:
-                info = session.retrieves.pop(transaction_id, None)
-                if info is not None and session.lookup is not None:
-                    worker, first, last = info
-                    lookup = session.lookup
-                    mask = self.lookups.take_release_mask(session, worker, first, last)
-        try:
-            released = await self.storage.commit_retrieve(transaction_id, mask)
-        except StorageRejected as rejected:
-            if session is not None:
-                await self.lookups.restore_mask(session, lookup, worker, first, mask)
-            raise rejected.error from None
+                if session.retrieves.pop(transaction_id, None) is not None:
+                    lease_id = self._lease_of(session)
+        released = await self.storage.commit_retrieve(transaction_id, lease_id)
         self.counters.retrieved_chunks += released
         return released

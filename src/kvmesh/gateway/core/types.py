@@ -40,6 +40,9 @@ class PrefetchStatus:
     hit_tokens: int = 0
     l1_hit_chunks: int = 0
     l2_hit_chunks: int = 0
+    #: The storage lease holding the hit's read locks ("" when none), and its TTL.
+    lease_id: str = ""
+    lease_ttl_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,7 @@ from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
 from kvmesh.storage.core.copies import ChunkCopier
 from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.manager import L1_BACKEND, StorageManager
-from kvmesh.storage.core.prefetch_ids import PrefetchIds
+from kvmesh.storage.core.node_lookups import MAX_CHUNK_BYTES, NodeLookups
 from kvmesh.storage.core.transactions import EngineTransactions
 from kvmesh.storage.core.transfer.engine import KVHandle, TransferEngine, load_copy_half
 from kvmesh.storage.core.transfer.layout import KVLayout, chunk_nbytes
@@ -50,7 +50,9 @@ from kvmesh.storage.core.transfer.layout import KVLayout, chunk_nbytes
 logger = logging.getLogger(__name__)
 
 MAX_DELETE_KEYS = 10_000
-MAX_CHUNK_BYTES = 1 << 31
+#: A lookup's lease ends after this much idleness: below the L1 read-lock TTL's
+#: default (300 s), so a lease always ends before its locks could lapse.
+DEFAULT_LEASE_TTL_S = 240.0
 
 
 class StorageNode:
@@ -62,6 +64,7 @@ class StorageNode:
         transfer: TransferEngine,
         *,
         max_chunks_per_request: int = 4096,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
         copy_executor: Executor | None = None,
     ) -> None:
@@ -70,7 +73,10 @@ class StorageNode:
         self.transfer = transfer
         self.max_chunks = max_chunks_per_request
         self._ids = itertools.count(1)
-        self._prefetches = PrefetchIds(manager, new_id=self._new_id)
+        self.lookups = NodeLookups(
+            manager, new_id=self._new_id, max_chunks=max_chunks_per_request,
+            lease_ttl_s=lease_ttl_s,
+        )  # fmt: skip
         self._txns = EngineTransactions(manager, clock=clock, new_id=self._new_id)
         self._copier = ChunkCopier(manager, transfer, copy_executor)
         self._copies_loaded = False
@@ -78,7 +84,7 @@ class StorageNode:
     @property
     def waiting(self) -> int:
         """Prefetch waits parked right now."""
-        return self._prefetches.waiting
+        return self.lookups.prefetches.waiting
 
     # ----------------------------------------------------------------- engines
 
@@ -198,44 +204,22 @@ class StorageNode:
         chunk_bytes: int = 0,
         *,
         allow_peers: bool = True,
+        owner: str = "",
+        leased: bool = True,
     ) -> PrefetchState:
-        """Lock the prefix present in every row (loading L2 hits); maybe wait for it.
-
-        ``chunk_bytes`` (0 = unknown) sizes L2 objects this node has not indexed
-        (written by another node of a shared pool since this one started).
-        ``allow_peers`` False keeps the lookup on this node (a peer's request).
-        """
-        if not rows:
-            raise InvalidArgument("the key grid has no kv_ranks", field="keys.kv_ranks")
-        width = len(rows[0])
-        if width * len(rows) > self.max_chunks * 8:
-            raise InvalidArgument("the key grid is too large", field="keys")
-        for r, row in enumerate(rows):
-            self._check_keys(row, field=f"keys.rows[{r}]")
-        if readers > 128:
-            raise InvalidArgument("num_kv_readers must be <= 128", field="num_kv_readers")
-        if chunk_bytes > MAX_CHUNK_BYTES:
-            raise InvalidArgument("chunk_bytes is too large", field="chunk_bytes")
-        row_nbytes = [chunk_bytes] * len(rows) if chunk_bytes else None
-        handle = self.manager.submit_prefetch(
-            request_id, rows, max(readers, 1), row_nbytes=row_nbytes, allow_peers=allow_peers
-        )
-        prefetch_id = self._prefetches.add(handle)
-        try:
-            return await self.prefetch_status(prefetch_id, wait_ms)
-        except asyncio.CancelledError:
-            # The caller went away while waiting and never learned the prefetch id, so
-            # nobody else could release its locks before the read TTL: give them back.
-            self.release_prefetch(prefetch_id)
-            raise
+        """Lock the prefix present in every row; see :class:`NodeLookups`."""
+        return await self.lookups.lookup_and_lock(
+            request_id, rows, readers, wait_ms, chunk_bytes,
+            allow_peers=allow_peers, owner=owner, leased=leased,
+        )  # fmt: skip
 
     async def prefetch_status(self, prefetch_id: str, wait_ms: int) -> PrefetchState:
         """Status of a prefetch; a completed result is delivered once, then forgotten."""
-        return await self._prefetches.status(prefetch_id, wait_ms)
+        return await self.lookups.prefetch_status(prefetch_id, wait_ms)
 
     def release_prefetch(self, prefetch_id: str) -> bool:
         """Abandon a prefetch: its locks are released as soon as it finishes (now if it has)."""
-        return self._prefetches.release(prefetch_id)
+        return self.lookups.release_prefetch(prefetch_id)
 
     # -------------------------------------------------------------- retrieves
 
@@ -246,22 +230,23 @@ class StorageNode:
         block_ids: Sequence[int],
         chunk_tokens: int,
         skip_first_n_tokens: int,
-        release_mask: Sequence[bool],
+        lease_id: str = "",
         producer_event: bytes = b"",
     ) -> int:
-        """Scatter the resident prefix of ``keys`` into the engine; chunks copied."""
+        """Scatter the resident prefix of ``keys`` into the engine; chunks copied.
+
+        The lookup locks ``lease_id`` holds on ``keys`` leave the lease now and are
+        released when the copy ends, whatever its outcome (exactly once).
+        """
         layout = self._layout(engine_id)
         self._check_keys(keys)
-        if len(release_mask) > len(keys):
-            raise InvalidArgument(
-                "release_lookup_locks has more entries than keys", field="release_lookup_locks"
-            )
         if skip_first_n_tokens > len(keys) * chunk_tokens:
             raise InvalidArgument(
                 "skip_first_n_tokens is beyond the chunks", field="skip_first_n_tokens"
             )
         blocks = self._chunk_blocks(layout, len(keys), block_ids, chunk_tokens)
         nbytes = chunk_nbytes(layout, chunk_tokens)
+        release_mask = self.lookups.leases.consume(lease_id, keys)
         return await self._copier.retrieve(
             engine_id,
             keys,
@@ -363,9 +348,12 @@ class StorageNode:
         self._check_chunk_bytes(chunk_bytes)
         return self._txns.prepare_retrieve(keys, chunk_bytes)
 
-    def commit_retrieve(self, transaction_id: str, release_mask: Sequence[bool]) -> int:
-        """Release a prepared retrieve's locks and the flagged lookup locks."""
-        return self._txns.commit_retrieve(transaction_id, release_mask)
+    def commit_retrieve(self, transaction_id: str, lease_id: str = "") -> int:
+        """Release a prepared retrieve's locks, and the lookup locks ``lease_id`` holds on them."""
+        keys = self._txns.retrieve_keys(transaction_id)
+        return self._txns.commit_retrieve(
+            transaction_id, self.lookups.leases.consume(lease_id, keys)
+        )
 
     def expire_transactions(self) -> int:
         """Forget engine-driven transactions older than their lock TTL (engine gone).
@@ -376,7 +364,7 @@ class StorageNode:
         are forgotten too. Returns how many transactions expired.
         """
         expired = self._txns.expire()
-        self._prefetches.forget_expired()
+        self.lookups.expire()
         return expired
 
     # -------------------------------------------------------------- commands
@@ -487,7 +475,10 @@ class StorageNode:
     def status(self) -> dict[str, Any]:
         """The manager's status plus node-level counters."""
         data = self.manager.status()
-        data["active_prefetches"] = len(self._prefetches)
+        data["active_prefetches"] = len(self.lookups.prefetches)
+        data["lookup_leases"] = len(self.lookups.leases)
+        data["lease_locks"] = self.lookups.leases.held_locks
+        data["lease_stats"] = self.lookups.leases.stats
         data["open_transactions"] = len(self._txns)
         data["waiting_calls"] = self.waiting
         data["engines"] = self.transfer.instance_ids()

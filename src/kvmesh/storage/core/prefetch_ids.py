@@ -42,9 +42,17 @@ class PrefetchIds:
     ``new_id(prefix)`` names a prefetch (unique on the node).
     """
 
-    def __init__(self, manager: StorageManager, *, new_id: Callable[[str], str]) -> None:
+    def __init__(
+        self,
+        manager: StorageManager,
+        *,
+        new_id: Callable[[str], str],
+        on_complete: Callable[[str, PrefetchResult], None] | None = None,
+    ) -> None:
+        """``on_complete(id, result)`` runs (on the loop) as a result is delivered."""
         self.manager = manager
         self._new_id = new_id
+        self._on_complete = on_complete
         self._prefetches: dict[str, _Prefetch] = {}
         self._lock = threading.Lock()
         self.waiting = 0  # prefetch waits parked right now (loop thread only)
@@ -77,7 +85,9 @@ class PrefetchIds:
         if result is None:
             return PrefetchState(prefetch_id, False)
         with self._lock:
-            self._prefetches.pop(prefetch_id, None)
+            delivered = self._prefetches.pop(prefetch_id, None) is not None
+        if delivered and self._on_complete is not None:
+            self._on_complete(prefetch_id, result)
         return _finished(prefetch_id, result)
 
     async def _wait_done(self, entry: _Prefetch, timeout: float) -> None:
@@ -118,7 +128,7 @@ class PrefetchIds:
         if result is not None:
             self.manager.finish_read(result.locked_keys, result.num_kv_readers)
 
-    def forget_expired(self) -> None:
+    def forget_expired(self) -> list[str]:
         """Forget prefetch ids whose result expired unqueried (the controller freed its locks)."""
         self.manager.prefetch.sweep()
         with self._lock:
@@ -129,6 +139,7 @@ class PrefetchIds:
                 for pid in gone:
                     self._prefetches.pop(pid, None)
             logger.info("forgot %d prefetches whose results expired unqueried", len(gone))
+        return gone
 
 
 def _finished(prefetch_id: str, result: PrefetchResult) -> PrefetchState:

@@ -141,6 +141,12 @@ class EngineTransactions:
             self._txn_deadlines[txn] = self._clock() + self.manager.l1.read_ttl_s
         return txn, slots
 
+    def retrieve_keys(self, transaction_id: str) -> list[ObjectKey]:
+        """The keys a prepared retrieve asked for ([] when it is unknown or committed)."""
+        with self._lock:
+            txn = self._read_txns.get(transaction_id)
+        return list(txn.keys) if txn is not None else []
+
     def commit_retrieve(self, transaction_id: str, release_mask: Sequence[bool]) -> int:
         """Release a prepared retrieve's locks and the flagged lookup locks."""
         with self._lock:

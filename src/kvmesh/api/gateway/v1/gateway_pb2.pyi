@@ -200,6 +200,7 @@ class PrefetchStatus(_message.Message):
     HIT_TOKENS_FIELD_NUMBER: _builtins.int
     L1_HIT_CHUNKS_FIELD_NUMBER: _builtins.int
     L2_HIT_CHUNKS_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     completed: _builtins.bool
     """False while L2 loads are still running."""
     hit_chunks: _builtins.int
@@ -209,6 +210,10 @@ class PrefetchStatus(_message.Message):
     l1_hit_chunks: _builtins.int
     """Of those, chunks found in L1 / loaded from L2."""
     l2_hit_chunks: _builtins.int
+    @_builtins.property
+    def lease(self) -> Global___Lease:
+        """Set when completed with a hit: the storage lease that holds the read locks."""
+
     def __init__(
         self,
         *,
@@ -217,14 +222,49 @@ class PrefetchStatus(_message.Message):
         hit_tokens: _builtins.int = ...,
         l1_hit_chunks: _builtins.int = ...,
         l2_hit_chunks: _builtins.int = ...,
+        lease: Global___Lease | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed", b"completed", "hit_chunks", b"hit_chunks", "hit_tokens", b"hit_tokens", "l1_hit_chunks", b"l1_hit_chunks", "l2_hit_chunks", b"l2_hit_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed", b"completed", "hit_chunks", b"hit_chunks", "hit_tokens", b"hit_tokens", "l1_hit_chunks", b"l1_hit_chunks", "l2_hit_chunks", b"l2_hit_chunks", "lease", b"lease"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrefetchStatus: _TypeAlias = PrefetchStatus  # noqa: Y015
+
+@_typing.final
+class Lease(_message.Message):
+    """The read locks of a lookup, held by storage until a retrieve consumes them,
+    FreeLookupLocks or EndSession releases them, the TTL passes (each use
+    refreshes it), or the engine instance that looked up is reaped.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    TTL_MS_FIELD_NUMBER: _builtins.int
+    START_TOKEN_FIELD_NUMBER: _builtins.int
+    END_TOKEN_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.str
+    ttl_ms: _builtins.int
+    start_token: _builtins.int
+    """The locked prefix: tokens [start_token, end_token)."""
+    end_token: _builtins.int
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.str = ...,
+        ttl_ms: _builtins.int = ...,
+        start_token: _builtins.int = ...,
+        end_token: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_token", b"end_token", "lease_id", b"lease_id", "start_token", b"start_token", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Lease: _TypeAlias = Lease  # noqa: Y015
 
 @_typing.final
 class LookupRequest(_message.Message):
@@ -238,6 +278,7 @@ class LookupRequest(_message.Message):
     END_TOKEN_FIELD_NUMBER: _builtins.int
     NUM_KV_READERS_FIELD_NUMBER: _builtins.int
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     model_name: _builtins.str
     world_size: _builtins.int
@@ -252,6 +293,11 @@ class LookupRequest(_message.Message):
     """
     wait_timeout_ms: _builtins.int
     """Wait up to this long for the prefetch to complete; 0 returns at once."""
+    engine_id: _builtins.str
+    """The engine instance looking up (vLLM: kv_transfer_config.engine_id); its
+    leases end when it goes silent (no lookups, no Ping) for the gateway's
+    engine_reap_seconds. Empty: the lease ends by EndSession or its TTL.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt's whole token sequence."""
@@ -267,10 +313,11 @@ class LookupRequest(_message.Message):
         end_token: _builtins.int = ...,
         num_kv_readers: _builtins.int = ...,
         wait_timeout_ms: _builtins.int = ...,
+        engine_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "end_token", b"end_token", "model_name", b"model_name", "num_kv_readers", b"num_kv_readers", "request_id", b"request_id", "token_ids", b"token_ids", "wait_timeout_ms", b"wait_timeout_ms", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "end_token", b"end_token", "engine_id", b"engine_id", "model_name", b"model_name", "num_kv_readers", b"num_kv_readers", "request_id", b"request_id", "token_ids", b"token_ids", "wait_timeout_ms", b"wait_timeout_ms", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

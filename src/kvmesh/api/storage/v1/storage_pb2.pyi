@@ -216,20 +216,24 @@ class PrefetchResult(_message.Message):
     HIT_CHUNKS_FIELD_NUMBER: _builtins.int
     L1_HIT_CHUNKS_FIELD_NUMBER: _builtins.int
     L2_HIT_CHUNKS_FIELD_NUMBER: _builtins.int
+    LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
     hit_chunks: _builtins.int
     """Chunks of the prefix present in every row (now read-locked in L1)."""
     l1_hit_chunks: _builtins.int
     l2_hit_chunks: _builtins.int
+    lease_ttl_ms: _builtins.int
+    """The lease (under the prefetch id) ends after this much idleness."""
     def __init__(
         self,
         *,
         hit_chunks: _builtins.int = ...,
         l1_hit_chunks: _builtins.int = ...,
         l2_hit_chunks: _builtins.int = ...,
+        lease_ttl_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hit_chunks", b"hit_chunks", "l1_hit_chunks", b"l1_hit_chunks", "l2_hit_chunks", b"l2_hit_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hit_chunks", b"hit_chunks", "l1_hit_chunks", b"l1_hit_chunks", "l2_hit_chunks", b"l2_hit_chunks", "lease_ttl_ms", b"lease_ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -244,6 +248,7 @@ class LookupAndLockRequest(_message.Message):
     WAIT_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     num_kv_readers: _builtins.int
     """Read locks per found key; 0 is read as 1. At most 128."""
     wait_timeout_ms: _builtins.int
@@ -254,6 +259,8 @@ class LookupAndLockRequest(_message.Message):
     another node wrote after this one started can be loaded; 0 = unknown
     (sizes then come from this node's L2 index).
     """
+    owner: _builtins.str
+    """Who looked up (the engine instance): EndOwnerLeases ends its leases."""
     @_builtins.property
     def keys(self) -> _common_pb2.KeyGrid: ...
     def __init__(
@@ -264,10 +271,11 @@ class LookupAndLockRequest(_message.Message):
         wait_timeout_ms: _builtins.int = ...,
         request_id: _builtins.str = ...,
         chunk_bytes: _builtins.int = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "keys", b"keys", "num_kv_readers", b"num_kv_readers", "request_id", b"request_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "keys", b"keys", "num_kv_readers", b"num_kv_readers", "owner", b"owner", "request_id", b"request_id", "wait_timeout_ms", b"wait_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -393,22 +401,18 @@ class RetrieveChunksRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     CHUNK_TOKENS_FIELD_NUMBER: _builtins.int
     SKIP_FIRST_N_TOKENS_FIELD_NUMBER: _builtins.int
-    RELEASE_LOOKUP_LOCKS_FIELD_NUMBER: _builtins.int
     PRODUCER_EVENT_HANDLE_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     chunk_tokens: _builtins.int
     skip_first_n_tokens: _builtins.int
     producer_event_handle: _builtins.bytes
+    lease_id: _builtins.str
+    """The lookup lease whose locks on these keys this retrieve uses ("" = none)."""
     @_builtins.property
     def keys(self) -> _common_pb2.ChunkKeys: ...
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def release_lookup_locks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
-        """Per chunk (may be shorter than the keys; missing = false): release one
-        lookup read lock on the chunk's key after the copy.
-        """
-
     def __init__(
         self,
         *,
@@ -417,12 +421,12 @@ class RetrieveChunksRequest(_message.Message):
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         chunk_tokens: _builtins.int = ...,
         skip_first_n_tokens: _builtins.int = ...,
-        release_lookup_locks: _abc.Iterable[_builtins.bool] | None = ...,
         producer_event_handle: _builtins.bytes = ...,
+        lease_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "chunk_tokens", b"chunk_tokens", "engine_id", b"engine_id", "keys", b"keys", "producer_event_handle", b"producer_event_handle", "release_lookup_locks", b"release_lookup_locks", "skip_first_n_tokens", b"skip_first_n_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "chunk_tokens", b"chunk_tokens", "engine_id", b"engine_id", "keys", b"keys", "lease_id", b"lease_id", "producer_event_handle", b"producer_event_handle", "skip_first_n_tokens", b"skip_first_n_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -450,6 +454,132 @@ class RetrieveChunksResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RetrieveChunksResponse: _TypeAlias = RetrieveChunksResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseLeaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    START_CHUNK_FIELD_NUMBER: _builtins.int
+    END_CHUNK_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.str
+    start_chunk: _builtins.int
+    end_chunk: _builtins.int
+    end: _builtins.bool
+    """Release everything and forget the lease (the range is ignored)."""
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.str = ...,
+        start_chunk: _builtins.int = ...,
+        end_chunk: _builtins.int = ...,
+        end: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "end_chunk", b"end_chunk", "lease_id", b"lease_id", "start_chunk", b"start_chunk"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseLeaseRequest: _TypeAlias = ReleaseLeaseRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseLeaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXISTED_FIELD_NUMBER: _builtins.int
+    RELEASED_LOCKS_FIELD_NUMBER: _builtins.int
+    existed: _builtins.bool
+    released_locks: _builtins.int
+    def __init__(
+        self,
+        *,
+        existed: _builtins.bool = ...,
+        released_locks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["existed", b"existed", "released_locks", b"released_locks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseLeaseResponse: _TypeAlias = ReleaseLeaseResponse  # noqa: Y015
+
+@_typing.final
+class EndOwnerLeasesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    def __init__(
+        self,
+        *,
+        owner: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndOwnerLeasesRequest: _TypeAlias = EndOwnerLeasesRequest  # noqa: Y015
+
+@_typing.final
+class EndOwnerLeasesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDED_LEASES_FIELD_NUMBER: _builtins.int
+    ended_leases: _builtins.int
+    def __init__(
+        self,
+        *,
+        ended_leases: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ended_leases", b"ended_leases"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndOwnerLeasesResponse: _TypeAlias = EndOwnerLeasesResponse  # noqa: Y015
+
+@_typing.final
+class LeaseStatus(_message.Message):
+    """The node's lookup leases."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTIVE_FIELD_NUMBER: _builtins.int
+    HELD_LOCKS_FIELD_NUMBER: _builtins.int
+    GRANTED_FIELD_NUMBER: _builtins.int
+    ENDED_FIELD_NUMBER: _builtins.int
+    EXPIRED_FIELD_NUMBER: _builtins.int
+    ENDED_BY_OWNER_FIELD_NUMBER: _builtins.int
+    active: _builtins.int
+    held_locks: _builtins.int
+    """Read locks the leases hold right now."""
+    granted: _builtins.int
+    ended: _builtins.int
+    expired: _builtins.int
+    ended_by_owner: _builtins.int
+    def __init__(
+        self,
+        *,
+        active: _builtins.int = ...,
+        held_locks: _builtins.int = ...,
+        granted: _builtins.int = ...,
+        ended: _builtins.int = ...,
+        expired: _builtins.int = ...,
+        ended_by_owner: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "ended", b"ended", "ended_by_owner", b"ended_by_owner", "expired", b"expired", "granted", b"granted", "held_locks", b"held_locks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseStatus: _TypeAlias = LeaseStatus  # noqa: Y015
 
 @_typing.final
 class ReleaseLocksRequest(_message.Message):
@@ -796,6 +926,7 @@ class GetStatusResponse(_message.Message):
     SALTS_FIELD_NUMBER: _builtins.int
     ACTIVE_PREFETCHES_FIELD_NUMBER: _builtins.int
     P2P_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     incarnation: _builtins.int
     active_prefetches: _builtins.int
@@ -813,6 +944,8 @@ class GetStatusResponse(_message.Message):
     def p2p(self) -> _peer_pb2.PeerStatus:
         """P2P fetches and serving (see peer.proto)."""
 
+    @_builtins.property
+    def leases(self) -> Global___LeaseStatus: ...
     def __init__(
         self,
         *,
@@ -825,10 +958,11 @@ class GetStatusResponse(_message.Message):
         salts: _abc.Iterable[Global___SaltUsage] | None = ...,
         active_prefetches: _builtins.int = ...,
         p2p: _peer_pb2.PeerStatus | None = ...,
+        leases: Global___LeaseStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["emitter", b"emitter", "l1", b"l1", "p2p", b"p2p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["emitter", b"emitter", "l1", b"l1", "leases", b"leases", "p2p", b"p2p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_prefetches", b"active_prefetches", "emitter", b"emitter", "engine_ids", b"engine_ids", "incarnation", b"incarnation", "instance_id", b"instance_id", "l1", b"l1", "l2", b"l2", "p2p", b"p2p", "salts", b"salts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_prefetches", b"active_prefetches", "emitter", b"emitter", "engine_ids", b"engine_ids", "incarnation", b"incarnation", "instance_id", b"instance_id", "l1", b"l1", "l2", b"l2", "leases", b"leases", "p2p", b"p2p", "salts", b"salts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1251,21 +1385,19 @@ class CommitRetrieveRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TRANSACTION_ID_FIELD_NUMBER: _builtins.int
-    RELEASE_LOOKUP_LOCKS_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
     transaction_id: _builtins.str
-    @_builtins.property
-    def release_lookup_locks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
-        """Per chunk of the PrepareRetrieve's keys; missing = false."""
-
+    lease_id: _builtins.str
+    """The lookup lease whose locks on these keys this retrieve uses ("" = none)."""
     def __init__(
         self,
         *,
         transaction_id: _builtins.str = ...,
-        release_lookup_locks: _abc.Iterable[_builtins.bool] | None = ...,
+        lease_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["release_lookup_locks", b"release_lookup_locks", "transaction_id", b"transaction_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "transaction_id", b"transaction_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

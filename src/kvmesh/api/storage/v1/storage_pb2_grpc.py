@@ -64,6 +64,16 @@ class StorageServiceStub:
                 request_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.ReleasePrefetchRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.ReleasePrefetchResponse.FromString,
                 _registered_method=True)
+        self.ReleaseLease = channel.unary_unary(
+                '/kvmesh.storage.v1.StorageService/ReleaseLease',
+                request_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.ReleaseLeaseResponse.FromString,
+                _registered_method=True)
+        self.EndOwnerLeases = channel.unary_unary(
+                '/kvmesh.storage.v1.StorageService/EndOwnerLeases',
+                request_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.EndOwnerLeasesRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.EndOwnerLeasesResponse.FromString,
+                _registered_method=True)
         self.RetrieveChunks = channel.unary_unary(
                 '/kvmesh.storage.v1.StorageService/RetrieveChunks',
                 request_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveChunksRequest.SerializeToString,
@@ -182,8 +192,12 @@ class StorageServiceServicer:
         """Read-locks the longest prefix of the grid present in every row: L1 hits
         at once, L2 hits after loading them into L1. Chunks after the first one
         missing in both tiers are never loaded. With wait_timeout_ms > 0 waits up
-        to that long for completion. Errors: INVALID_ARGUMENT (bad grid: no
-        rows, bad hash length, bad names; too many keys). Deadline: 5 s.
+        to that long for completion. The prefetch_id is also the id of the
+        lookup's *lease*: once the result is delivered, storage holds its locks
+        under it and releases each exactly once (RetrieveChunks consumes them,
+        ReleaseLease releases them, its TTL or its owner's end ends it).
+        Errors: INVALID_ARGUMENT (bad grid: no rows, bad hash length, bad names;
+        too many keys). Deadline: 5 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -192,8 +206,8 @@ class StorageServiceServicer:
     def GetPrefetchStatus(self, request, context):
         """Status of a LookupAndLock, optionally waiting up to wait_timeout_ms.
         A completed result is delivered once: after LookupAndLock or
-        GetPrefetchStatus has answered completed = true, the prefetch_id is
-        forgotten (the gateway keeps the result for its own callers).
+        GetPrefetchStatus has answered completed = true, the prefetch is a
+        lease (the gateway keeps the result for its own callers).
         Errors: NOT_FOUND (unknown, delivered or released prefetch_id).
         Deadline: wait_timeout_ms + 2 s.
         """
@@ -203,9 +217,28 @@ class StorageServiceServicer:
 
     def ReleasePrefetch(self, request, context):
         """Abandons a prefetch that is still running: every lock it takes is
-        released when it finishes. A finished (or unknown) prefetch is only
-        forgotten: the locks it handed over stay (release them with
-        ReleaseLocks). Idempotent. Deadline: 2 s.
+        released when it finishes. A delivered one is a lease: end it with
+        ReleaseLease. Idempotent. Deadline: 2 s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLease(self, request, context):
+        """Releases the locks a lookup's lease still holds on chunks
+        [start_chunk, end_chunk) of its prefix; with end = true, everything it
+        holds, and the lease is forgotten (a lookup still running is abandoned:
+        its locks are released when it finishes). An unknown lease (ended,
+        expired, or another incarnation's) is existed = false, not an error.
+        Deadline: 2 s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndOwnerLeases(self, request, context):
+        """Ends every lease (and running lookup) of an owner: the gateway reaped
+        the engine instance that looked them up. Deadline: 2 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -215,12 +248,14 @@ class StorageServiceServicer:
         """Scatters cached chunks into the engine's blocks, skipping the blocks of
         the first skip_first_n_tokens tokens. Copies the longest prefix whose
         objects are resident in L1 (each object is read-locked for the duration
-        of its copy, so eviction cannot race it). Afterwards releases one lookup
-        read lock on every chunk flagged in release_lookup_locks, whether or not
-        it was copied (the caller knows which locks it holds).
+        of its copy, so eviction cannot race it). The lookup locks lease_id
+        holds on these keys leave the lease before the copy and are released
+        when it ends, copied or not, failed or not: exactly once. No lease (or
+        an unknown one) consumes nothing.
         Errors: FAILED_PRECONDITION (engine not registered), INVALID_ARGUMENT
-        (as StoreChunks; skip beyond the range; release_lookup_locks longer than
-        the keys). Deadline: 30 s.
+        (as StoreChunks; skip beyond the range), DEADLINE_EXCEEDED (the
+        caller's deadline too close to start the copy: nothing touched).
+        Deadline: 30 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -347,8 +382,8 @@ class StorageServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CommitRetrieve(self, request, context):
-        """Releases a PrepareRetrieve's locks and one lookup read lock on every
-        chunk flagged in release_lookup_locks. Idempotent: a second commit of
+        """Releases a PrepareRetrieve's locks, and the lookup locks lease_id holds
+        on its keys (as RetrieveChunks). Idempotent: a second commit of
         the same transaction releases nothing. Errors: NOT_FOUND (unknown
         transaction). Deadline: 10 s.
         """
@@ -388,6 +423,16 @@ def add_StorageServiceServicer_to_server(servicer, server):
                     servicer.ReleasePrefetch,
                     request_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.ReleasePrefetchRequest.FromString,
                     response_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.ReleasePrefetchResponse.SerializeToString,
+            ),
+            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLease,
+                    request_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'EndOwnerLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndOwnerLeases,
+                    request_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.EndOwnerLeasesRequest.FromString,
+                    response_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.EndOwnerLeasesResponse.SerializeToString,
             ),
             'RetrieveChunks': grpc.unary_unary_rpc_method_handler(
                     servicer.RetrieveChunks,
@@ -627,6 +672,60 @@ class StorageService:
             '/kvmesh.storage.v1.StorageService/ReleasePrefetch',
             kvmesh_dot_storage_dot_v1_dot_storage__pb2.ReleasePrefetchRequest.SerializeToString,
             kvmesh_dot_storage_dot_v1_dot_storage__pb2.ReleasePrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.storage.v1.StorageService/ReleaseLease',
+            kvmesh_dot_storage_dot_v1_dot_storage__pb2.ReleaseLeaseRequest.SerializeToString,
+            kvmesh_dot_storage_dot_v1_dot_storage__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndOwnerLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.storage.v1.StorageService/EndOwnerLeases',
+            kvmesh_dot_storage_dot_v1_dot_storage__pb2.EndOwnerLeasesRequest.SerializeToString,
+            kvmesh_dot_storage_dot_v1_dot_storage__pb2.EndOwnerLeasesResponse.FromString,
             options,
             channel_credentials,
             insecure,

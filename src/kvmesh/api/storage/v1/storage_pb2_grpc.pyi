@@ -70,33 +70,50 @@ class StorageServiceStub:
     """Read-locks the longest prefix of the grid present in every row: L1 hits
     at once, L2 hits after loading them into L1. Chunks after the first one
     missing in both tiers are never loaded. With wait_timeout_ms > 0 waits up
-    to that long for completion. Errors: INVALID_ARGUMENT (bad grid: no
-    rows, bad hash length, bad names; too many keys). Deadline: 5 s.
+    to that long for completion. The prefetch_id is also the id of the
+    lookup's *lease*: once the result is delivered, storage holds its locks
+    under it and releases each exactly once (RetrieveChunks consumes them,
+    ReleaseLease releases them, its TTL or its owner's end ends it).
+    Errors: INVALID_ARGUMENT (bad grid: no rows, bad hash length, bad names;
+    too many keys). Deadline: 5 s.
     """
     GetPrefetchStatus: _grpc.UnaryUnaryMultiCallable[_storage_pb2.GetPrefetchStatusRequest, _storage_pb2.GetPrefetchStatusResponse]
     """Status of a LookupAndLock, optionally waiting up to wait_timeout_ms.
     A completed result is delivered once: after LookupAndLock or
-    GetPrefetchStatus has answered completed = true, the prefetch_id is
-    forgotten (the gateway keeps the result for its own callers).
+    GetPrefetchStatus has answered completed = true, the prefetch is a
+    lease (the gateway keeps the result for its own callers).
     Errors: NOT_FOUND (unknown, delivered or released prefetch_id).
     Deadline: wait_timeout_ms + 2 s.
     """
     ReleasePrefetch: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ReleasePrefetchRequest, _storage_pb2.ReleasePrefetchResponse]
     """Abandons a prefetch that is still running: every lock it takes is
-    released when it finishes. A finished (or unknown) prefetch is only
-    forgotten: the locks it handed over stay (release them with
-    ReleaseLocks). Idempotent. Deadline: 2 s.
+    released when it finishes. A delivered one is a lease: end it with
+    ReleaseLease. Idempotent. Deadline: 2 s.
+    """
+    ReleaseLease: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ReleaseLeaseRequest, _storage_pb2.ReleaseLeaseResponse]
+    """Releases the locks a lookup's lease still holds on chunks
+    [start_chunk, end_chunk) of its prefix; with end = true, everything it
+    holds, and the lease is forgotten (a lookup still running is abandoned:
+    its locks are released when it finishes). An unknown lease (ended,
+    expired, or another incarnation's) is existed = false, not an error.
+    Deadline: 2 s.
+    """
+    EndOwnerLeases: _grpc.UnaryUnaryMultiCallable[_storage_pb2.EndOwnerLeasesRequest, _storage_pb2.EndOwnerLeasesResponse]
+    """Ends every lease (and running lookup) of an owner: the gateway reaped
+    the engine instance that looked them up. Deadline: 2 s.
     """
     RetrieveChunks: _grpc.UnaryUnaryMultiCallable[_storage_pb2.RetrieveChunksRequest, _storage_pb2.RetrieveChunksResponse]
     """Scatters cached chunks into the engine's blocks, skipping the blocks of
     the first skip_first_n_tokens tokens. Copies the longest prefix whose
     objects are resident in L1 (each object is read-locked for the duration
-    of its copy, so eviction cannot race it). Afterwards releases one lookup
-    read lock on every chunk flagged in release_lookup_locks, whether or not
-    it was copied (the caller knows which locks it holds).
+    of its copy, so eviction cannot race it). The lookup locks lease_id
+    holds on these keys leave the lease before the copy and are released
+    when it ends, copied or not, failed or not: exactly once. No lease (or
+    an unknown one) consumes nothing.
     Errors: FAILED_PRECONDITION (engine not registered), INVALID_ARGUMENT
-    (as StoreChunks; skip beyond the range; release_lookup_locks longer than
-    the keys). Deadline: 30 s.
+    (as StoreChunks; skip beyond the range), DEADLINE_EXCEEDED (the
+    caller's deadline too close to start the copy: nothing touched).
+    Deadline: 30 s.
     """
     ReleaseLocks: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ReleaseLocksRequest, _storage_pb2.ReleaseLocksResponse]
     """Releases `count` read locks on each key of the grid (default 1).
@@ -165,8 +182,8 @@ class StorageServiceStub:
     Errors: INVALID_ARGUMENT (bad keys or chunk_bytes). Deadline: 10 s.
     """
     CommitRetrieve: _grpc.UnaryUnaryMultiCallable[_storage_pb2.CommitRetrieveRequest, _storage_pb2.CommitRetrieveResponse]
-    """Releases a PrepareRetrieve's locks and one lookup read lock on every
-    chunk flagged in release_lookup_locks. Idempotent: a second commit of
+    """Releases a PrepareRetrieve's locks, and the lookup locks lease_id holds
+    on its keys (as RetrieveChunks). Idempotent: a second commit of
     the same transaction releases nothing. Errors: NOT_FOUND (unknown
     transaction). Deadline: 10 s.
     """
@@ -199,33 +216,50 @@ class StorageServiceAsyncStub(StorageServiceStub):
     """Read-locks the longest prefix of the grid present in every row: L1 hits
     at once, L2 hits after loading them into L1. Chunks after the first one
     missing in both tiers are never loaded. With wait_timeout_ms > 0 waits up
-    to that long for completion. Errors: INVALID_ARGUMENT (bad grid: no
-    rows, bad hash length, bad names; too many keys). Deadline: 5 s.
+    to that long for completion. The prefetch_id is also the id of the
+    lookup's *lease*: once the result is delivered, storage holds its locks
+    under it and releases each exactly once (RetrieveChunks consumes them,
+    ReleaseLease releases them, its TTL or its owner's end ends it).
+    Errors: INVALID_ARGUMENT (bad grid: no rows, bad hash length, bad names;
+    too many keys). Deadline: 5 s.
     """
     GetPrefetchStatus: _aio.UnaryUnaryMultiCallable[_storage_pb2.GetPrefetchStatusRequest, _storage_pb2.GetPrefetchStatusResponse]  # type: ignore[assignment]
     """Status of a LookupAndLock, optionally waiting up to wait_timeout_ms.
     A completed result is delivered once: after LookupAndLock or
-    GetPrefetchStatus has answered completed = true, the prefetch_id is
-    forgotten (the gateway keeps the result for its own callers).
+    GetPrefetchStatus has answered completed = true, the prefetch is a
+    lease (the gateway keeps the result for its own callers).
     Errors: NOT_FOUND (unknown, delivered or released prefetch_id).
     Deadline: wait_timeout_ms + 2 s.
     """
     ReleasePrefetch: _aio.UnaryUnaryMultiCallable[_storage_pb2.ReleasePrefetchRequest, _storage_pb2.ReleasePrefetchResponse]  # type: ignore[assignment]
     """Abandons a prefetch that is still running: every lock it takes is
-    released when it finishes. A finished (or unknown) prefetch is only
-    forgotten: the locks it handed over stay (release them with
-    ReleaseLocks). Idempotent. Deadline: 2 s.
+    released when it finishes. A delivered one is a lease: end it with
+    ReleaseLease. Idempotent. Deadline: 2 s.
+    """
+    ReleaseLease: _aio.UnaryUnaryMultiCallable[_storage_pb2.ReleaseLeaseRequest, _storage_pb2.ReleaseLeaseResponse]  # type: ignore[assignment]
+    """Releases the locks a lookup's lease still holds on chunks
+    [start_chunk, end_chunk) of its prefix; with end = true, everything it
+    holds, and the lease is forgotten (a lookup still running is abandoned:
+    its locks are released when it finishes). An unknown lease (ended,
+    expired, or another incarnation's) is existed = false, not an error.
+    Deadline: 2 s.
+    """
+    EndOwnerLeases: _aio.UnaryUnaryMultiCallable[_storage_pb2.EndOwnerLeasesRequest, _storage_pb2.EndOwnerLeasesResponse]  # type: ignore[assignment]
+    """Ends every lease (and running lookup) of an owner: the gateway reaped
+    the engine instance that looked them up. Deadline: 2 s.
     """
     RetrieveChunks: _aio.UnaryUnaryMultiCallable[_storage_pb2.RetrieveChunksRequest, _storage_pb2.RetrieveChunksResponse]  # type: ignore[assignment]
     """Scatters cached chunks into the engine's blocks, skipping the blocks of
     the first skip_first_n_tokens tokens. Copies the longest prefix whose
     objects are resident in L1 (each object is read-locked for the duration
-    of its copy, so eviction cannot race it). Afterwards releases one lookup
-    read lock on every chunk flagged in release_lookup_locks, whether or not
-    it was copied (the caller knows which locks it holds).
+    of its copy, so eviction cannot race it). The lookup locks lease_id
+    holds on these keys leave the lease before the copy and are released
+    when it ends, copied or not, failed or not: exactly once. No lease (or
+    an unknown one) consumes nothing.
     Errors: FAILED_PRECONDITION (engine not registered), INVALID_ARGUMENT
-    (as StoreChunks; skip beyond the range; release_lookup_locks longer than
-    the keys). Deadline: 30 s.
+    (as StoreChunks; skip beyond the range), DEADLINE_EXCEEDED (the
+    caller's deadline too close to start the copy: nothing touched).
+    Deadline: 30 s.
     """
     ReleaseLocks: _aio.UnaryUnaryMultiCallable[_storage_pb2.ReleaseLocksRequest, _storage_pb2.ReleaseLocksResponse]  # type: ignore[assignment]
     """Releases `count` read locks on each key of the grid (default 1).
@@ -294,8 +328,8 @@ class StorageServiceAsyncStub(StorageServiceStub):
     Errors: INVALID_ARGUMENT (bad keys or chunk_bytes). Deadline: 10 s.
     """
     CommitRetrieve: _aio.UnaryUnaryMultiCallable[_storage_pb2.CommitRetrieveRequest, _storage_pb2.CommitRetrieveResponse]  # type: ignore[assignment]
-    """Releases a PrepareRetrieve's locks and one lookup read lock on every
-    chunk flagged in release_lookup_locks. Idempotent: a second commit of
+    """Releases a PrepareRetrieve's locks, and the lookup locks lease_id holds
+    on its keys (as RetrieveChunks). Idempotent: a second commit of
     the same transaction releases nothing. Errors: NOT_FOUND (unknown
     transaction). Deadline: 10 s.
     """
@@ -349,8 +383,12 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         """Read-locks the longest prefix of the grid present in every row: L1 hits
         at once, L2 hits after loading them into L1. Chunks after the first one
         missing in both tiers are never loaded. With wait_timeout_ms > 0 waits up
-        to that long for completion. Errors: INVALID_ARGUMENT (bad grid: no
-        rows, bad hash length, bad names; too many keys). Deadline: 5 s.
+        to that long for completion. The prefetch_id is also the id of the
+        lookup's *lease*: once the result is delivered, storage holds its locks
+        under it and releases each exactly once (RetrieveChunks consumes them,
+        ReleaseLease releases them, its TTL or its owner's end ends it).
+        Errors: INVALID_ARGUMENT (bad grid: no rows, bad hash length, bad names;
+        too many keys). Deadline: 5 s.
         """
 
     @_abc_1.abstractmethod
@@ -361,8 +399,8 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_storage_pb2.GetPrefetchStatusResponse, _abc.Awaitable[_storage_pb2.GetPrefetchStatusResponse]]:
         """Status of a LookupAndLock, optionally waiting up to wait_timeout_ms.
         A completed result is delivered once: after LookupAndLock or
-        GetPrefetchStatus has answered completed = true, the prefetch_id is
-        forgotten (the gateway keeps the result for its own callers).
+        GetPrefetchStatus has answered completed = true, the prefetch is a
+        lease (the gateway keeps the result for its own callers).
         Errors: NOT_FOUND (unknown, delivered or released prefetch_id).
         Deadline: wait_timeout_ms + 2 s.
         """
@@ -374,9 +412,32 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.ReleasePrefetchResponse, _abc.Awaitable[_storage_pb2.ReleasePrefetchResponse]]:
         """Abandons a prefetch that is still running: every lock it takes is
-        released when it finishes. A finished (or unknown) prefetch is only
-        forgotten: the locks it handed over stay (release them with
-        ReleaseLocks). Idempotent. Deadline: 2 s.
+        released when it finishes. A delivered one is a lease: end it with
+        ReleaseLease. Idempotent. Deadline: 2 s.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseLease(
+        self,
+        request: _storage_pb2.ReleaseLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_storage_pb2.ReleaseLeaseResponse, _abc.Awaitable[_storage_pb2.ReleaseLeaseResponse]]:
+        """Releases the locks a lookup's lease still holds on chunks
+        [start_chunk, end_chunk) of its prefix; with end = true, everything it
+        holds, and the lease is forgotten (a lookup still running is abandoned:
+        its locks are released when it finishes). An unknown lease (ended,
+        expired, or another incarnation's) is existed = false, not an error.
+        Deadline: 2 s.
+        """
+
+    @_abc_1.abstractmethod
+    def EndOwnerLeases(
+        self,
+        request: _storage_pb2.EndOwnerLeasesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_storage_pb2.EndOwnerLeasesResponse, _abc.Awaitable[_storage_pb2.EndOwnerLeasesResponse]]:
+        """Ends every lease (and running lookup) of an owner: the gateway reaped
+        the engine instance that looked them up. Deadline: 2 s.
         """
 
     @_abc_1.abstractmethod
@@ -388,12 +449,14 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         """Scatters cached chunks into the engine's blocks, skipping the blocks of
         the first skip_first_n_tokens tokens. Copies the longest prefix whose
         objects are resident in L1 (each object is read-locked for the duration
-        of its copy, so eviction cannot race it). Afterwards releases one lookup
-        read lock on every chunk flagged in release_lookup_locks, whether or not
-        it was copied (the caller knows which locks it holds).
+        of its copy, so eviction cannot race it). The lookup locks lease_id
+        holds on these keys leave the lease before the copy and are released
+        when it ends, copied or not, failed or not: exactly once. No lease (or
+        an unknown one) consumes nothing.
         Errors: FAILED_PRECONDITION (engine not registered), INVALID_ARGUMENT
-        (as StoreChunks; skip beyond the range; release_lookup_locks longer than
-        the keys). Deadline: 30 s.
+        (as StoreChunks; skip beyond the range), DEADLINE_EXCEEDED (the
+        caller's deadline too close to start the copy: nothing touched).
+        Deadline: 30 s.
         """
 
     @_abc_1.abstractmethod
@@ -546,8 +609,8 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _storage_pb2.CommitRetrieveRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_storage_pb2.CommitRetrieveResponse, _abc.Awaitable[_storage_pb2.CommitRetrieveResponse]]:
-        """Releases a PrepareRetrieve's locks and one lookup read lock on every
-        chunk flagged in release_lookup_locks. Idempotent: a second commit of
+        """Releases a PrepareRetrieve's locks, and the lookup locks lease_id holds
+        on its keys (as RetrieveChunks). Idempotent: a second commit of
         the same transaction releases nothing. Errors: NOT_FOUND (unknown
         transaction). Deadline: 10 s.
         """

@@ -147,7 +147,7 @@ class PeerLeases:
         started = time.monotonic()
         wait_ms = max(1, int(wait_s * 1000))
         state = await self.node.lookup_and_lock(
-            f"peer:{requester or '?'}", rows, 1, wait_ms, allow_peers=False
+            f"peer:{requester or '?'}", rows, 1, wait_ms, allow_peers=False, leased=False
         )
         if not state.completed:
             # Too slow for the caller: give the locks back as soon as the load ends.
