@@ -35,6 +35,7 @@ from tests.integration.gateway.support import (
     blocks,
     hashes_of,
     object_keys,
+    prange,
     prompt,
 )
 from tests.support.waiting import wait_until
@@ -410,3 +411,35 @@ def test_a_silent_engine_is_unmapped_and_a_beating_one_kept(
     assert beating.engine_id in stack.node.status().engine_ids
     stack.register(silent)  # it may come back
     assert silent.engine_id in stack.node.status().engine_ids
+
+
+def test_a_retrieve_that_fails_mid_way_never_costs_another_request_its_lock(
+    stack: Stack, engine: Engine
+) -> None:
+    """The engine goes away between lookup and retrieve: storage owns the locks (a lease),
+    so EndSession afterwards releases this request's locks once and never another's."""
+    stack.register(engine)
+    tokens = prompt(2)
+    keys = object_keys(hashes_of(tokens))
+    stack.store(engine, "w", tokens, 0, 2 * CHUNK, blocks(range(2)))
+    mine = stack.lookup("mine", tokens)
+    assert mine.status.lease.lease_id
+    assert mine.status.lease.end_token == 2 * CHUNK
+    assert mine.status.lease.ttl_ms > 0
+    stack.lookup("other", tokens)
+    assert stack.locked() == 2
+    stack.client.unregister_kv_cache(
+        gateway_pb2.UnregisterKVCacheRequest(engine_id=engine.engine_id)
+    )
+    request = gateway_pb2.RetrieveRequest(
+        engine_id=engine.engine_id, range=prange("mine", tokens, 0, 2 * CHUNK),
+        block_ids=blocks(range(2), base=40),
+    )  # fmt: skip
+    assert stack.error("retrieve", request).code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert stack.end_session("mine").released_locks == 2
+    assert stack.end_session("mine").released_locks == 0
+    assert stack.delete(keys) == (0, 2)  # "other" still holds both
+    assert stack.end_session("other").released_locks == 2
+    assert stack.delete(keys) == (2, 0)
+    status = stack.node.status()
+    assert (status.leases.active, status.leases.held_locks) == (0, 0)
