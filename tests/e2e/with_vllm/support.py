@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import urllib.error
+import urllib.request
 
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.storage.client import StorageClient
@@ -20,3 +22,12 @@ def resident_chunks(storage: str) -> int:
             await client.close()
 
     return asyncio.run(ask())
+
+
+def healthy(base: str) -> bool:
+    """Whether vLLM's OpenAI server at ``base`` answers its health check."""
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False

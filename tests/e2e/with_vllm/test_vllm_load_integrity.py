@@ -42,6 +42,7 @@ from kvmesh.common.keys import worker_kv_rank
 from kvmesh.engine.vllm.runner import run_engine
 from kvmesh.engine.vllm.worker import engine_env, transfer_config
 from kvmesh.storage.client import StorageClient
+from tests.e2e.with_vllm.support import healthy
 from tests.integration.storage.support import read_slot
 from tests.support.harness import REPO_ROOT
 from tests.support.ports import free_port
@@ -176,7 +177,7 @@ def test_aborts_and_preemption_never_put_wrong_kv_in_kvmesh(
     base = f"http://127.0.0.1:{http}"
     reference: subprocess.Popen[bytes] | None = None
     try:
-        wait_until(lambda: _healthy(base) or vllm.poll() is not None, 300)
+        wait_until(lambda: healthy(base) or vllm.poll() is not None, 300)
         assert vllm.poll() is None, log.read_text()[-3000:]
         assert asyncio.run(_round(base, model, prompts, 3)) == 0
         assert asyncio.run(_round(base, model, prompts, 5)) == 0
@@ -220,14 +221,6 @@ def test_aborts_and_preemption_never_put_wrong_kv_in_kvmesh(
             if proc is not None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
-
-
-def _healthy(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-            return bool(resp.status == 200)
-    except OSError:
-        return False
 
 
 def test_the_comparison_tells_another_prompts_kv_from_rounding() -> None:

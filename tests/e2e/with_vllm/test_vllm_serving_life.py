@@ -39,6 +39,7 @@ import pytest
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.engine.vllm.worker import engine_env, transfer_config
 from kvmesh.storage.client import StorageClient
+from tests.e2e.with_vllm.support import healthy
 from tests.support.harness import REPO_ROOT
 from tests.support.ports import free_port
 from tests.support.waiting import wait_until
@@ -94,14 +95,6 @@ def _complete(base: str, model: str, prompt: list[int]) -> dict[str, Any]:
 
 def _cached(answer: dict[str, Any]) -> int:
     return int((answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-
-
-def _healthy(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def _engine_file(pid: int) -> tuple[str, int]:
@@ -180,7 +173,7 @@ def test_a_node_restarted_under_vllm_is_found_again_and_a_killed_vllm_gives_its_
     shm_before = {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("kvmesh-vllm")}
     base = f"http://127.0.0.1:{http}"
     try:
-        wait_until(lambda: _healthy(base) or vllm.poll() is not None, 300)
+        wait_until(lambda: healthy(base) or vllm.poll() is not None, 300)
         assert vllm.poll() is None, log.read_text()[-3000:]
         rng = random.Random(23)
         first = [rng.randrange(3, 32000) for _ in range(PROMPT_TOKENS)]
