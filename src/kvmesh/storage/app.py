@@ -74,7 +74,7 @@ from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
 from kvmesh.common.config import ConfigError
 from kvmesh.common.errors import Unavailable
 from kvmesh.kernels import native
-from kvmesh.rpc.metrics import Series, StatsCollector
+from kvmesh.rpc.metrics import StatsCollector
 from kvmesh.rpc.server import ServiceBinding
 from kvmesh.storage.config import StorageConfig
 from kvmesh.storage.core.controllers.prefetch import PrefetchPolicy
@@ -93,6 +93,7 @@ from kvmesh.storage.events.emitter import CacheEventEmitter
 from kvmesh.storage.events.registrar import Registrar, Registration
 from kvmesh.storage.events.sink import EmitterSink
 from kvmesh.storage.events.transport import EventTransport
+from kvmesh.storage.metrics import SERIES, flat_stats
 from kvmesh.storage.peers.wiring import PeerWiring
 from kvmesh.storage.servicer import StorageServicer
 
@@ -154,138 +155,6 @@ class _DeferredHandler:
         if self.node is None:
             raise Unavailable("the storage node is still starting")
         return self.node.handle_command(command)
-
-
-def _flat_stats(node: StorageNode, emitter: CacheEventEmitter | None) -> dict[str, Any]:
-    """The node's status flattened for Prometheus series."""
-    status = node.status()
-    l1 = status["l1"]
-    out: dict[str, Any] = {
-        "l1_used_bytes": l1.get("used_bytes", 0),
-        "l1_capacity_bytes": l1.get("capacity_bytes", 0),
-        "l1_mapped_bytes": l1.get("committed_bytes", 0),
-        "l1_resident_objects": l1.get("resident_objects", 0),
-        "l1_read_locked_objects": l1.get("read_locked_objects", 0),
-        "l1_bytes_by_salt": node.manager.l1.bytes_by_salt(),
-        "active_prefetches": status["active_prefetches"],
-        "lookup_leases": status["lookup_leases"],
-        "lease_locks": status["lease_locks"],
-        "leases_expired": status["lease_stats"].expired,
-        "leases_ended_by_owner": status["lease_stats"].ended_by_owner,
-        "waiting_calls": status["waiting_calls"],
-        "engines": len(status["engines"]),
-        "l2_used_bytes": {t["name"]: t["index_bytes"] for t in status["l2"]},
-        "l2_objects": {t["name"]: t["index_objects"] for t in status["l2"]},
-        "l2_healthy": {t["name"]: 1 if t["healthy"] else 0 for t in status["l2"]},
-        "l2_stored_keys": {t["name"]: t["stored_keys"] for t in status["l2"]},
-        "l2_loaded_keys": {t["name"]: t["loaded_keys"] for t in status["l2"]},
-        "l2_store_failed_keys": {t["name"]: t["store_failed_keys"] for t in status["l2"]},
-    }
-    for section in ("eviction", "store", "prefetch"):
-        for name, value in status.get(section, {}).items():
-            if isinstance(value, bool | int | float):
-                out[f"{section}_{name}"] = value
-    if emitter is not None:
-        stats = emitter.stats()
-        for name in ("batches_acked", "batches_dropped", "reconnects", "window_depth"):
-            out[f"emitter_{name}"] = getattr(stats, name, 0)
-        out["emitter_connected"] = 1 if getattr(stats, "connected", False) else 0
-    return out
-
-
-_SERIES = [
-    Series("kvmesh_storage_l1_used_bytes", "L1 bytes in use.", "l1_used_bytes"),
-    Series("kvmesh_storage_l1_capacity_bytes", "Configured L1 size.", "l1_capacity_bytes"),
-    Series("kvmesh_storage_l1_mapped_bytes", "L1 bytes mapped so far.", "l1_mapped_bytes"),
-    Series("kvmesh_storage_l1_objects", "Resident L1 objects.", "l1_resident_objects"),
-    Series(
-        "kvmesh_storage_l1_read_locked_objects",
-        "L1 objects with read locks.",
-        "l1_read_locked_objects",
-    ),
-    Series(
-        "kvmesh_storage_l1_salt_bytes",
-        "L1 bytes per cache salt.",
-        "l1_bytes_by_salt",
-        label="cache_salt",
-    ),
-    Series("kvmesh_storage_active_prefetches", "Prefetches in flight.", "active_prefetches"),
-    Series("kvmesh_storage_lookup_leases", "Lookup leases alive.", "lookup_leases"),
-    Series("kvmesh_storage_lease_locks", "Read locks held by lookup leases.", "lease_locks"),
-    Series(
-        "kvmesh_storage_leases_expired",
-        "Lookup leases ended by their TTL (nobody ended them).",
-        "leases_expired",
-        "counter",
-    ),
-    Series(
-        "kvmesh_storage_leases_ended_by_owner",
-        "Lookup leases ended because the gateway reaped the engine that looked up.",
-        "leases_ended_by_owner",
-        "counter",
-    ),
-    Series(
-        "kvmesh_storage_waiting_calls",
-        "Calls waiting for a prefetch (they hold no thread).",
-        "waiting_calls",
-    ),
-    Series("kvmesh_storage_engines", "Registered engines.", "engines"),
-    Series(
-        "kvmesh_storage_l2_used_bytes", "L2 bytes per adapter.", "l2_used_bytes", label="adapter"
-    ),
-    Series("kvmesh_storage_l2_objects", "L2 objects per adapter.", "l2_objects", label="adapter"),
-    Series(
-        "kvmesh_storage_l2_healthy", "1 when the adapter is usable.", "l2_healthy", label="adapter"
-    ),
-    Series(
-        "kvmesh_storage_l2_stored_keys",
-        "Keys written to L2.",
-        "l2_stored_keys",
-        "counter",
-        label="adapter",
-    ),
-    Series(
-        "kvmesh_storage_l2_loaded_keys",
-        "Keys loaded from L2.",
-        "l2_loaded_keys",
-        "counter",
-        label="adapter",
-    ),
-    Series(
-        "kvmesh_storage_l2_store_failed_keys",
-        "Failed L2 writes.",
-        "l2_store_failed_keys",
-        "counter",
-        label="adapter",
-    ),
-    Series(
-        "kvmesh_storage_l1_evicted_keys",
-        "Keys evicted from L1.",
-        "eviction_l1_evicted_keys",
-        "counter",
-    ),
-    Series(
-        "kvmesh_storage_l2_evicted_keys",
-        "Keys evicted from L2.",
-        "eviction_l2_evicted_keys",
-        "counter",
-    ),
-    Series(
-        "kvmesh_storage_emitter_batches_acked",
-        "Event batches acked.",
-        "emitter_batches_acked",
-        "counter",
-    ),
-    Series(
-        "kvmesh_storage_emitter_batches_dropped",
-        "Event batches dropped (gap).",
-        "emitter_batches_dropped",
-        "counter",
-    ),
-    Series(
-        "kvmesh_storage_emitter_connected", "1 while the event stream is up.", "emitter_connected"
-    ),
-]
 
 
 class StorageApp:
@@ -449,8 +318,8 @@ class StorageApp:
     def collectors(self) -> Sequence[Collector]:
         return [
             StatsCollector(
-                lambda: _flat_stats(self.node, self.emitter),
-                _SERIES,
+                lambda: flat_stats(self.node, self.emitter),
+                SERIES,
                 const_labels={"instance_id": self.instance_id},
             ),
             self.peers.collector({"instance_id": self.instance_id}),
