@@ -304,6 +304,12 @@ def node_links(fleet: dict[str, Any] | None, timeout: float) -> list[dict[str, A
             "instance_id": resp.instance_id,
             "coordinator_connected": bool(resp.emitter.connected) if linked else None,
             "unacked_batches": int(resp.emitter.unacked_batches) if linked else 0,
+            "leases": {
+                "active": int(resp.leases.active),
+                "held_locks": int(resp.leases.held_locks),
+                "expired": int(resp.leases.expired),
+                "ended_by_owner": int(resp.leases.ended_by_owner),
+            },
             "p2p": json_format.MessageToDict(
                 resp.p2p,
                 always_print_fields_with_no_presence=True,
@@ -366,6 +372,7 @@ def render_links(links: list[dict[str, Any]]) -> str:
                 state,
                 _p2p_cell(link.get("p2p")),
                 _engines_cell(link.get("gateway")),
+                _leases_cell(link.get("leases")),
             ]
         )
     return table(
@@ -375,9 +382,17 @@ def render_links(links: list[dict[str, Any]]) -> str:
             "coordinator link (as the node sees it)",
             "P2P in / out",
             "engines (reaped, re-registered) / sessions",
+            "lookup leases / locks held",
         ],
         rows,
     )
+
+
+def _leases_cell(leases: dict[str, int] | None) -> str:
+    """A node's lookup leases alive and the read locks they hold."""
+    if not leases:
+        return "-"
+    return f"{leases['active']} / {leases['held_locks']}"
 
 
 def _engines_cell(gateway: dict[str, int] | None) -> str:

@@ -85,3 +85,4 @@ def test_an_engine_on_node_1_gets_node_0s_prefix_through_p2p(fleet_without_l2: F
         "engines": 0, "engines_reaped": 0, "reregistrations": 0, "live_owners": 0, "sessions": 0,
     }  # fmt: skip
     assert "engines (reaped, re-registered) / sessions" in table
+    assert links["node-1"]["leases"]["active"] == links["node-1"]["leases"]["held_locks"] == 0
