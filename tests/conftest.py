@@ -15,11 +15,13 @@ import tempfile  # noqa: E402
 import pytest  # noqa: E402
 
 # `kvmesh up` writes a fleet file that `kvmesh status`/`demo` read by default: give
-# this test run its own, so fleets of other runs on the host are never picked up.
+# this test run its own registry and one fixed file, so fleets of other runs on the
+# host are never picked up (tests of the registry itself unset KVMESH_FLEET_FILE).
 if "KVMESH_FLEET_FILE" not in os.environ:
     _fleet_dir = tempfile.mkdtemp(prefix="kvmesh-tests-")
     atexit.register(shutil.rmtree, _fleet_dir, True)
     os.environ["KVMESH_FLEET_FILE"] = os.path.join(_fleet_dir, "fleet.json")
+    os.environ.setdefault("KVMESH_FLEET_DIR", os.path.join(_fleet_dir, "fleets"))
 
 
 #: The modules that take the suite's time (real fleets, real vLLM), heaviest

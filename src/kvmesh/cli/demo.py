@@ -109,7 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="use this running gateway (host:port, unix:path, or lane:path for its local "
         "lane) instead of starting a local fleet (default: the first gateway of the fleet "
-        f"file a running kvmesh up wrote, {fleetfile.default_path()}, if any)",
+        f"of the running kvmesh up, found in {fleetfile.where()}, if any; a fleet whose "
+        "gateway does not answer is ignored)",
     )
     p.add_argument(
         "--own-fleet",
@@ -234,22 +235,40 @@ def _prompts(args: argparse.Namespace, vocab: int, shared: int) -> tuple[list[in
     return first, first[:shared] + tail
 
 
-def _gateway_chunk_size(address: str) -> int:
+def _gateway_chunk_size(address: str, timeout: float = 10.0) -> int:
     # No wait_for_ready: an address where nothing listens fails at once, naming it.
     with GatewayClient(address) as client:
-        resp = client.get_chunk_size(gateway_pb2.GetChunkSizeRequest(), timeout=10.0)
+        resp = client.get_chunk_size(gateway_pb2.GetChunkSizeRequest(), timeout=timeout)
     return int(resp.chunk_size)
 
 
 def _running_gateway() -> tuple[str, str] | None:
-    """The first gateway of the fleet ``kvmesh up`` is running (fleet file), and the file."""
-    fleet = fleetfile.load()
-    nodes = (fleet or {}).get("nodes") or []
-    if not nodes:
+    """The first gateway of the fleet ``kvmesh up`` is running, and its fleet file.
+
+    A fleet whose gateway does not answer (a file left by a fleet that is
+    gone) is ignored with a line on stderr: the demo then starts its own.
+    """
+    running = fleetfile.find()
+    if running is None:
         return None
+    note = running.note()
+    if note:
+        print(note, file=sys.stderr)
+    nodes = running.data.get("nodes") or []
     # Same host as the fleet: its local lane when it has one.
-    gateway = nodes[0].get("gateway_lane") or nodes[0].get("gateway")
-    return (str(gateway), str(fleetfile.default_path())) if gateway else None
+    gateway = (nodes[0].get("gateway_lane") or nodes[0].get("gateway")) if nodes else None
+    if not gateway:
+        return None
+    try:
+        _gateway_chunk_size(str(gateway), timeout=2.0)
+    except grpc.RpcError as exc:
+        print(
+            f"kvmesh demo: ignoring {running.path}: its gateway {gateway} does not answer "
+            f"({exc.code().name}); starting a fleet of its own",
+            file=sys.stderr,
+        )
+        return None
+    return str(gateway), str(running.path)
 
 
 def _figures(out: RequestOutput) -> dict[str, Any]:

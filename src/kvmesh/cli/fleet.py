@@ -105,6 +105,8 @@ class Fleet:
         self.shm_dir = Path("/dev/shm") / f"{tag}{uuid.uuid4().hex[:12]}"
         self._lock: FleetLock | None = None
         self.reaper_pid: int | None = None
+        #: Where a fleet that failed left its services' logs (see stop).
+        self.kept_logs: Path | None = None
 
     def _child(self, name: str, service: str, args: list[str]) -> Child:
         ready = self.run_dir / f"{name}.ready.json"
@@ -269,7 +271,8 @@ class Fleet:
         except BaseException:
             for sock in reserved:
                 sock.close()
-            self.stop()
+            # The error names a log file: it stays for the operator to read.
+            self.stop(keep_logs=True)
             raise
 
     def _write_fleet_file(self) -> None:
@@ -307,8 +310,12 @@ class Fleet:
                 lines.append(f"  {'':<16} lane {e['lane']}  (same-host clients)")
         return lines
 
-    def stop(self) -> None:
-        """SIGTERM every child in reverse order, SIGKILL stragglers, remove leftovers."""
+    def stop(self, *, keep_logs: bool = False) -> None:
+        """SIGTERM every child in reverse order, SIGKILL stragglers, remove leftovers.
+
+        ``keep_logs``: a fleet that failed keeps its services' logs (the rest
+        of a data directory of its own goes); :attr:`kept_logs` says where.
+        """
         for child in reversed(self.children):
             if child.process is not None and child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
@@ -324,7 +331,19 @@ class Fleet:
             fleetfile.remove(self.options.fleet_file, os.getpid())
         shutil.rmtree(self.shm_dir, ignore_errors=True)
         if self._owns_data_dir:
-            shutil.rmtree(self.data_dir, ignore_errors=True)
+            if keep_logs and any(self.log_dir.glob("*")):
+                for entry in self.data_dir.iterdir():
+                    if entry == self.log_dir:
+                        continue
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:
+                        entry.unlink(missing_ok=True)
+                self.kept_logs = self.log_dir
+            else:
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+        elif keep_logs:
+            self.kept_logs = self.log_dir
         if self._lock is not None:
             self._lock.release()
         if self.reaper_pid is not None:
@@ -394,9 +413,9 @@ def add_up_command(sub: Any) -> None:
         type=Path,
         default=None,
         metavar="PATH",
-        help="write the fleet's addresses here once it is up; kvmesh status, demo and bench "
-        f"read it by default (default: ${fleetfile.FLEET_FILE_ENV}, else "
-        f"{fleetfile.default_path()})",
+        help="write the fleet's addresses here once it is up (default: "
+        f"${fleetfile.FLEET_FILE_ENV}, else a file of this fleet's own in "
+        f"{fleetfile.registry_dir()}, where kvmesh status, demo and bench look)",
     )
     p.add_argument(
         "--trace-file",
@@ -456,6 +475,8 @@ def run_up(args: argparse.Namespace) -> int:
         fleet.start()
     except RuntimeError as exc:
         print(f"kvmesh up: error: {exc}", file=sys.stderr)
+        if fleet.kept_logs is not None:
+            print(f"kvmesh up: the services' logs are kept in {fleet.kept_logs}", file=sys.stderr)
         return 1
     print("kvmesh fleet is up:", flush=True)
     for line in fleet.describe():
@@ -474,7 +495,9 @@ def run_up(args: argparse.Namespace) -> int:
             gone = [c.name for c in fleet.children if c.process and c.process.poll() is not None]
             if gone:
                 print(f"kvmesh up: {', '.join(gone)} exited; stopping the fleet", file=sys.stderr)
-                fleet.stop()
+                fleet.stop(keep_logs=True)
+                if fleet.kept_logs is not None:
+                    print(f"kvmesh up: logs kept in {fleet.kept_logs}", file=sys.stderr)
                 return 1
     finally:
         fleet.stop()

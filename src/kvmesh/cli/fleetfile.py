@@ -1,41 +1,70 @@
-"""The fleet file: where the fleet ``kvmesh up`` started listens.
+"""Fleet files: where each fleet ``kvmesh up`` started listens.
 
-``kvmesh up`` writes it once every service is ready and removes it when it
-stops (its reaper removes it if ``up`` was killed). ``kvmesh status``,
-``kvmesh demo`` and ``kvmesh bench`` read it when no address is given, so an
-operator never has to copy a random port. Its path is ``$KVMESH_FLEET_FILE``,
-else ``$XDG_RUNTIME_DIR/kvmesh/fleet.json``, else
-``<tmp>/kvmesh-<uid>/fleet.json``; ``kvmesh up --fleet-file PATH`` chooses
-another. A file whose ``up`` process is gone is ignored.
+Every ``kvmesh up`` writes a file of its own, once every service is ready, and
+removes it when it stops (its reaper removes it if ``up`` was killed), so two
+fleets of one user never overwrite or delete each other's. The files live in
+one directory, the registry: ``$KVMESH_FLEET_DIR``, else
+``$XDG_RUNTIME_DIR/kvmesh/fleets``, else ``<tmp>/kvmesh-<uid>/fleets``; each is
+named after its ``up`` process (``fleet-<pid>.json``).
 
-Contents (JSON): ``pid`` of ``up``, ``coordinator`` (gRPC address),
-``coordinator_metrics``, ``nodes`` (per node: ``name``, ``storage``,
-``gateway``, their ``*_lane`` and ``*_metrics``), ``services`` (every
-process: name, grpc, metrics, lane, pid), ``shm_dir``, ``data_dir``.
+``kvmesh status``, ``kvmesh demo`` and ``kvmesh bench`` read the registry when
+no address is given, so an operator never copies a random port:
+
+- a file whose ``up`` is gone (its process, or its shared-memory directory)
+  is stale: ignored, and removed from the registry;
+- one live fleet: that one;
+- several: the newest, and the command says so on stderr, naming the others
+  and how to pick one (``KVMESH_FLEET_FILE``).
+
+``$KVMESH_FLEET_FILE`` (or ``kvmesh up --fleet-file PATH``) names one file
+instead of the registry, for scripts that want a fixed path.
+
+Contents (JSON): ``pid`` of ``up``, ``started`` (Unix time), ``coordinator``
+(gRPC address), ``coordinator_metrics``, ``nodes`` (per node: ``name``,
+``storage``, ``gateway``, their ``*_lane`` and ``*_metrics``), ``services``
+(every process: name, grpc, metrics, lane, pid), ``shm_dir``, ``data_dir``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvmesh.common.procs import pid_alive
 
 FLEET_FILE_ENV = "KVMESH_FLEET_FILE"
+FLEET_DIR_ENV = "KVMESH_FLEET_DIR"
 
 
-def default_path() -> Path:
-    """Where ``kvmesh up`` writes the fleet file and the other commands look for it."""
-    explicit = os.environ.get(FLEET_FILE_ENV)
+def registry_dir() -> Path:
+    """The directory every ``kvmesh up`` writes its fleet file into."""
+    explicit = os.environ.get(FLEET_DIR_ENV)
     if explicit:
         return Path(explicit).expanduser()
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and Path(runtime).is_dir():
-        return Path(runtime) / "kvmesh" / "fleet.json"
-    return Path(tempfile.gettempdir()) / f"kvmesh-{os.getuid()}" / "fleet.json"
+        return Path(runtime) / "kvmesh" / "fleets"
+    return Path(tempfile.gettempdir()) / f"kvmesh-{os.getuid()}" / "fleets"
+
+
+def default_path(pid: int | None = None) -> Path:
+    """The file ``kvmesh up`` (process ``pid``, default this one) writes."""
+    explicit = os.environ.get(FLEET_FILE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    return registry_dir() / f"fleet-{pid if pid is not None else os.getpid()}.json"
+
+
+def where() -> str:
+    """Where the readers look, for help texts and error messages."""
+    explicit = os.environ.get(FLEET_FILE_ENV)
+    return f"${FLEET_FILE_ENV}={explicit}" if explicit else f"the fleets in {registry_dir()}"
 
 
 def write(path: Path, data: dict[str, Any]) -> None:
@@ -51,28 +80,84 @@ def remove(path: Path, pid: int) -> None:
     try:
         if json.loads(path.read_text()).get("pid") == pid:
             path.unlink()
-            if path.parent == default_path().parent:
-                path.parent.rmdir()  # only when empty (another fleet's file keeps it)
     except (OSError, ValueError, AttributeError):
         pass
 
 
-def load(path: Path | None = None) -> dict[str, Any] | None:
-    """The running fleet's file, or None (no file, unreadable, or its ``up`` is gone)."""
-    path = path or default_path()
+def _read(path: Path) -> dict[str, Any] | None:
+    """The file's contents if its fleet is alive; None otherwise."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
         return None
-    return data if pid_alive(data["pid"]) else None
+    if not pid_alive(data["pid"]):
+        return None
+    # A reused pid: the fleet's private shared-memory dir goes when the fleet does.
+    shm_dir = data.get("shm_dir")
+    if isinstance(shm_dir, str) and shm_dir and not Path(shm_dir).is_dir():
+        return None
+    return data
 
 
-def describe(path: Path | None = None) -> str:
-    """How the commands found (or did not find) a fleet, for error messages."""
-    path = path or default_path()
-    return f"fleet file {path}" if load(path) else f"no running fleet in {path}"
+@dataclass
+class Running:
+    """The fleet a command uses, and the other live fleets it did not pick."""
+
+    path: Path
+    data: dict[str, Any]
+    others: list[Path] = field(default_factory=list)
+
+    def note(self) -> str | None:
+        """A line for stderr when several fleets run; None when the choice was the only one."""
+        if not self.others:
+            return None
+        names = ", ".join(str(p) for p in self.others)
+        return (
+            f"kvmesh: {len(self.others) + 1} fleets are running; using the newest, {self.path} "
+            f"(others: {names}); pick one with {FLEET_FILE_ENV}=PATH"
+        )
+
+
+def find() -> Running | None:
+    """The live fleet the commands use by default, or None (stale files are removed)."""
+    explicit = os.environ.get(FLEET_FILE_ENV)
+    if explicit:
+        path = Path(explicit).expanduser()
+        data = _read(path)
+        return Running(path, data) if data is not None else None
+    live: list[tuple[float, Path, dict[str, Any]]] = []
+    with contextlib.suppress(OSError):
+        for path in registry_dir().glob("fleet-*.json"):
+            data = _read(path)
+            if data is None:
+                # Stale: its kvmesh up is gone (files are written whole, never half).
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            started = data.get("started")
+            live.append((float(started) if isinstance(started, int | float) else 0.0, path, data))
+    if not live:
+        return None
+    live.sort(key=lambda item: (item[0], item[1].name))
+    _, path, data = live[-1]
+    return Running(path, data, [p for _, p, _ in reversed(live[:-1])])
+
+
+def load(path: Path | None = None) -> dict[str, Any] | None:
+    """A live fleet's file: ``path``'s, else the default fleet's (see :func:`find`); or None."""
+    if path is not None:
+        return _read(path)
+    running = find()
+    return running.data if running is not None else None
+
+
+def describe(running: Running | None = None) -> str:
+    """How the commands found (or did not find) a fleet, for messages."""
+    if running is not None:
+        return f"fleet file {running.path}"
+    return f"no running fleet in {where()}"
 
 
 def record(fleet: Any) -> dict[str, Any]:
@@ -101,6 +186,7 @@ def record(fleet: Any) -> dict[str, Any]:
     coordinator = by_name.get("coordinator", {})
     return {
         "pid": os.getpid(),
+        "started": time.time(),
         "coordinator": coordinator.get("grpc", ""),
         "coordinator_metrics": coordinator.get("metrics", ""),
         "nodes": nodes,

@@ -187,9 +187,13 @@ def _fleet_defaults(parser: argparse.ArgumentParser) -> None:
     """A benchmark's --gateway/--coordinator default to the running fleet (its fleet file)."""
     from kvmesh.cli import fleetfile
 
-    fleet = fleetfile.load()
-    if fleet is None:
+    running = fleetfile.find()
+    if running is None:
         return
+    note = running.note()
+    if note:
+        print(note, file=sys.stderr)
+    fleet = running.data
     nodes = fleet.get("nodes") or [{}]
     found = {"gateway": nodes[0].get("gateway"), "coordinator": fleet.get("coordinator")}
     for action in parser._actions:

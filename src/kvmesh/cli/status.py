@@ -259,8 +259,8 @@ def add_status_command(sub: Any) -> None:
     p.add_argument(
         "--coordinator",
         default=None,
-        help="coordinator address (default: $KVMESH_COORDINATOR, else the fleet file of a "
-        f"running kvmesh up ({fleetfile.default_path()}), else {DEFAULT_COORDINATOR})",
+        help="coordinator address (default: $KVMESH_COORDINATOR, else the running kvmesh up's "
+        f"(found in {fleetfile.where()}), else {DEFAULT_COORDINATOR})",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default: 5)")
@@ -269,14 +269,18 @@ def add_status_command(sub: Any) -> None:
 
 def _coordinator(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
     """The coordinator to ask, where that address came from, and the running fleet's file."""
-    fleet = fleetfile.load()
+    running = fleetfile.find()
+    fleet = running.data if running is not None else None
+    note = running.note() if running is not None else None
+    if note and not args.coordinator:
+        print(note, file=sys.stderr)
     if args.coordinator:
         return args.coordinator, "--coordinator", fleet
     if os.environ.get("KVMESH_COORDINATOR"):
         return os.environ["KVMESH_COORDINATOR"], "$KVMESH_COORDINATOR", fleet
     if fleet is not None and fleet.get("coordinator"):
-        return str(fleet["coordinator"]), f"fleet file {fleetfile.default_path()}", fleet
-    return DEFAULT_COORDINATOR, f"the default; {fleetfile.describe()}", fleet
+        return str(fleet["coordinator"]), fleetfile.describe(running), fleet
+    return DEFAULT_COORDINATOR, f"the default; {fleetfile.describe(running)}", fleet
 
 
 def node_links(fleet: dict[str, Any] | None, timeout: float) -> list[dict[str, Any]]:

@@ -151,3 +151,47 @@ def test_status_shows_a_node_that_cannot_reach_its_coordinator(tmp_path: Path) -
     assert "KVMESH_COORDINATOR" in first
     row = next(line for line in table if line.startswith("node-0 "))
     assert "NOT connected" in row
+
+
+def test_two_fleets_of_one_user_keep_their_own_files(tmp_path: Path) -> None:
+    """A second kvmesh up neither overwrites nor deletes the first one's fleet file."""
+    registry = tmp_path / "fleets"
+    env = dict(os.environ, KVMESH_FLEET_DIR=str(registry))
+    env.pop(fleetfile.FLEET_FILE_ENV, None)
+    env.pop("KVMESH_COORDINATOR", None)
+    ups: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(2):
+            up = subprocess.Popen(
+                [sys.executable, "-m", "kvmesh.cli", "up", "--colocated", "--l1-size", "16MiB"],
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            ups.append(up)
+            mine = registry / f"fleet-{up.pid}.json"
+            wait_until(lambda: mine.exists() or up.poll() is not None, timeout=90)  # noqa: B023
+            assert up.poll() is None, f"kvmesh up exited with {up.returncode}"
+        first, second = (json.loads((registry / f"fleet-{u.pid}.json").read_text()) for u in ups)
+        assert first["coordinator"] != second["coordinator"]
+
+        status = _cli("status", env=env)
+        assert status.returncode == 0, status.stderr
+        assert f"coordinator {second['coordinator']}" in status.stdout
+        assert "2 fleets are running; using the newest" in status.stderr
+        assert f"fleet-{ups[0].pid}.json" in status.stderr
+
+        ups[1].send_signal(signal.SIGTERM)
+        assert ups[1].wait(timeout=60) == 0
+        assert (registry / f"fleet-{ups[0].pid}.json").exists()
+        status = _cli("status", env=env)
+        assert status.returncode == 0, status.stderr
+        assert f"coordinator {first['coordinator']}" in status.stdout
+        assert "fleets are running" not in status.stderr
+    finally:
+        for up in ups:
+            if up.poll() is None:
+                up.send_signal(signal.SIGTERM)
+                up.wait(timeout=60)
+    assert not list(registry.glob("*.json"))
