@@ -121,7 +121,12 @@ def test_status_json_is_snake_case_and_lists_each_nodes_gateway(tmp_path: Path) 
     assert "instance_id" in keys
     assert "heartbeat_age_seconds" in keys
     assert [k for k in keys if any(c.isupper() for c in k)] == []
-    endpoints = {i["instance_id"]: i["endpoints"] for i in status["instances"]["instances"]}
+    # One level per section, and 64-bit counters as JSON numbers.
+    assert isinstance(status["instances"], list)
+    assert isinstance(status["cursors"], list)
+    assert isinstance(status["status"]["batches_admitted"], int)
+    assert isinstance(status["stats"]["num_keys"], int)
+    endpoints = {i["instance_id"]: i["endpoints"] for i in status["instances"]}
     assert endpoints["node-0"]["gateway_address"] == grpc["node-0-gateway"]
     assert endpoints["node-1"]["gateway_address"] == grpc["node-1-gateway"]
     assert endpoints["node-0"]["storage_address"] == grpc["node-0-storage"]

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.coordinator.v1 import admin_pb2, directory_pb2, membership_pb2, policy_pb2
 from kvmesh.cli import fleetfile
+from kvmesh.cli.plainjson import plain
 from kvmesh.coordinator.client import AdminClient, DirectoryClient, MembershipClient, PolicyClient
 from kvmesh.rpc.client import create_channel
 
@@ -87,6 +87,21 @@ def collect(target: str, timeout: float = 5.0) -> dict[str, Any]:
         }
     finally:
         channel.close()
+
+
+#: Responses that are one list: ``--json`` prints the list under the section's name
+#: (``"instances": [...]``, not ``"instances": {"instances": [...]}``).
+_LISTS = {"instances": "instances", "cursors": "cursors"}
+
+
+def as_json(data: dict[str, Any]) -> dict[str, Any]:
+    """What ``kvmesh status --json`` prints for :func:`collect`'s responses."""
+    out: dict[str, Any] = {}
+    for name, message in data.items():
+        section = plain(message)
+        inner = _LISTS.get(name)
+        out[name] = section[inner] if inner is not None else section
+    return out
 
 
 def render(data: dict[str, Any], target: str) -> str:
@@ -314,11 +329,7 @@ def node_links(fleet: dict[str, Any] | None, timeout: float) -> list[dict[str, A
                 "expired": int(resp.leases.expired),
                 "ended_by_owner": int(resp.leases.ended_by_owner),
             },
-            "p2p": json_format.MessageToDict(
-                resp.p2p,
-                always_print_fields_with_no_presence=True,
-                preserving_proto_field_name=True,
-            ),
+            "p2p": plain(resp.p2p),
         }
 
     async def ask_all() -> list[dict[str, Any]]:
@@ -437,21 +448,7 @@ def run_status(args: argparse.Namespace) -> int:
             print(render_links(links), file=sys.stderr)
         return 1
     if args.json:
-        print(
-            json.dumps(
-                {
-                    name: json_format.MessageToDict(
-                        # snake_case throughout, as the .proto files spell the fields.
-                        msg,
-                        always_print_fields_with_no_presence=True,
-                        preserving_proto_field_name=True,
-                    )
-                    for name, msg in data.items()
-                }
-                | ({"nodes": links} if links else {}),
-                indent=2,
-            )
-        )
+        print(json.dumps(as_json(data) | ({"nodes": links} if links else {}), indent=2))
     else:
         out = render(data, args.coordinator)
         if links:
