@@ -21,16 +21,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kvmesh.common.config import ConfigError
+from kvmesh.common.config import ConfigError, read_text_file
 from kvmesh.common.telemetry import TracingSettingsError, tracing_settings
 
 
 def read_spans(path: Path) -> list[dict[str, Any]]:
     """The spans of a trace file; ConfigError when it cannot be read or a line is not a span."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read trace file {path}: {exc.strerror or exc}") from None
+    text = read_text_file(path, "trace file")
     spans = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():

@@ -259,12 +259,29 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type, service: st
             )
 
 
+def read_text_file(path: Path, what: str) -> str:
+    """A UTF-8 text file an operator gave; ConfigError (one line) when unreadable or not text.
+
+    ``what`` names the file in the message ("config file", "trace file").
+    """
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ConfigError(
+            f"{what} {path} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line}, "
+            f"column {column}"
+        ) from None
+
+
 def load_yaml(path: Path, service: str) -> dict[str, Any]:
     """The settings for ``service`` in a YAML file (its section, or the whole flat mapping)."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    text = read_text_file(path, "config file")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -34,6 +34,7 @@ from tests.support.waiting import wait_until
 SHM = Path("/dev/shm")
 RUN = uuid.uuid4().hex[:10]
 HUGE = "1000TB"  # more than any /dev/shm here
+NOT_UTF8 = "@not-utf8-file"
 
 BLOCKER = """\
 import os, sys
@@ -203,6 +204,22 @@ ROWS = [
         ["l1_size_bytes", "free space of"],
     ),
     Row("config-missing", _storage("--config", "/nonexistent/kvmesh.yaml"), ["cannot read"]),
+    # NOT_UTF8 stands for a file written in Latin-1 (a config saved by an old editor).
+    *(
+        Row(
+            f"{command}-config-not-utf8",
+            [command, "--config", NOT_UTF8, *extra],
+            ["is not UTF-8 text: byte 0xe9 at line 2, column 9"],
+        )
+        for command, extra in (
+            ("storage", ["--port", "0"]),
+            ("node", ["--port", "0"]),
+            ("gateway", ["--port", "0"]),
+            ("coordinator", ["--port", "0"]),
+            ("up", []),
+        )
+    ),
+    Row("traces-not-utf8", ["traces", NOT_UTF8], ["trace file", "is not UTF-8 text"]),
     Row(
         "data-dir-unusable",
         _storage("--data-dir", "/proc/kvmesh-cannot-be-here"),
@@ -289,6 +306,10 @@ def test_bad_invocation_is_one_line_and_exit_2(
     env.pop("KVMESH_CONFIG", None)
     env.update(row.env)
     args = list(row.args)
+    if NOT_UTF8 in args:
+        latin1 = tmp_path / "kvmesh.yaml"
+        latin1.write_bytes("storage:\n  # cach\u00e9 size\n".encode("latin-1"))
+        args = [str(latin1) if a == NOT_UTF8 else a for a in args]
     if "--data-dir" not in args and args and args[0] in ("storage", "node"):
         args += ["--data-dir", str(tmp_path / "data")]
     if row.block:
