@@ -64,7 +64,7 @@ def default_path(pid: int | None = None) -> Path:
 def where() -> str:
     """Where the readers look, for help texts and error messages."""
     explicit = os.environ.get(FLEET_FILE_ENV)
-    return f"${FLEET_FILE_ENV}={explicit}" if explicit else f"the fleets in {registry_dir()}"
+    return f"${FLEET_FILE_ENV}={explicit}" if explicit else str(registry_dir())
 
 
 def write(path: Path, data: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from kvmesh.cli.startup import StartupLogs, follow_parent, one_line, reserve_port
-from kvmesh.common.config import add_config_arguments, describe, resolve
+from kvmesh.common.config import add_config_arguments, describe, require_module, resolve
 from kvmesh.common.telemetry import TRACING_HELP, configure_logging
 from kvmesh.rpc.server import ServerSettings, ServiceApp, create_server, run_until_signalled
 
@@ -172,6 +172,9 @@ def run_bench(argv: Sequence[str]) -> int:
     argv = [*argv[:at], *argv[at + 1 :]]
     module_name, help_text = BENCHES[chosen.name]
     module = importlib.import_module(module_name)
+    # The benchmarks run storage nodes (the "storage" extra) unless a module says otherwise.
+    for package in getattr(module, "REQUIRES", ("torch",)):
+        require_module(package)
     parser = OneLineParser(prog=f"kvmesh bench {chosen.name}", description=help_text)
     module.add_arguments(parser)
     _fleet_defaults(parser)

@@ -45,6 +45,8 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "nixl": ("nixl", 'an L2 adapter of type "nixl"'),
     "nixl_cu12": ("nixl", 'an L2 adapter of type "nixl"'),
     "nixl_cu13": ("nixl", 'an L2 adapter of type "nixl"'),
+    "torch": ("storage", "a storage node (kvmesh storage, node, up, demo, bench)"),
+    "vllm": ("vllm", "vLLM's connector and kvmesh demo --engine vllm"),
 }
 
 
@@ -54,9 +56,15 @@ def missing_extra(exc: ImportError) -> str | None:
     if root not in EXTRAS:
         return None
     extra, what = EXTRAS[root]
+    hint = (
+        " (on a host without a GPU, first: pip install torch==2.13.0 --index-url "
+        "https://download.pytorch.org/whl/cpu)"
+        if root == "torch"
+        else ""
+    )
     return (
         f"{what} needs the Python package '{root}', which is not installed: "
-        f"pip install 'kvmesh[{extra}]'"
+        f"pip install 'kvmesh[{extra}]'{hint}"
     )
 
 

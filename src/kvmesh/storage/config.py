@@ -202,6 +202,8 @@ class StorageConfig(ServerSettings):
     def validate(self) -> None:
         """Raise ConfigError on unusable settings."""
         self.validate_server()
+        # L1 and the engine memory it copies to are torch tensors (the "storage" extra).
+        require_module("torch")
         if self.l1_size_bytes < 1024**2:
             raise ConfigError("l1_size_bytes must be at least 1MiB")
         if self.l1_segment_bytes and not 4096 <= self.l1_segment_bytes <= self.l1_size_bytes:

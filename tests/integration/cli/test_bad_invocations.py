@@ -174,6 +174,22 @@ ROWS = [
         ["pip install 'kvmesh[nats]'"],
         block="nats",
     ),
+    # The base install has no torch: what needs it names the extra.
+    *(
+        Row(
+            f"{name}-torch-missing",
+            args,
+            ["needs the Python package 'torch'", "pip install 'kvmesh[storage]'", "whl/cpu"],
+            block="torch",
+        )
+        for name, args in (
+            ("storage", _storage()),
+            ("node", ["node", *_storage()[1:]]),
+            ("up", ["up"]),
+            ("demo", ["demo", "--no-progress"]),
+            ("bench", ["bench", "datapath"]),
+        )
+    ),
     Row(
         "log-level",
         _storage("--log-level", "verbose"),
