@@ -1,49 +1,53 @@
 # kvmesh image: one image, the command picks what runs —
 #   kvmesh coordinator | storage | gateway | node | up | status | demo | bench
-# CPU build of torch (the demo's transformer and the engine-side kernels need it).
+# CPU build of torch (storage nodes, the demo's transformer and the kernels need it).
 #
 # Build context: the repository root, filtered by .dockerignore (no .venv, .git or
 # caches). Everything the CLI imports is the one package under src/kvmesh
 # (api, common, rpc, kernels, the three services, connector, engine, node, cli,
 # bench), installed from pyproject.toml below.
 #
-# The native copy kernel (src/kvmesh/kernels/_native/ntcopy.c) is compiled with the
-# image's C compiler at build time, into KVMESH_NATIVE_CACHE, and checked to load:
-# without it a storage node copies with NumPy at about half the speed. The compiler
-# stays in the image on purpose: the kernel's cache key includes the compiler's
-# version, so a service finds the prebuilt library only where the compiler that
-# built it is present (and a rebuilt kernel source is compiled on first use).
-FROM python:3.11-slim
+# Two stages. The first builds kvmesh's wheel, compiling the native copy kernel
+# (src/kvmesh/kernels/_native/ntcopy.c, setup.py) with gcc; the second installs that
+# wheel and carries no compiler: nothing is compiled where kvmesh runs. Without the
+# kernel a storage node would copy with NumPy at about half the speed, so the build
+# fails unless it loads.
+FROM python:3.11-slim AS build
 
-ENV PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    KVMESH_NATIVE_CACHE=/opt/kvmesh/native
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# gcc and the C library headers: the native copy kernel is built with them.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/kvmesh
+# The package and what its build reads (pyproject names README.md as the readme).
+COPY pyproject.toml setup.py README.md ./
+COPY src ./src
+RUN pip wheel --no-deps --wheel-dir /wheels .
 
-# torch first, from the CPU index, so the project's torch==2.13.0 pin is already satisfied.
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# torch first, from the CPU index, so the storage extra's torch==2.13.0 pin is already
+# satisfied (PyPI's default torch for Linux is a multi-GB CUDA build).
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
-# The package and what its build reads (pyproject names README.md as the readme).
-COPY pyproject.toml README.md ./
-COPY src ./src
-RUN pip install ".[redis,nats,s3]"
+COPY --from=build /wheels /wheels
+RUN pip install "$(echo /wheels/kvmesh-*.whl)[storage,redis,nats,s3]" && rm -rf /wheels
 
-# The services run as an unprivileged user, which owns the kernel cache and /data.
+# The services run as an unprivileged user, which owns /data.
 RUN useradd --system --uid 10001 --create-home --home-dir /home/kvmesh kvmesh \
-    && mkdir -p /data "$KVMESH_NATIVE_CACHE" \
-    && chown kvmesh:kvmesh /data "$KVMESH_NATIVE_CACHE" \
-    && chmod 700 "$KVMESH_NATIVE_CACHE"
+    && mkdir -p /data \
+    && chown kvmesh:kvmesh /data
 USER kvmesh
 
-# Build the native copy kernel now and fail the build unless it loads; then check
-# that every command's modules import (demo and bench included).
+# The native copy kernel must load (from the wheel, with no compiler in this stage);
+# then every command's modules must import (demo and bench included).
 RUN python -c "from kvmesh.kernels import native; lib = native.load(); print('copy kernel:', native.status()); raise SystemExit(0 if lib is not None else 1)" \
     && python -c "import kvmesh.cli.main, kvmesh.cli.demo, kvmesh.cli.fleet, kvmesh.cli.status, kvmesh.coordinator.app, kvmesh.storage.app, kvmesh.gateway.app, kvmesh.node.app, kvmesh.connector, kvmesh.engine" \
     && kvmesh --version \

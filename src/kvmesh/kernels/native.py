@@ -11,26 +11,24 @@ stores, several runs side by side, and reaches 0.9–1.0 of the large
 the C file).
 
 Why ctypes and a plain shared library rather than a CPython extension: the
-library has no Python headers to match, so one build serves every
-interpreter; ctypes releases the GIL around every foreign call, which is what
-lets :func:`kvmesh.kernels.set_copy_threads` threads copy in parallel; and the call
-cost (~1-2 µs) is paid once per ~2 MiB piece.
+library has no Python to call back into; ctypes releases the GIL around every
+foreign call, which is what lets :func:`kvmesh.kernels.set_copy_threads`
+threads copy in parallel; and the call cost (~1-2 µs) is paid once per
+~2 MiB piece.
 
-How it is built: nothing happens at import (the CLI imports :mod:`kernels` on
-every start). The first copy, or :func:`load`, looks for the library in a
-per-user cache directory under a name keyed by the hash of the source, the
-compiler's ``--version`` and the flags; when it is missing, it compiles it
-with ``cc -O3 -shared -fPIC`` into a temporary file there and renames it into
-place (atomic, so two processes compiling at once both end up with a whole
-file). The library is portable across x86-64 CPUs (no ``-march=native``: the
-cache may sit in a home directory shared between machines); it picks SSE2 or
-AVX2 at run time.
+How it is built: with the package. ``setup.py`` compiles the C file into
+``kvmesh/kernels/_ntcopy<suffix>.so`` when kvmesh is installed (a wheel
+carries it; ``pip install -e .`` builds it in the source tree). Nothing is
+compiled at run time, and no compiler is needed where kvmesh runs. The
+library is portable across x86-64 CPUs (no ``-march=native``); it picks SSE2
+or AVX2 at run time, and :data:`ENV_SWITCH` can cap that choice.
 
-When a copy finds the library missing it starts the compile on a background
-thread and copies with NumPy meanwhile, so no request waits for a compiler.
-:func:`load` waits (tests, benchmarks, or a service warming up at start-up).
-Any failure (no compiler, unwritable cache, a failed self-test) logs one
-warning and leaves NumPy in charge for the life of the process.
+The first copy (or :func:`load`, which a storage node calls at start-up)
+opens the library and self-tests it: a ``dlopen`` and a few small copies,
+well under a millisecond. When it is missing (installed where the build had
+no C compiler) or fails its self-test, one warning is logged and NumPy copies
+for the life of the process, at about half the speed (``kvmesh bench
+datapath`` measures both).
 
 Environment:
 
@@ -38,27 +36,18 @@ Environment:
   kernel (read on every copy); ``memcpy``, ``sse2`` or ``avx2`` caps the
   instruction set (read when the library loads); unset or ``1`` / ``auto``:
   the best the CPU has.
-- ``KVMESH_NATIVE_CACHE``: the cache directory (default
-  ``$XDG_CACHE_HOME/kvmesh/native``, else ``~/.cache/kvmesh/native``, else
-  ``<tmp>/kvmesh-native-<uid>``). It must belong to the current user and not
-  be writable by others: a shared library found there is loaded into the
-  process.
-- ``CC``: the compiler (default: the first of ``cc``, ``gcc``, ``clang`` on
-  ``PATH``).
+- ``KVMESH_NATIVE_LIBRARY``: open this library instead of the one installed
+  with the package (a kernel built by hand; it must belong to the current
+  user and not be writable by others, since it is loaded into the process).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import importlib.machinery
 import logging
 import os
-import platform
-import shlex
-import shutil
 import stat
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -69,9 +58,9 @@ import numpy.typing as npt
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "KVMESH_NATIVE_COPY"
-ENV_CACHE = "KVMESH_NATIVE_CACHE"
+ENV_LIBRARY = "KVMESH_NATIVE_LIBRARY"
 
-#: Must match KVMESH_NTCOPY_ABI in ntcopy.c; part of the cache key too.
+#: Must match KVMESH_NTCOPY_ABI in ntcopy.c.
 ABI_VERSION = 3
 
 ISA_MEMCPY = 0
@@ -80,23 +69,18 @@ ISA_AVX2 = 2
 #: Names of the copy paths ``kvmesh_copy_runs`` reports, best last.
 ISA_NAMES: dict[int, str] = {ISA_MEMCPY: "memcpy", ISA_SSE2: "sse2", ISA_AVX2: "avx2"}
 
-_SOURCE = "ntcopy.c"
-#: No -march=native: the library must run on any CPU of the architecture that
-#: shares the cache directory; the instruction set is chosen at run time.
-_CFLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-fvisibility=hidden")
-_COMPILE_TIMEOUT_S = 120.0
-_VERSION_TIMEOUT_S = 15.0
+#: The extension's name inside the package (setup.py builds it).
+_MODULE = "_ntcopy"
 _OFF = frozenset({"0", "off", "false", "no", "disable", "disabled"})
 _AUTO = frozenset({"", "1", "on", "true", "yes", "auto"})
 
 _lock = threading.Lock()
 _native: NativeCopy | None = None
 _failure: str | None = None
-_compile_thread: threading.Thread | None = None
 
 
 class NativeLoadError(RuntimeError):
-    """Why the native kernel could not be built or loaded (logged, then NumPy copies)."""
+    """Why the native kernel could not be loaded (logged, then NumPy copies)."""
 
 
 class NativeCopy:
@@ -261,43 +245,45 @@ def enabled() -> bool:
 
 
 def library() -> NativeCopy | None:
-    """The kernel for the copy at hand, or ``None`` to copy with NumPy; never waits long.
+    """The kernel for the copy at hand, or ``None`` to copy with NumPy.
 
-    The first call loads the library when it is already built (a few
-    milliseconds: the compiler's ``--version`` and a ``dlopen``), or starts
-    building it on a background thread and returns ``None`` until that is
-    done. While another thread is loading, it returns ``None`` at once.
+    The first call opens the library (well under a millisecond); later calls
+    return what that found.
     """
     if not enabled():
         return None
     lib = _native
     if lib is not None or _failure is not None:
         return lib
-    if not _lock.acquire(blocking=False):
-        return None
-    try:
-        if _native is None and _failure is None and _compile_thread is None:
-            _load_locked(compile_in_background=True)
-        return _native
-    finally:
-        _lock.release()
+    return load()
 
 
 def load(timeout: float | None = None) -> NativeCopy | None:
-    """Load the kernel, compiling it if needed, and wait for it; ``None`` if unavailable.
+    """Open and self-test the kernel once; ``None`` if unavailable (logged once).
 
-    For start-up and tests. ``timeout`` bounds the wait for a compile already
-    running on the background thread.
+    ``timeout`` is accepted for callers written when the kernel was compiled
+    at run time; opening it never waits on anything.
     """
+    del timeout
     if not enabled():
         return None
     with _lock:
-        if _native is None and _failure is None and _compile_thread is None:
-            _load_locked(compile_in_background=False)
-        thread = _compile_thread
-    if thread is not None:
-        thread.join(timeout)
+        if _native is None and _failure is None:
+            try:
+                _open(_library_path(), _max_isa())
+            except NativeLoadError as exc:
+                _fail(str(exc))
     return _native
+
+
+def installed_path() -> Path | None:
+    """The library installed with the package, or None when the build made none."""
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"{_MODULE}{suffix}"
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 def status() -> str:
@@ -309,93 +295,41 @@ def status() -> str:
         return f"loaded ({lib.isa_name}) from {lib.path}"
     if _failure is not None:
         return f"unavailable: {_failure}"
-    if _compile_thread is not None:
-        return "compiling"
     return "not loaded yet"
 
 
 def _after_fork_in_child() -> None:
-    """A forked child has only the forking thread: drop a lock or a build it cannot finish."""
-    global _lock, _compile_thread  # noqa: PLW0603 - module state
+    """A forked child has only the forking thread: a lock held elsewhere is dropped."""
+    global _lock  # noqa: PLW0603 - module state
     _lock = threading.Lock()
-    _compile_thread = None  # the child builds again if it needs to (the parent's .so is mapped)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _reset() -> None:
-    """Forget the loaded library and any failure (tests only; a running compile finishes)."""
-    global _native, _failure, _compile_thread  # noqa: PLW0603 - module state, tests only
+    """Forget the loaded library and any failure (tests only)."""
+    global _native, _failure  # noqa: PLW0603 - module state, tests only
     with _lock:
         _native = None
         _failure = None
-        _compile_thread = None
 
 
-def _load_locked(*, compile_in_background: bool) -> None:
-    """Load the cached library or build it; called with ``_lock`` held."""
-    global _compile_thread  # noqa: PLW0603 - one build per process
-    try:
-        source = _read_source()
-        compiler = _compiler()
-        version = _compiler_version(compiler)
-        max_isa = _max_isa()
-        cache = _cache_dir()
-        key = hashlib.sha256(
-            b"\0".join(
-                [
-                    source,
-                    version.encode(),
-                    " ".join(_CFLAGS).encode(),
-                    platform.machine().encode(),
-                    str(ABI_VERSION).encode(),
-                ]
-            )
-        ).hexdigest()[:20]
-        target = cache / f"ntcopy-{key}.so"
-        if target.exists():
-            _open(target, max_isa)
-            return
-    except NativeLoadError as exc:
-        _fail(str(exc))
-        return
-    if compile_in_background:
-        _compile_thread = threading.Thread(
-            target=_compile_and_open,
-            args=(compiler, source, cache, target, max_isa),
-            name="kvmesh-native-build",
-            daemon=True,
+def _library_path() -> Path:
+    override = os.environ.get(ENV_LIBRARY, "").strip()
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise NativeLoadError(f"{ENV_LIBRARY}={override}: no such file")
+        _check_owned(path, "library")
+        return path
+    installed = installed_path()
+    if installed is None:
+        raise NativeLoadError(
+            f"kvmesh/kernels/{_MODULE}*.so was not built with this install (no C compiler "
+            "when kvmesh was installed?); reinstall kvmesh where gcc or clang is present"
         )
-        _compile_thread.start()
-    else:
-        try:
-            _compile(compiler, source, cache, target)
-            _open(target, max_isa)
-        except NativeLoadError as exc:
-            _fail(str(exc))
-
-
-def _compile_and_open(
-    compiler: list[str], source: bytes, cache: Path, target: Path, max_isa: int
-) -> None:
-    """The background build: compile, load, then publish the outcome under the lock."""
-    global _compile_thread  # noqa: PLW0603 - one build per process
-    try:
-        _compile(compiler, source, cache, target)
-        with _lock:
-            _open(target, max_isa)
-    except NativeLoadError as exc:
-        with _lock:
-            _fail(str(exc))
-    except Exception as exc:  # a bug here must not kill the thread silently
-        logger.exception("native copy kernel build crashed")
-        with _lock:
-            _fail(f"build crashed: {exc!r}")
-    finally:
-        with _lock:
-            if _compile_thread is threading.current_thread():
-                _compile_thread = None
+    return installed
 
 
 def _fail(reason: str) -> None:
@@ -407,7 +341,6 @@ def _fail(reason: str) -> None:
 def _open(path: Path, max_isa: int) -> None:
     """dlopen ``path``, check it, self-test it and publish it; called with ``_lock`` held."""
     global _native  # noqa: PLW0603 - the process-wide kernel
-    _check_owned(path, "library")
     try:
         lib = ctypes.CDLL(str(path))
         native = NativeCopy(lib, path, max_isa)
@@ -437,41 +370,6 @@ def _self_test(native: NativeCopy) -> None:
                 )
 
 
-def _read_source() -> bytes:
-    try:
-        return (Path(__file__).parent / "_native" / _SOURCE).read_bytes()
-    except OSError as exc:
-        raise NativeLoadError(f"source kernels/_native/{_SOURCE} not found: {exc}") from exc
-
-
-def _compiler() -> list[str]:
-    cc = os.environ.get("CC", "").strip()
-    if cc:
-        return shlex.split(cc)
-    for name in ("cc", "gcc", "clang"):
-        path = shutil.which(name)
-        if path:
-            return [path]
-    raise NativeLoadError("no C compiler found (cc, gcc, clang; or set CC)")
-
-
-def _compiler_version(compiler: list[str]) -> str:
-    try:
-        done = subprocess.run(
-            [*compiler, "--version"],
-            capture_output=True,
-            text=True,
-            timeout=_VERSION_TIMEOUT_S,
-            check=False,
-            stdin=subprocess.DEVNULL,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeLoadError(f"cannot run {compiler[0]} --version: {exc}") from exc
-    if done.returncode != 0:
-        raise NativeLoadError(f"{compiler[0]} --version exited with {done.returncode}")
-    return f"{' '.join(compiler)}\n{done.stdout}"
-
-
 def _max_isa() -> int:
     value = _switch()
     if value in _AUTO:
@@ -485,30 +383,6 @@ def _max_isa() -> int:
     )
 
 
-def _cache_dir() -> Path:
-    """The first usable cache directory (created 0700); see the module docstring."""
-    override = os.environ.get(ENV_CACHE, "").strip()
-    if override:
-        candidates = [Path(override)]
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-        base = Path(xdg) if xdg else Path.home() / ".cache"
-        candidates = [
-            base / "kvmesh" / "native",
-            Path(tempfile.gettempdir()) / f"kvmesh-native-{os.getuid()}",
-        ]
-    reasons = []
-    for path in candidates:
-        try:
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _check_owned(path, "cache directory")
-        except (OSError, NativeLoadError) as exc:
-            reasons.append(str(exc))
-            continue
-        return path
-    raise NativeLoadError("no usable cache directory: " + "; ".join(reasons))
-
-
 def _check_owned(path: Path, what: str) -> None:
     """Refuse a path another user could have written: it would run code in this process."""
     try:
@@ -519,44 +393,3 @@ def _check_owned(path: Path, what: str) -> None:
         raise NativeLoadError(f"{what} {path} belongs to uid {st.st_uid}, not {os.getuid()}")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise NativeLoadError(f"{what} {path} is writable by group or others")
-
-
-def _compile(compiler: list[str], source: bytes, cache: Path, target: Path) -> None:
-    """Compile ``source`` into ``target``: temporary files in ``cache``, then an atomic rename."""
-    tmp_paths: list[str] = []
-    try:
-        fd, src_path = tempfile.mkstemp(prefix=".ntcopy-", suffix=".c", dir=cache)
-        tmp_paths.append(src_path)
-        with os.fdopen(fd, "wb") as f:
-            f.write(source)  # compile exactly the bytes that were hashed
-        fd, so_path = tempfile.mkstemp(prefix=".ntcopy-", suffix=".so.tmp", dir=cache)
-        os.close(fd)
-        tmp_paths.append(so_path)
-        cmd = [*compiler, *_CFLAGS, "-o", so_path, src_path]
-        logger.info("compiling the native copy kernel: %s", " ".join(cmd))
-        try:
-            done = subprocess.run(
-                cmd,
-                capture_output=True,
-                text=True,
-                timeout=_COMPILE_TIMEOUT_S,
-                check=False,
-                stdin=subprocess.DEVNULL,
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise NativeLoadError(f"cannot run {compiler[0]}: {exc}") from exc
-        if done.returncode != 0:
-            first = next((ln for ln in done.stderr.splitlines() if "error" in ln), "")
-            first = first or (done.stderr.strip().splitlines() or ["no output"])[0]
-            raise NativeLoadError(f"{compiler[0]} exited with {done.returncode}: {first}")
-        os.chmod(so_path, 0o755)
-        os.replace(so_path, target)  # atomic: a concurrent build replaces it with equal bytes
-        tmp_paths.remove(so_path)
-    except OSError as exc:
-        raise NativeLoadError(f"cannot build in {cache}: {exc}") from exc
-    finally:
-        for p in tmp_paths:
-            try:
-                os.unlink(p)
-            except OSError:
-                logger.debug("could not remove %s", p)

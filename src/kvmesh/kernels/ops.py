@@ -18,8 +18,8 @@ How the copies are done, and why (figures from ``python -m kvmesh.bench.kernels`
   ``memcpy``, where every alternative below stops at about half (see "One
   thread reaches about half"); two reach 1.2–1.7 when the second core is
   free, about one thread's figure when another process holds it.
-- Otherwise (no compiler, ``KVMESH_NATIVE_COPY=0``, a CUDA chunk with a CPU
-  cache, or while the kernel is still compiling) the rows are NumPy ``void``
+- Otherwise (an install built without the kernel, ``KVMESH_NATIVE_COPY=0``, or
+  a CUDA chunk with a CPU cache) the rows are NumPy ``void``
   items (one opaque item per row), moved with ``np.take(mode="clip", out=)``
   (gather) and a fancy assignment (scatter): one ``memcpy`` per row with the
   GIL released, split over :func:`copy_threads` threads by this module, one

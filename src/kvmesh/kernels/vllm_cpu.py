@@ -19,7 +19,7 @@ One layer is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; inside one
   2-byte elements) moves them in one pass per layer on the calling thread
   (measured 16 MiB: 4-6 ms; torch
   takes 17-22 ms on two threads and twice that beside a busy engine); without
-  it (no compiler, a GPU, or while it builds) each plane moves through a table
+  it (an install built without it, or a GPU) each plane moves through a table
   of element offsets (:func:`head_offsets`), one indexed read or write per
   (layer, plane).
 

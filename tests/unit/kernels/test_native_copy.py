@@ -7,11 +7,11 @@ Three groups:
   on several threads with each instruction set;
 - the C function itself on odd sizes, unaligned offsets, runs shorter than a
   vector and run counts that are not a multiple of the streams it interleaves;
-- the loader: compile into an empty cache, two processes compiling at once,
-  nothing built at import, and the fallbacks (switched off, no compiler, an
-  unsafe cache directory).
+- the loader: the kernel was built with the package and opens without a
+  compiler, nothing is loaded at import, and the fallbacks (switched off, an
+  install without the kernel, a foreign or unsafe library).
 
-A machine with a C compiler must load the kernel: only its absence skips.
+An installed kvmesh must load the kernel: a missing one fails, never skips.
 """
 
 from __future__ import annotations
@@ -54,10 +54,6 @@ from tests.unit.kernels.test_kernels_ops import (
     snapshot,
 )
 
-#: Mirrors the loader's choice: $CC, else the first of cc, gcc, clang on PATH.
-HAVE_COMPILER = bool(os.environ.get("CC")) or any(
-    shutil.which(cc) is not None for cc in ("cc", "gcc", "clang")
-)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 #: The layouts the native kernel copies (VLLM_CPU's transposed K is copied by torch views).
@@ -86,13 +82,11 @@ class CountingKernel:
 
 @pytest.fixture(scope="module")
 def kernel() -> native.NativeCopy:
-    """The loaded kernel; skips only where no C compiler exists."""
+    """The loaded kernel (built with the package)."""
     if not native.enabled():
         pytest.skip(f"{native.ENV_SWITCH} disables the native kernel")
     loaded = native.load()
     if loaded is None:
-        if not HAVE_COMPILER:
-            pytest.skip("no C compiler on this machine: the NumPy path is the only one")
         pytest.fail(f"native kernel did not load: {native.status()}")
     return loaded
 
@@ -301,84 +295,51 @@ def test_the_best_instruction_set_is_reported(kernel: native.NativeCopy) -> None
 
 
 @pytest.fixture
-def fresh_loader(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
-    """A loader that has loaded nothing, building into an empty cache directory."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv(native.ENV_CACHE, str(cache))
+def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A loader that has loaded nothing yet."""
     monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(native.ENV_LIBRARY, raising=False)
     native._reset()
-    yield cache
-    native.load()  # let a background build finish before the state goes away
+    yield
     native._reset()
 
 
-needs_compiler = pytest.mark.skipif(not HAVE_COMPILER, reason="no C compiler on this machine")
-
-
-@needs_compiler
-def test_first_load_compiles_into_the_cache_and_leaves_no_temporary_files(
-    fresh_loader: Path,
-) -> None:
+def test_the_kernel_was_built_with_the_package(fresh_loader: None) -> None:
+    """setup.py compiled it at install time, next to the loader."""
+    path = native.installed_path()
+    assert path is not None, "kvmesh/kernels/_ntcopy*.so is missing: was kvmesh installed?"
+    assert path.parent == Path(native.__file__).parent
     loaded = native.load()
     assert loaded is not None, native.status()
-    files = sorted(p.name for p in fresh_loader.iterdir())
-    assert len(files) == 1
-    assert files[0].startswith("ntcopy-")
-    assert files[0].endswith(".so")
-    assert fresh_loader.stat().st_mode & 0o777 == 0o700
-    # A new process state finds the built library instead of compiling again.
-    native._reset()
-    mtime = (fresh_loader / files[0]).stat().st_mtime_ns
-    assert native.library() is not None
-    assert (fresh_loader / files[0]).stat().st_mtime_ns == mtime
+    assert loaded.path == path
 
 
-@needs_compiler
-def test_a_copy_never_waits_for_the_compiler(fresh_loader: Path) -> None:
-    """The first copy starts the build in the background and copies with NumPy."""
-    kv = make_cache(KVLayoutKind.FLASH_ATTN, torch.float32, 16, "cpu", "fused")
-    out = torch.zeros(kv.chunk_shape(32), dtype=kv.dtype)
-    want = torch.zeros_like(out)
-    assert native.library() is None  # the build has only started
-    gather_chunks(kv, [[1, 2]], [out])
-    ref_gather_chunks(kv, [[1, 2]], [want])
-    assert torch.equal(out, want)
-    assert native.load(timeout=120) is not None, native.status()
-    assert native.library() is native.load()
+def test_loading_runs_no_compiler_or_other_process(
+    fresh_loader: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"the loader started a process: {args}")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(os, "posix_spawn", refuse)
+    assert native.library() is not None, native.status()
 
 
 @pytest.mark.slow
-@needs_compiler
-def test_two_processes_compiling_at_once_both_load_one_library(fresh_loader: Path) -> None:
-    code = (
-        "from kvmesh.kernels import native; "
-        "k = native.load(); assert k is not None, native.status()"
-    )
-    env = {**os.environ, native.ENV_CACHE: str(fresh_loader)}
-    procs = [
-        subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, env=env) for _ in range(2)
-    ]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0]
-    assert [p.name for p in fresh_loader.iterdir() if not p.name.startswith("ntcopy-")] == []
-    assert len(list(fresh_loader.iterdir())) == 1
-
-
-@pytest.mark.slow
-def test_importing_kernels_builds_nothing(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
+def test_importing_kernels_loads_nothing() -> None:
     code = (
         "import kvmesh.kernels, kvmesh.kernels.native as n, kvmesh.storage.core.transfer.engine; "
         "assert n.status() == 'not loaded yet', n.status()"
     )
-    env = {**os.environ, native.ENV_CACHE: str(cache)}
+    env = dict(os.environ)
     env.pop(native.ENV_SWITCH, None)
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, check=True, timeout=300)
-    assert not cache.exists()
 
 
 @pytest.mark.parametrize("value", ["0", "off", "False"])
 def test_switched_off_the_ops_copy_with_numpy(
-    value: str, fresh_loader: Path, monkeypatch: pytest.MonkeyPatch
+    value: str, fresh_loader: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(native.ENV_SWITCH, value)
     monkeypatch.setattr(kvmesh.kernels.ops, "_CPU_BACKEND", "native")
@@ -399,13 +360,13 @@ def test_switched_off_the_ops_copy_with_numpy(
     restore(kv, before)
     scatter_chunks(kv, ids, srcs, skip_first_n_tokens=16)
     assert all(torch.equal(a, b) for a, b in zip(kv.layers, expected, strict=True))
-    assert not fresh_loader.exists()  # nothing was built
 
 
-def test_a_failed_build_logs_once_and_the_ops_copy_with_numpy(
-    fresh_loader: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_an_install_without_the_kernel_warns_once_and_copies_with_numpy(
+    fresh_loader: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("CC", str(fresh_loader.parent / "no-such-compiler"))
+    """A host whose install had no C compiler: one warning, then NumPy for good."""
+    monkeypatch.setattr(native, "installed_path", lambda: None)
     monkeypatch.setattr(kvmesh.kernels.ops, "_CPU_BACKEND", "native")
     with caplog.at_level(logging.WARNING, logger="kvmesh.kernels.native"):
         assert native.load() is None
@@ -416,34 +377,44 @@ def test_a_failed_build_logs_once_and_the_ops_copy_with_numpy(
             gather_chunks(kv, [[4, 6]], [out])
     ref_gather_chunks(kv, [[4, 6]], [want])
     assert torch.equal(out, want)
-    assert native.status().startswith("unavailable: cannot run")
+    assert native.status().startswith("unavailable: kvmesh/kernels/_ntcopy*.so was not built")
+    assert "\n" not in native.status()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "use NumPy" in warnings[0].getMessage()
 
 
-@needs_compiler
-def test_a_compile_error_is_reported_in_one_line(
-    fresh_loader: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_library_that_is_not_the_kernel_is_refused(
+    fresh_loader: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(native, "_read_source", lambda: b"this is not C;\n")
+    bogus = tmp_path / "libbogus.so"
+    bogus.write_bytes(b"not an ELF file")
+    bogus.chmod(0o755)
+    monkeypatch.setenv(native.ENV_LIBRARY, str(bogus))
     assert native.load() is None
-    assert "exited with" in native.status()
-    assert "\n" not in native.status()
-    assert [p.name for p in fresh_loader.iterdir()] == []  # temporary files removed
+    assert native.status().startswith(f"unavailable: cannot load {bogus}")
 
 
-@needs_compiler
-def test_a_cache_directory_others_can_write_is_refused(fresh_loader: Path) -> None:
-    fresh_loader.mkdir(mode=0o700)
-    fresh_loader.chmod(0o777)
+def test_a_library_others_can_write_is_refused(
+    fresh_loader: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    installed = native.installed_path()
+    assert installed is not None
+    copy = tmp_path / "ntcopy.so"
+    shutil.copyfile(installed, copy)
+    copy.chmod(0o777)
+    monkeypatch.setenv(native.ENV_LIBRARY, str(copy))
     assert native.load() is None
     assert "writable by group or others" in native.status()
+    native._reset()
+    copy.chmod(0o755)
+    loaded = native.load()
+    assert loaded is not None, native.status()
+    assert loaded.path == copy
 
 
-@needs_compiler
 def test_the_instruction_set_can_be_capped(
-    fresh_loader: Path, monkeypatch: pytest.MonkeyPatch
+    fresh_loader: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(native.ENV_SWITCH, "sse2")
     loaded = native.load()
@@ -455,10 +426,8 @@ def test_the_instruction_set_can_be_capped(
     assert "is not one of" in native.status()
 
 
-@needs_compiler
-def test_a_forked_child_does_not_inherit_a_held_lock_or_a_dead_build(fresh_loader: Path) -> None:
+def test_a_forked_child_does_not_inherit_a_held_lock(fresh_loader: None) -> None:
     """What the at-fork hook does in the child, run in place: the loader works again."""
     native._lock.acquire()  # as if another thread of the parent held it at fork time
-    native._compile_thread = native.threading.Thread(target=lambda: None)  # never started
     native._after_fork_in_child()
-    assert native.load(timeout=120) is not None, native.status()
+    assert native.load() is not None, native.status()
