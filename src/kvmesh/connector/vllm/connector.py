@@ -5,7 +5,7 @@ Load it by module path::
     --kv-transfer-config '{"kv_connector": "KVMeshConnector",
                            "kv_connector_module_path": "kvmesh.connector.vllm",
                            "kv_role": "kv_both",
-                           "kv_connector_extra_config": {"gateway": "127.0.0.1:8100"}}'
+                           "kv_connector_extra_config": {"gateway": "127.0.0.1:8302"}}'
 
 This class only translates vLLM's objects; the hooks themselves are
 :class:`kvmesh.connector.KVMeshConnector` (lookups, plans, sessions, loads and
