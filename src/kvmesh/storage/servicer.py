@@ -404,9 +404,10 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     async def PrepareStore(
         self, request: storage_pb2.PrepareStoreRequest, context: Any
     ) -> storage_pb2.PrepareStoreResponse:
-        txn, slots, cached, skipped = self.node.prepare_store(
-            row_keys(request.keys), request.chunk_bytes
-        )
+        keys = row_keys(request.keys)
+        # Growing L1 for these slots happens off the event loop (it maps memory).
+        await self.node.manager.make_room([request.chunk_bytes] * len(keys))
+        txn, slots, cached, skipped = self.node.prepare_store(keys, request.chunk_bytes)
         return storage_pb2.PrepareStoreResponse(
             transaction_id=txn,
             slots=[_slot(s) for s in slots],

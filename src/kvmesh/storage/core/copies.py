@@ -77,6 +77,7 @@ class ChunkCopier:
     ) -> list[StoreOutcome]:
         """Gather each chunk into a new L1 object and publish it; one outcome per key."""
         present = self.manager.l1.contains(keys)
+        await self.manager.make_room([nbytes] * (len(keys) - sum(present)))
         reserved = self.manager.reserve_write(keys, nbytes)
         todo = [i for i, key in enumerate(keys) if key in reserved]
         if todo:

@@ -14,6 +14,7 @@ relearns this node's L2 placements after a restart.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -152,6 +153,8 @@ class StorageManager:
         self._sink = event_sink
         self._closed = False
         self._close_lock = threading.Lock()
+        #: Reservations on an event loop that left a growth to the background grower.
+        self.loop_growths_deferred = 0
         self.pool = L1Pool(
             instance_id,
             l1_capacity_bytes,
@@ -508,9 +511,33 @@ class StorageManager:
         if self._closed:
             raise FailedPrecondition("the storage node is shutting down")
 
+    async def make_room(self, sizes: Sequence[int]) -> None:
+        """Before reserving ``sizes`` on an event loop: grow L1 off the loop if they need it.
+
+        A growth maps and populates a new segment (tens of ms); done on the
+        loop it would stall every RPC the loop serves, lookups included. The
+        reservation that follows then finds the room, or evicts.
+        """
+        if any(not 0 < size <= self.pool.segment_bytes for size in sizes):
+            return  # the reservation refuses these sizes itself
+        if self.pool.would_fit(sizes) or not self.pool.can_grow():
+            return
+        await asyncio.get_running_loop().run_in_executor(None, self.pool.grow_for, sizes)
+
     def _reclaim(self, sizes: Sequence[int]) -> None:
-        """Allocation failed: grow the pool if it may, else evict until the sizes fit."""
-        if self.pool.grow_for(sizes):
+        """Allocation failed: grow the pool if it may, else evict until the sizes fit.
+
+        On an event loop thread it never grows (see :meth:`make_room`): it asks
+        the background grower for a segment and leaves these sizes out of
+        memory rather than stall the loop or evict what the growth will make
+        room for.
+        """
+        if _on_event_loop():
+            if self.pool.can_grow():
+                self.pool.request_growth()
+                self.loop_growths_deferred += 1
+                return
+        elif self.pool.grow_for(sizes):
             return
         if not self.eviction.reclaim(sizes):
             logger.debug("L1 reclaim could not make room for %d objects", len(sizes))
@@ -578,3 +605,12 @@ def _make_tiers(
             )
         )
     return tiers
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread runs an asyncio event loop right now."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -12,7 +12,9 @@ Every new segment is backed and pre-faulted before it is used:
 error at growth, not a SIGBUS in the middle of a copy later) and
 ``MADV_POPULATE_WRITE`` (or a write to every page where that is missing)
 maps them, because the first touch of a fresh page is 5-30x slower than a
-warm copy on these machines.
+warm copy on these machines. Every step of a growth (``posix_fallocate``,
+``mmap``, the populate through ctypes) runs with the GIL released, and on the
+grower's thread or a worker thread, never on an event loop.
 
 A lock file ``kvmesh-l1-<instance>.lock`` (``flock``) guards the instance
 name: segments left behind by a dead process of the same name are removed
@@ -23,6 +25,7 @@ deleting memory in use.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import logging
@@ -37,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvmesh.common.pages import populate
 from kvmesh.storage.core.l1.allocator import ExtentAllocator
 from kvmesh.storage.core.l1.objects import ALIGNMENT, L1Object, Segment, align_up
 
@@ -45,8 +49,6 @@ logger = logging.getLogger(__name__)
 MIB = 1 << 20
 DEFAULT_SEGMENT_BYTES = 256 * MIB
 DEFAULT_SHM_DIR = "/dev/shm"
-# Linux's MADV_POPULATE_WRITE (5.14+); Python 3.11's mmap module does not name it.
-_MADV_POPULATE_WRITE = 23
 _PAGE = mmap.PAGESIZE
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
 # After a failed growth (e.g. /dev/shm full) wait this long before trying again.
@@ -96,6 +98,7 @@ class L1Pool:
         self._lock = threading.Lock()
         self._grown = threading.Condition(self._lock)
         self._grow_lock = threading.Lock()
+        self._grow_forced = False  # request_growth: one segment even below the watermark
         # Objects this large pack from the bottom, smaller ones from the top
         # (see allocator); None learns it as the largest size seen.
         self._alloc = ExtentAllocator(ALIGNMENT, large_bytes=full_chunk_bytes)
@@ -183,8 +186,25 @@ class L1Pool:
         with self._lock:
             return self._alloc.would_fit(sizes)
 
+    def can_grow(self) -> bool:
+        """Whether a growth may add memory now (below capacity, not backing off a failure)."""
+        with self._lock:
+            below = not self._closed and self._committed < self.capacity_bytes
+        return below and time.monotonic() >= self._grow_blocked_until
+
+    def request_growth(self) -> None:
+        """Ask the background grower for one more segment (returns at once)."""
+        with self._lock:
+            self._grow_forced = True
+        self._grow_wanted.set()
+
     def grow_for(self, sizes: Sequence[int]) -> bool:
-        """Grow synchronously until ``sizes`` fit or the pool is at capacity; True when they fit."""
+        """Grow synchronously until ``sizes`` fit or the pool is at capacity; True when they fit.
+
+        It maps and populates segments on the calling thread (tens of ms per
+        256 MiB): never call it on an event loop (see
+        :meth:`kvmesh.storage.core.manager.StorageManager.make_room`).
+        """
         while True:
             if self.would_fit(sizes):
                 return True
@@ -273,7 +293,8 @@ class L1Pool:
             self._grow_wanted.clear()
             while not self._closing.is_set():
                 with self._lock:
-                    wanted = self._wants_growth_locked()
+                    wanted = self._grow_forced or self._wants_growth_locked()
+                    self._grow_forced = False
                 if not wanted or not self._grow_one():
                     break
 
@@ -425,12 +446,20 @@ def reclaim_dead_pools(shm_dir: str) -> list[str]:
 
 
 def _prefault(mapping: mmap.mmap) -> None:
-    """Write-fault every page of a fresh mapping so first copies run at warm speed."""
-    try:
-        mapping.madvise(_MADV_POPULATE_WRITE)
-    except (OSError, ValueError):
-        # Older kernel: touch one byte per page by hand (a write, so the page is
-        # really allocated, not mapped to the shared zero page).
-        pages = np.frombuffer(mapping, dtype=np.uint8)
-        pages[::_PAGE] = 0
-        del pages
+    """Write-fault every page of a fresh mapping so first copies run at warm speed.
+
+    Through :func:`kvmesh.common.pages.populate` (ctypes), which lets go of the
+    GIL: populating a 256 MiB segment takes about 75 ms here, and
+    ``mmap.madvise`` would hold the GIL for all of it, stopping every other
+    thread of the process (the event loop answering lookups among them).
+    """
+    view = (ctypes.c_char * len(mapping)).from_buffer(mapping)
+    address = ctypes.addressof(view)
+    del view  # the mapping can be closed again once no buffer of it is exported
+    if populate(address, len(mapping)):
+        return
+    # Older kernel: touch one byte per page by hand (a write, so the page is
+    # really allocated, not mapped to the shared zero page).
+    pages = np.frombuffer(mapping, dtype=np.uint8)
+    pages[::_PAGE] = 0
+    del pages
