@@ -130,6 +130,10 @@ BENCHES = {
         "gateway lookup p50/p99 of a 32-chunk prefix in L1, empty RTT",
     ),
     "p2p": ("kvmesh.bench.p2p", "node B fetching node A's 32 MiB chunks over P2P vs loopback TCP"),
+    "serve": (
+        "kvmesh.bench.serve",
+        "vLLM's OpenAI server under multi-document QA: alone, its floor, with kvmesh",
+    ),
     "vllm": (
         "kvmesh.bench.vllm",
         "real vLLM's TTFT: cold, kvmesh miss, warm from kvmesh, vLLM's own prefix-cache hit",
@@ -170,20 +174,34 @@ def run_bench(argv: Sequence[str]) -> int:
         )
     chosen = names.parse_args([argv[at]])
     argv = [*argv[:at], *argv[at + 1 :]]
-    module_name, help_text = BENCHES[chosen.name]
-    module = importlib.import_module(module_name)
+    module = importlib.import_module(BENCHES[chosen.name][0])
     # The benchmarks run storage nodes (the "storage" extra) unless a module says otherwise.
     for package in getattr(module, "REQUIRES", ("torch",)):
         require_module(package)
-    parser = OneLineParser(prog=f"kvmesh bench {chosen.name}", description=help_text)
-    module.add_arguments(parser)
-    _fleet_defaults(parser)
-    if not any(a.dest == "json" for a in parser._actions):
-        parser.add_argument("--json", action="store_true", help="print one JSON object")
-    options = parser.parse_args(argv)
+    options = bench_parser(chosen.name, module).parse_args(argv)
+    # Progress goes to stderr while it runs (see kvmesh.bench.common.Progress); stdout
+    # is the result alone.
     result = module.run(options)
     print(json.dumps(result, indent=2) if options.json else module.format_table(result))
     return 0
+
+
+def bench_parser(name: str, module: Any) -> OneLineParser:
+    """The options of ``kvmesh bench NAME``: its module's, then --json and --quiet.
+
+    Every option's --help shows its default.
+    """
+    from kvmesh.bench.common import DefaultsHelpFormatter, add_common_arguments
+
+    parser = OneLineParser(
+        prog=f"kvmesh bench {name}",
+        description=BENCHES[name][1],
+        formatter_class=DefaultsHelpFormatter,
+    )
+    module.add_arguments(parser)
+    _fleet_defaults(parser)
+    add_common_arguments(parser)
+    return parser
 
 
 def _fleet_defaults(parser: argparse.ArgumentParser) -> None:
@@ -242,12 +260,14 @@ def build_parser() -> OneLineParser:
         )
         add_config_arguments(p, command.load(command.config), command.name)
     from kvmesh.cli import fleet
+    from kvmesh.cli.model import add_model_command
     from kvmesh.cli.status import add_status_command
     from kvmesh.cli.traces import add_traces_command
 
     fleet.add_up_command(sub)
     add_status_command(sub)
     add_traces_command(sub)
+    add_model_command(sub)
     sub.add_parser(
         "demo",
         help="drive a small real transformer through a local fleet: TTFT cold vs warm",

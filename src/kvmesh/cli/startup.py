@@ -47,6 +47,9 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "nixl_cu13": ("nixl", 'an L2 adapter of type "nixl"'),
     "torch": ("storage", "a storage node (kvmesh storage, node, up, demo, bench)"),
     "vllm": ("vllm", "vLLM's connector and kvmesh demo --engine vllm"),
+    "gguf": ("models", "kvmesh model get (GGUF weights)"),
+    "accelerate": ("models", "kvmesh model get (GGUF weights)"),
+    "transformers": ("models", "kvmesh model get"),
 }
 
 

@@ -72,7 +72,7 @@ def run(spec: dict[str, Any]) -> None:
         "model": spec["model"],
         "enforce_eager": True,
         "enable_prefix_caching": bool(spec.get("prefix_caching", False)),
-        "max_model_len": int(spec.get("max_model_len", 16384)),
+        "max_model_len": int(spec.get("max_model_len") or _context_length(spec["model"])),
         "max_num_batched_tokens": int(spec.get("max_num_batched_tokens", 4096)),
         "seed": 0,
     }
@@ -114,6 +114,16 @@ def run(spec: dict[str, Any]) -> None:
             print(MARK + json.dumps(line), flush=True)
             time.sleep(float(spec.get("gap_s", 0.0)))
     print(MARK + json.dumps({"done": True}), flush=True)
+
+
+def _context_length(model: str, cap: int = 16384) -> int:
+    """The model's own context (its config's max_position_embeddings), at most ``cap``."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+        return min(cap, int(config.get("max_position_embeddings") or cap))
+    except (OSError, ValueError, TypeError):
+        return cap
 
 
 def _pause(path: str, timeout_s: float = 300.0) -> None:
