@@ -1,0 +1,338 @@
+"""``kvmesh bench serve``: vLLM's OpenAI server under a multi-document QA workload.
+
+The workload operators run: N documents of L tokens, each asked about once
+(the warm-up round, in order) and asked again with another question (the
+query round, in another order), C requests in flight, more documents than
+vLLM's own KV cache holds. Three arrangements, one after the other in one run,
+each a fresh vLLM server started as the README's production recipe starts it
+(vLLM's prefix caching on):
+
+- ``vllm_alone``: vLLM with a KV cache of ``--cache-docs`` documents;
+- ``floor``: vLLM with a KV cache that holds every document (the best a
+  cache could do: every repeated document is vLLM's own hit);
+- ``kvmesh``: vLLM with the small cache and kvmesh's connector, beside a
+  ``kvmesh node``.
+
+Per arrangement: mean, p50 and p90 TTFT of each round, the longest warm-up
+TTFT, each round's time, prompt tokens vLLM reported cached, preemptions;
+for kvmesh also the tokens it served, the bytes it stored against the unique
+prompt chunks' bytes, and the node's CPU seconds. Each server first answers
+one prompt of its own outside the rounds (a process's first request is
+slower), and kvmesh's counters are read around the rounds only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvmesh.bench.serve.client import Answer, run_round, stream_completion
+from kvmesh.bench.serve.servers import Node, Server, start_node, start_vllm
+from kvmesh.common.hashing import TokenHasher
+from kvmesh.engine.model_store import resolve as resolve_model
+from kvmesh.engine.vllm.model import make_tiny_model
+
+ARRANGEMENTS = ("vllm_alone", "floor", "kvmesh")
+CHUNK = 256
+QUESTION_TOKENS = 24
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvmesh bench serve``."""
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.add_argument(
+        "--model",
+        metavar="NAME|DIR",
+        default=None,
+        help="a model directory or a model kvmesh makes offline (smollm2); default: the tiny "
+        "random-weight Llama",
+    )
+    parser.add_argument("--documents", type=int, default=20, help="documents (N)")
+    parser.add_argument("--doc-tokens", type=int, default=6145, help="tokens per document (L)")
+    parser.add_argument("--concurrency", type=int, default=2, help="requests in flight (C)")
+    parser.add_argument(
+        "--cache-docs",
+        type=float,
+        default=2.6,
+        help="documents vLLM's own KV cache holds in vllm_alone and kvmesh",
+    )
+    parser.add_argument("--output-tokens", type=int, default=4, help="tokens per answer")
+    parser.add_argument("--block-size", type=int, default=128, help="vLLM's KV block size")
+    parser.add_argument("--l1-size", default="4GiB", help="the kvmesh node's L1 size")
+    parser.add_argument(
+        "--arrangements",
+        default=",".join(ARRANGEMENTS),
+        help="which arrangements to run, comma-separated",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of documents and questions")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def _progress(args: argparse.Namespace, text: str) -> None:
+    if not args.quiet:
+        print(f"bench serve: {text}", file=sys.stderr, flush=True)
+
+
+def _model_shape(model: Path) -> dict[str, int]:
+    config = json.loads((model / "config.json").read_text())
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    layers = int(config["num_hidden_layers"])
+    # bf16 KV: K and V, every layer.
+    return {
+        "layers": layers,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * 2,
+        "context": int(config.get("max_position_embeddings") or 16384),
+    }
+
+
+def _workload(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
+    """(warm-up prompts in order, query prompts in the query round's order)."""
+    rng = random.Random(args.seed)
+    docs = [
+        [rng.randrange(3, 30000) for _ in range(args.doc_tokens)] for _ in range(args.documents)
+    ]
+
+    def question() -> list[int]:
+        return [rng.randrange(3, 30000) for _ in range(QUESTION_TOKENS)]
+
+    warmup = [doc + question() for doc in docs]
+    order = list(range(args.documents))
+    rng.shuffle(order)
+    queries = [docs[i] + question() for i in order]
+    return warmup, queries
+
+
+def _unique_chunks(prompts: Sequence[Sequence[int]]) -> int:
+    """Complete chunks of the prompts, counted once per distinct prefix (what a cache keeps)."""
+    hasher = TokenHasher(CHUNK)
+    import numpy as np
+
+    seen: set[bytes] = set()
+    for prompt in prompts:
+        seen.update(hasher.hash_chunks(np.asarray(prompt, dtype=np.uint32)))
+    return len(seen)
+
+
+def _summary(answers: Sequence[Answer], round_s: float) -> dict[str, float]:
+    ttfts = sorted(1e3 * a.ttft_s for a in answers)
+
+    def pct(p: float) -> float:
+        return ttfts[min(len(ttfts) - 1, max(0, math.ceil(p * len(ttfts)) - 1))]
+
+    return {
+        "ttft_mean_ms": round(statistics.fmean(ttfts), 1),
+        "ttft_p50_ms": round(pct(0.5), 1),
+        "ttft_p90_ms": round(pct(0.9), 1),
+        "ttft_max_ms": round(ttfts[-1], 1),
+        "round_s": round(round_s, 2),
+        "cached_tokens": sum(a.cached_tokens for a in answers),
+    }
+
+
+def _run_rounds(
+    args: argparse.Namespace, name: str, server: Server, rounds: dict[str, list[list[int]]]
+) -> dict[str, dict[str, float]]:
+    out = {}
+    # The process's first request, outside the rounds, shares nothing with them.
+    rng = random.Random(args.seed + 7919)
+    first = [rng.randrange(3, 30000) for _ in range(args.doc_tokens)]
+    stream_completion("127.0.0.1", server.port, "bench", first, 1, 600)
+    for label, prompts in rounds.items():
+        _progress(args, f"{name}: {label} round, {len(prompts)} requests")
+
+        def send(i: int, prompts: list[list[int]] = prompts) -> tuple[float, float, int]:
+            return stream_completion(
+                "127.0.0.1", server.port, "bench", prompts[i], args.output_tokens, 600
+            )
+
+        def show(a: Answer, label: str = label) -> None:
+            _progress(args, f"{name}: {label} {a.index + 1}: TTFT {1e3 * a.ttft_s:.0f} ms")
+
+        answers, elapsed = run_round(send, len(prompts), args.concurrency, show)
+        out[label] = _summary(answers, elapsed)
+    return out
+
+
+def _arrangement(
+    args: argparse.Namespace,
+    name: str,
+    model: Path,
+    shape: dict[str, int],
+    rounds: dict[str, list[list[int]]],
+    work: Path,
+) -> dict[str, Any]:
+    prompt_tokens = args.doc_tokens + QUESTION_TOKENS + args.output_tokens
+    blocks_per_prompt = math.ceil(prompt_tokens / args.block_size)
+    if name == "floor":
+        blocks = (args.documents + args.concurrency + 1) * blocks_per_prompt
+    else:
+        blocks = max(
+            math.ceil(args.cache_docs * args.doc_tokens / args.block_size),
+            args.concurrency * blocks_per_prompt,
+        )
+    block_bytes = shape["kv_bytes_per_token"] * args.block_size
+    gib = max(1, math.ceil(blocks * block_bytes * 1.1 / 2**30))
+    node: Node | None = None
+    server: Server | None = None
+    _progress(args, f"{name}: starting ({blocks} KV blocks of {args.block_size} tokens)")
+    try:
+        if name == "kvmesh":
+            node = start_node(work, args.l1_size, CHUNK)
+        server = start_vllm(
+            work,
+            name,
+            model,
+            kv_blocks=blocks,
+            kv_cache_gib=gib,
+            block_size=args.block_size,
+            max_model_len=min(shape["context"], 2 * prompt_tokens),
+            gateway=node.lane if node else None,
+        )
+        before = node.counters() if node else {}
+        cpu_before = node.cpu_seconds() if node else 0.0
+        vllm_before = _preemptions(server)
+        summaries = _run_rounds(args, name, server, rounds)
+        result: dict[str, Any] = {
+            "kv_blocks": blocks,
+            "warmup_ttft_mean_ms": summaries["warmup"]["ttft_mean_ms"],
+            "warmup_ttft_p50_ms": summaries["warmup"]["ttft_p50_ms"],
+            "warmup_ttft_p90_ms": summaries["warmup"]["ttft_p90_ms"],
+            "warmup_ttft_max_ms": summaries["warmup"]["ttft_max_ms"],
+            "warmup_round_s": summaries["warmup"]["round_s"],
+            "query_ttft_mean_ms": summaries["query"]["ttft_mean_ms"],
+            "query_ttft_p50_ms": summaries["query"]["ttft_p50_ms"],
+            "query_ttft_p90_ms": summaries["query"]["ttft_p90_ms"],
+            "query_ttft_max_ms": summaries["query"]["ttft_max_ms"],
+            "query_round_s": summaries["query"]["round_s"],
+            "cached_tokens": summaries["warmup"]["cached_tokens"]
+            + summaries["query"]["cached_tokens"],
+            "preemptions": _preemptions(server) - vllm_before,
+        }
+        if node is not None:
+            # Stores finish in the background after the answers: let them land.
+            time.sleep(2.0)
+            after = node.counters()
+
+            def delta(series: str) -> float:
+                return after.get(series, 0.0) - before.get(series, 0.0)
+
+            chunk_bytes = shape["kv_bytes_per_token"] * CHUNK
+            result.update(
+                {
+                    "tokens_from_kvmesh": int(delta("kvmesh_gateway_retrieved_chunks_total"))
+                    * CHUNK,
+                    "stored_chunks": int(delta("kvmesh_gateway_stored_chunks_total")),
+                    "stored_bytes": int(delta("kvmesh_gateway_stored_chunks_total")) * chunk_bytes,
+                    "store_skipped_chunks": int(delta("kvmesh_gateway_store_skipped_chunks_total")),
+                    "kvmesh_cpu_s": round(node.cpu_seconds() - cpu_before, 2),
+                }
+            )
+        return result
+    finally:
+        if server is not None:
+            server.process.stop()
+        if node is not None:
+            node.process.stop()
+
+
+def _preemptions(server: Server) -> int:
+    from kvmesh.bench.serve.servers import metrics
+
+    return int(metrics(server.metrics_url).get("vllm:num_preemptions_total", 0.0))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the chosen arrangements; one JSON-ready dict."""
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("kvmesh bench serve: vLLM is not installed (pip install 'kvmesh[vllm]')")
+    chosen = [a.strip() for a in args.arrangements.split(",") if a.strip()]
+    unknown = sorted(set(chosen) - set(ARRANGEMENTS))
+    if unknown or not chosen:
+        raise SystemExit(f"kvmesh bench serve: --arrangements takes {', '.join(ARRANGEMENTS)}")
+    if args.documents < 1 or args.doc_tokens < CHUNK or args.concurrency < 1:
+        raise SystemExit(
+            f"kvmesh bench serve: --documents and --concurrency >= 1, --doc-tokens >= {CHUNK}"
+        )
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as tmp:
+        work = Path(tmp)
+        model = resolve_model(args.model) if args.model else make_tiny_model(work / "model")
+        shape = _model_shape(model)
+        warmup, queries = _workload(args)
+        rounds = {"warmup": warmup, "query": queries}
+        unique_bytes = _unique_chunks(warmup + queries) * shape["kv_bytes_per_token"] * CHUNK
+        arrangements = {}
+        for name in chosen:
+            arrangements[name] = _arrangement(args, name, model, shape, rounds, work)
+    result: dict[str, Any] = {
+        "benchmark": "serve",
+        "model": args.model or "tiny random-weight Llama (kvmesh.engine.vllm.model)",
+        "kv_bytes_per_token": shape["kv_bytes_per_token"],
+        "workload": {
+            "documents": args.documents,
+            "doc_tokens": args.doc_tokens,
+            "question_tokens": QUESTION_TOKENS,
+            "concurrency": args.concurrency,
+            "cache_docs": args.cache_docs,
+            "output_tokens": args.output_tokens,
+        },
+        "arrangements": arrangements,
+        "unique_prompt_bytes": unique_bytes,
+    }
+    mesh = arrangements.get("kvmesh")
+    if mesh is not None:
+        result["stored_bytes"] = mesh["stored_bytes"]
+        result["stored_vs_unique"] = round(mesh["stored_bytes"] / unique_bytes, 3)
+    floor, alone = arrangements.get("floor"), arrangements.get("vllm_alone")
+    if mesh and floor:
+        result["query_ttft_vs_floor"] = round(
+            mesh["query_ttft_mean_ms"] / floor["query_ttft_mean_ms"], 3
+        )
+    if mesh and alone:
+        result["warmup_round_vs_vllm_alone"] = round(
+            mesh["warmup_round_s"] / alone["warmup_round_s"], 3
+        )
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The figures as a table (only what this run measured)."""
+    w = result["workload"]
+    lines = [
+        f"kvmesh bench serve: {result['model']}; {w['documents']} documents of "
+        f"{w['doc_tokens']} tokens, asked twice, {w['concurrency']} in flight, vLLM's cache "
+        f"holding {w['cache_docs']} documents (except floor)",
+        f"{'arrangement':<12} {'query mean':>10} {'p50':>8} {'p90':>8} {'warm-up mean':>13} "
+        f"{'max':>8} {'warm-up s':>10} {'query s':>8} {'preempt':>8}",
+    ]
+    for name, a in result["arrangements"].items():
+        lines.append(
+            f"{name:<12} {a['query_ttft_mean_ms']:>8.1f}ms {a['query_ttft_p50_ms']:>6.1f}ms "
+            f"{a['query_ttft_p90_ms']:>6.1f}ms {a['warmup_ttft_mean_ms']:>11.1f}ms "
+            f"{a['warmup_ttft_max_ms']:>6.1f}ms {a['warmup_round_s']:>10.2f} "
+            f"{a['query_round_s']:>8.2f} {a['preemptions']:>8}"
+        )
+    mesh = result["arrangements"].get("kvmesh")
+    if mesh:
+        lines.append(
+            f"kvmesh: {mesh['tokens_from_kvmesh']} tokens served, {mesh['stored_bytes']} bytes "
+            f"stored for {result['unique_prompt_bytes']} unique prompt bytes "
+            f"({result['stored_vs_unique']}x), {mesh['kvmesh_cpu_s']} CPU s"
+        )
+    for key in ("query_ttft_vs_floor", "warmup_round_vs_vllm_alone"):
+        if key in result:
+            lines.append(f"{key}: {result[key]}")
+    return "\n".join(lines)
