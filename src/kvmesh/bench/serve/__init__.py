@@ -147,10 +147,6 @@ def _run_rounds(
     args: argparse.Namespace, name: str, server: Server, rounds: dict[str, list[list[int]]]
 ) -> dict[str, dict[str, float]]:
     out = {}
-    # The process's first request, outside the rounds, shares nothing with them.
-    rng = random.Random(args.seed + 7919)
-    first = [rng.randrange(3, 30000) for _ in range(args.doc_tokens)]
-    stream_completion("127.0.0.1", server.port, "bench", first, 1, 600)
     for label, prompts in rounds.items():
         _progress(args, f"{name}: {label} round, {len(prompts)} requests")
 
@@ -202,6 +198,13 @@ def _arrangement(
             max_model_len=min(shape["context"], 2 * prompt_tokens),
             gateway=node.lane if node else None,
         )
+        # The process's first request, outside the rounds and their counters, shares
+        # nothing with them (a process's first request is slower).
+        rng = random.Random(args.seed + 7919)
+        first = [rng.randrange(3, 30000) for _ in range(args.doc_tokens)]
+        stream_completion("127.0.0.1", server.port, "bench", first, 1, 600)
+        if node is not None:
+            time.sleep(1.0)  # its stores land before the counters are read
         before = node.counters() if node else {}
         cpu_before = node.cpu_seconds() if node else 0.0
         vllm_before = _preemptions(server)
