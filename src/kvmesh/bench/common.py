@@ -6,9 +6,12 @@ import argparse
 import asyncio
 import json
 import logging
+import sys
 import threading
+import time
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from types import TracebackType
+from typing import Any, TextIO, TypeVar
 
 T = TypeVar("T")
 
@@ -32,6 +35,163 @@ class LoopThread:
         self.loop.close()
 
 
+#: Seconds a benchmark may go without a progress line: a longer phase repeats itself.
+HEARTBEAT_S = 3.0
+
+
+class Progress:
+    """Progress lines of a running benchmark on stderr, ``NAME: what it does now``.
+
+    stdout stays the result alone (the table or the JSON object). :meth:`phase`
+    names what runs now and prints it; while a phase lasts, a heartbeat thread
+    repeats it every ``every_s`` seconds with the seconds it has taken and, where
+    :meth:`count` was called, how far it got (``lookup: [node] timed lookups
+    + EndSession ... 1216/2000 done, 3 s``), so a long phase still prints a
+    line every few seconds. :meth:`say` prints a line without changing the phase. With
+    ``quiet`` nothing is printed. Use it as a context manager: entering starts
+    the heartbeat, leaving stops it (and says how long the run took).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        quiet: bool = False,
+        every_s: float = HEARTBEAT_S,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.name = name
+        self.quiet = quiet
+        self.every_s = every_s
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._phase = ""
+        self._started = self._phase_started = self._last = time.monotonic()
+        self._done: int | None = None
+        self._total: int | None = None
+        self._unit = "done"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def for_args(cls, name: str, args: argparse.Namespace) -> Progress:
+        """The progress of benchmark ``name``, silent when its options say ``--quiet``."""
+        return cls(name, quiet=bool(getattr(args, "quiet", False)))
+
+    def say(self, text: str) -> None:
+        """Print ``NAME: text`` now."""
+        if self.quiet:
+            return
+        with self._lock:
+            self._write(text)
+
+    def phase(self, text: str, total: int | None = None, unit: str = "done") -> None:
+        """Start a phase and print it.
+
+        ``total``: the steps it has, which :meth:`count` counts and the heartbeat
+        shows as ``done/total unit``.
+        """
+        with self._lock:
+            self._phase = text
+            self._phase_started = time.monotonic()
+            self._done = 0 if total is not None else None
+            self._total = total
+            self._unit = unit
+            if not self.quiet:
+                self._write(text)
+
+    def count(self, done: int) -> None:
+        """Steps of the current phase done so far (cheap: the heartbeat prints it)."""
+        self._done = done
+
+    def __enter__(self) -> Progress:
+        self._started = time.monotonic()
+        if not self.quiet and self.every_s > 0:
+            self._thread = threading.Thread(
+                target=self._beat, name=f"kvmesh-bench-{self.name}-progress", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        seconds = time.monotonic() - self._started
+        self.say(
+            f"done in {seconds:.1f} s" if exc_type is None else f"failed after {seconds:.1f} s"
+        )
+
+    def _beat(self) -> None:
+        while not self._stop.wait(min(0.25, self.every_s)):
+            with self._lock:
+                now = time.monotonic()
+                if not self._phase or now - self._last < self.every_s:
+                    continue
+                done = "" if self._done is None else f"{self._done}/{self._total} {self._unit}, "
+                self._write(f"{self._phase} ... {done}{now - self._phase_started:.0f} s")
+
+    def _write(self, text: str) -> None:
+        # Called with the lock held.
+        stream = self._stream or sys.stderr
+        stream.write(f"{self.name}: {text}\n")
+        stream.flush()
+        self._last = time.monotonic()
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that shows every option's default (``(default: X)``), unless None or False.
+
+    A help text that already says ``%(default)s``, or names the default as
+    this would, is left as it is; a list default is shown as typed (``2 1``).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or "%(default)" in text
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+        ):
+            return action.help
+        if isinstance(default, list | tuple):
+            shown = " ".join(str(v) for v in default) or "none"
+        else:
+            shown = str(default)
+        shown = f"(default: {shown})"
+        if shown in text:  # the help says it already
+            return action.help
+        return f"{text} {shown.replace('%', '%%')}"
+
+
+def size_text(nbytes: float) -> str:
+    """``nbytes`` for a progress line: ``32 MiB``, ``1.5 GiB``, ``512 B``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            break
+        nbytes /= 1024
+    return f"{nbytes:.0f} {unit}" if float(nbytes).is_integer() else f"{nbytes:.1f} {unit}"
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--json`` and ``--quiet``, for a benchmark whose own options lack them."""
+    dests = {a.dest for a in parser._actions}
+    if "json" not in dests:
+        parser.add_argument("--json", action="store_true", help="print one JSON object")
+    if "quiet" not in dests:
+        parser.add_argument(
+            "--quiet", action="store_true", help="no progress lines on stderr while it runs"
+        )
+
+
 def bench_main(
     doc: str | None,
     add_arguments: Callable[[argparse.ArgumentParser], None],
@@ -40,10 +200,11 @@ def bench_main(
     argv: list[str] | None = None,
 ) -> None:
     """``python -m kvmesh.bench.<name> [--json]``: the same options as ``kvmesh bench <name>``."""
-    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=(doc or "").splitlines()[0], formatter_class=DefaultsHelpFormatter
+    )
     add_arguments(parser)
-    if not any(a.dest == "json" for a in parser._actions):
-        parser.add_argument("--json", action="store_true", help="print JSON")
+    add_common_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     result = run(args)

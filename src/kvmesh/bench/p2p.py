@@ -44,6 +44,7 @@ import grpc
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.coordinator.v1 import directory_pb2, directory_pb2_grpc
 from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
+from kvmesh.bench.common import Progress, size_text
 
 MIB = 1 << 20
 MODEL = "bench/p2p"
@@ -117,8 +118,9 @@ def _slot_view(slot: storage_pb2.Slot, maps: dict[str, mmap.mmap]) -> memoryview
     return view[region.offset_bytes : region.offset_bytes + region.size_bytes]
 
 
-def _fill_a(stub: Any, hashes: list[bytes], chunk_bytes: int) -> list[str]:
+def _fill_a(stub: Any, hashes: list[bytes], chunk_bytes: int, progress: Progress) -> list[str]:
     """Store the prefix on A (engine-driven); the digest of each chunk."""
+    progress.phase(f"filling node A's L1 with {len(hashes)} chunks", len(hashes))
     digests: list[str] = []
     maps: dict[str, mmap.mmap] = {}
     pattern = os.urandom(MIB)
@@ -137,6 +139,7 @@ def _fill_a(stub: Any, hashes: list[bytes], chunk_bytes: int) -> list[str]:
         stub.CommitStore(
             storage_pb2.CommitStoreRequest(transaction_id=prepared.transaction_id), timeout=60
         )
+        progress.count(i + 1)
     for m in maps.values():
         m.close()
     return digests
@@ -225,12 +228,22 @@ def loopback_tcp_gbps(total_bytes: int, *, hot: bool = False, block: int = 4 * M
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; one dict of figures and parameters."""
+    with Progress.for_args("p2p", args) as progress:
+        progress.say(
+            f"{args.chunks} chunks x {args.chunk_mib} MiB, {max(1, args.rounds)} rounds, "
+            f"{args.transport}"
+        )
+        return _run(args, progress)
+
+
+def _run(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
     chunk_bytes = args.chunk_mib * MIB
     l1_bytes = (args.chunks + 2) * chunk_bytes + 64 * MIB
     workdir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-p2p-"))
     shm = Path("/dev/shm") / f"kvmesh-bench-p2p-{uuid.uuid4().hex[:8]}"
     procs: list[_Proc] = []
     try:
+        progress.phase("starting the coordinator")
         coordinator = _Proc(
             "coordinator",
             ["--port", "0", "--metrics-port", "-1", "--log-level", "WARNING"],
@@ -239,6 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         procs.append(coordinator)
         coord_target = coordinator.wait_ready()["grpc"]
+        progress.phase(f"starting storage nodes A and B (L1 {size_text(l1_bytes)} each)")
         nodes = []
         for name in ("a", "b"):
             (shm / name).mkdir(parents=True)
@@ -291,7 +305,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         a, b = (storage_pb2_grpc.StorageServiceStub(c) for c in channels)
         a_id = a.GetStatus(storage_pb2.GetStatusRequest(), timeout=10).instance_id
         hashes = [os.urandom(32) for _ in range(args.chunks)]
-        digests = _fill_a(a, hashes, chunk_bytes)
+        digests = _fill_a(a, hashes, chunk_bytes, progress)
+        progress.phase("waiting until the directory places the prefix on node A")
         with grpc.insecure_channel(coord_target) as cc:
             directory = directory_pb2_grpc.DirectoryServiceStub(cc)
             keys = [common_pb2.ObjectKey(chunk_hash=h, model_name=MODEL, kv_rank=0) for h in hashes]
@@ -309,15 +324,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         times: list[float] = []
         tcp_rounds: list[float] = []
         hot_rounds: list[float] = []
-        for _ in range(max(1, args.rounds)):
+        rounds = max(1, args.rounds)
+        for index in range(1, rounds + 1):
             # The socket's limit is measured between the rounds, so that both see the
             # same moment of a shared (noisy) host.
+            progress.phase(
+                f"round {index}/{rounds}: loopback TCP baselines ({size_text(total)}, then "
+                "in cache)"
+            )
             tcp_rounds.append(loopback_tcp_gbps(total))
             hot_rounds.append(loopback_tcp_gbps(total, hot=True))
             b.DeleteKeys(
                 storage_pb2.DeleteKeysRequest(keys=keys, tier=common_pb2.TIER_L1, force=True),
                 timeout=30,
             )
+            progress.phase(f"round {index}/{rounds}: node B fetches the prefix from node A")
             start = time.perf_counter()
             reply = b.LookupAndLock(
                 storage_pb2.LookupAndLockRequest(
@@ -336,6 +357,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             times.append(elapsed)
             b.ReleaseLocks(storage_pb2.ReleaseLocksRequest(keys=_grid(hashes)), timeout=10)
+        progress.phase("comparing node B's bytes with node A's")
         equal = _digests_on_b(b, hashes, chunk_bytes) == digests
         p2p_status = b.GetStatus(storage_pb2.GetStatusRequest(), timeout=10).p2p
         for c in channels:
@@ -371,6 +393,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             },
         }
     finally:
+        progress.phase("stopping the processes")
         for proc in reversed(procs):
             proc.stop()
         shutil.rmtree(shm, ignore_errors=True)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import random
 import statistics
 import tempfile
@@ -37,11 +36,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from kvmesh.bench.common import Progress
 from kvmesh.engine.model_store import resolve as resolve_model
 from kvmesh.engine.vllm.model import make_tiny_model
 from kvmesh.engine.vllm.runner import run_engine
-
-logger = logging.getLogger(__name__)
 
 MIN_PROMPT_TOKENS = 600
 
@@ -128,7 +126,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"kvmesh bench vllm: --prompt-tokens must be >= {MIN_PROMPT_TOKENS}, --prompts and "
             "--rounds >= 1"
         )
-    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-vllm-") as tmp:
+    progress = Progress.for_args("vllm", args)
+    with progress, tempfile.TemporaryDirectory(prefix="kvmesh-bench-vllm-") as tmp:
+        progress.say(
+            f"{args.rounds} round(s) of 4 arrangements, each a fresh vLLM process over "
+            f"{args.prompts} prompts of {args.prompt_tokens} tokens after a warm-up prompt"
+        )
+        progress.phase(
+            f"finding the model {args.model}" if args.model else "making a tiny random-weight Llama"
+        )
         model = resolve_model(args.model) if args.model else make_tiny_model(Path(tmp) / "model")
         prompts = _prompts(args.prompts, args.prompt_tokens, args.seed)
         # A warm-up of each process's own: it must share no chunk with the prompts.
@@ -147,6 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if gateway is None:
             from kvmesh.cli.fleet import Fleet, FleetOptions
 
+            progress.phase(f"starting a local fleet ({args.arrangement})")
             fleet = Fleet(
                 FleetOptions(
                     data_dir=Path(tmp) / "fleet",
@@ -161,21 +168,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for index in range(args.rounds):
                 # A model name of the round's own: nothing an earlier round stored can hit.
                 spec = {**base, "connector": {"model_name": f"bench-vllm-{uuid.uuid4().hex[:8]}"}}
-                logger.info("round %d: cold: vLLM alone, prefix caching off", index + 1)
+                step = f"round {index + 1}/{args.rounds}"
+                runs = f"{len(prompts) + 1} prompts"
+                progress.phase(f"{step}: cold: vLLM alone, prefix caching off ({runs})")
                 cold = run_engine({**spec, "prompts": [warmup, *prompts]})[1:]
-                logger.info("round %d: prefix cache: vLLM alone, each prompt twice", index + 1)
                 twice = [p for p in prompts for _ in range(2)]
+                progress.phase(
+                    f"{step}: prefix cache: vLLM alone, each prompt twice "
+                    f"({len(twice) + 1} prompts)"
+                )
                 floor_runs = run_engine(
                     {**spec, "prefix_caching": True, "prompts": [warmup, *twice]}
                 )
                 floor = floor_runs[2::2]
-                logger.info("round %d: miss: kvmesh connector, empty cache", index + 1)
+                progress.phase(f"{step}: miss: kvmesh connector, empty cache ({runs})")
                 miss = run_engine({**spec, "gateway": gateway, "prompts": [warmup, *prompts]})[1:]
-                logger.info("round %d: warm: a fresh vLLM process, prompts from kvmesh", index + 1)
+                progress.phase(f"{step}: warm: a fresh vLLM process, prompts from kvmesh ({runs})")
                 warm = run_engine({**spec, "gateway": gateway, "prompts": [warmup, *prompts]})[1:]
                 rounds.append({"cold": cold, "floor": floor, "miss": miss, "warm": warm})
         finally:
             if fleet is not None:
+                progress.phase("stopping the fleet")
                 fleet.stop()
     cold = [r for one in rounds for r in one["cold"]]
     floor = [r for one in rounds for r in one["floor"]]

@@ -32,7 +32,7 @@ Memory: the engine file (chunks + one spare chunk of blocks) plus L1 (chunks
 + one segment) plus 64 MiB; about 1.2 GiB with the defaults. Every file this
 creates is removed, also on failure.
 
-Modules: :mod:`.params` (options, chunk shape, reference figures), :mod:`.runner`
+Modules: :mod:`.params` (options, chunk shape, target), :mod:`.runner`
 (``run``: the engine file and the node), :mod:`.measure` (the timed rounds)
 and :mod:`.report` (``format_table``).
 """

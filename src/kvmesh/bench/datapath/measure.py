@@ -22,13 +22,13 @@ import numpy as np
 from kvmesh import kernels
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.storage.v1 import storage_pb2
-from kvmesh.bench.common import LoopThread
+from kvmesh.bench.common import LoopThread, Progress, size_text
 from kvmesh.common.dtypes import BY_SHORT
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.app import StorageApp
 from kvmesh.storage.client import StorageClient
 
-from .params import LMCACHE_REFERENCE, TARGET_RATIO, Shape
+from .params import TARGET_RATIO, Shape
 
 
 @dataclass
@@ -77,6 +77,7 @@ def measure(
     client: StorageClient,
     engine_path: str,
     engine_mem: np.ndarray[Any, Any],
+    progress: Progress,
 ) -> dict[str, Any]:
     engine_id = "bench-engine"
     layout = common_pb2.KVLayout(
@@ -200,6 +201,7 @@ def measure(
     # The first store meets a cold node: L1 holds one pre-faulted segment and grows
     # (and pre-faults) the rest on the request path, and the node's fresh mapping of
     # the engine file faults on first touch. Reported apart as cold_store_gbps.
+    progress.phase("cold store: the first round, into an empty node")
     before = faults()
     start = time.perf_counter()
     loop.run(store_round())
@@ -209,11 +211,13 @@ def measure(
 
     # Then pre-fault the whole pool: no timed round may pay for fresh L1 pages.
     pool = manager.pool
+    progress.phase(f"pre-faulting L1 ({size_text(pool.capacity_bytes)})")
     grow_start = time.perf_counter()
     pool.grow_for([pool.segment_bytes] * (pool.capacity_bytes // pool.segment_bytes))
     grow_s = time.perf_counter() - grow_start
 
     # Warm-up (not timed): the kernels' helper pool, index caches, the gRPC channel.
+    progress.phase("warm-up (not timed): a checked retrieve, a retrieve round, a memcpy round")
     _check_retrieve(loop, client, engine_id, shape, hashes[0], per_chunk_ids[0], engine_mem)
     loop.run(retrieve_round())
     memcpy_round()
@@ -224,7 +228,10 @@ def measure(
     }
     phases: dict[str, list[dict[str, float]]] = {"store": [], "retrieve": []}
     fault_counts: dict[str, list[int]] = {"store": [], "retrieve": []}
-    for _ in range(args.repetitions):
+    for rep in range(args.repetitions):
+        progress.phase(
+            f"repetition {rep + 1}/{args.repetitions}: memcpy, store, retrieve, kernel copies"
+        )
         times["memcpy"].append(memcpy_round())
 
         loop.run(clear())
@@ -268,7 +275,6 @@ def measure(
         "chunks": shape.chunks,
         "repetitions": args.repetitions,
         "target_ratio": TARGET_RATIO,
-        "lmcache_0_5_6": LMCACHE_REFERENCE,
         "breakdown_ms": {op: _breakdown(phases[op], times[op]) for op in ("store", "retrieve")},
         "minor_faults_per_round": {
             **{op: int(statistics.median(v)) for op, v in fault_counts.items()},

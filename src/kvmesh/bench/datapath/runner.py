@@ -20,7 +20,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from kvmesh import kernels
-from kvmesh.bench.common import LoopThread
+from kvmesh.bench.common import LoopThread, Progress, size_text
 from kvmesh.rpc.server import Server, create_server
 from kvmesh.storage.app import StorageApp
 from kvmesh.storage.client import StorageClient
@@ -70,18 +70,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if shape.chunk_tokens % shape.block_size:
         raise ValueError("--chunk-tokens must be a multiple of --block-size")
     per_request = args.chunks_per_request or shape.chunks
-    if args.copy_threads:
-        kernels.set_copy_threads(args.copy_threads)
-    work_dir = tempfile.mkdtemp(prefix="kvmesh-bench-datapath-", dir=args.shm_dir)
-    data_dir = tempfile.mkdtemp(prefix="kvmesh-bench-datapath-")
-    try:
-        with _engine_file(work_dir, shape) as (engine_path, engine_mem):
-            return _run(args, shape, per_request, work_dir, data_dir, engine_path, engine_mem)
-    finally:
+    with Progress.for_args("datapath", args) as progress:
+        progress.say(
+            f"{shape.chunks} chunks x {size_text(shape.chunk_bytes)}, "
+            f"{args.repetitions} repetitions"
+        )
         if args.copy_threads:
-            kernels.set_copy_threads(None)
-        shutil.rmtree(work_dir, ignore_errors=True)
-        shutil.rmtree(data_dir, ignore_errors=True)
+            kernels.set_copy_threads(args.copy_threads)
+        work_dir = tempfile.mkdtemp(prefix="kvmesh-bench-datapath-", dir=args.shm_dir)
+        data_dir = tempfile.mkdtemp(prefix="kvmesh-bench-datapath-")
+        try:
+            engine_bytes = shape.layer_bytes * shape.num_layers
+            progress.phase(f"writing the engine's KV cache file ({size_text(engine_bytes)})")
+            with _engine_file(work_dir, shape) as (engine_path, engine_mem):
+                return _run(
+                    args, shape, per_request, work_dir, data_dir, engine_path, engine_mem, progress
+                )
+        finally:
+            if args.copy_threads:
+                kernels.set_copy_threads(None)
+            shutil.rmtree(work_dir, ignore_errors=True)
+            shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def _run(
@@ -92,6 +101,7 @@ def _run(
     data_dir: str,
     engine_path: str,
     engine_mem: np.ndarray[Any, Any],
+    progress: Progress,
 ) -> dict[str, Any]:
     # L1 = every chunk plus one segment, so a full round never reaches the eviction
     # watermark (eviction would turn a store into a measurement of the evictor).
@@ -112,6 +122,7 @@ def _run(
         max_chunks_per_request=max(4096, shape.chunks),
         log_level="WARNING",
     )
+    progress.phase(f"starting a storage node (L1 {size_text(l1_bytes)})")
     loop = LoopThread("kvmesh-bench-loop")
     server: Server | None = None
     client: StorageClient | None = None
@@ -125,7 +136,9 @@ def _run(
         server, client = loop.run(start())
         app = server.app
         assert isinstance(app, StorageApp)
-        return measure(args, shape, per_request, loop, app, client, engine_path, engine_mem)
+        return measure(
+            args, shape, per_request, loop, app, client, engine_path, engine_mem, progress
+        )
     finally:
         if client is not None:
             loop.run(client.close())

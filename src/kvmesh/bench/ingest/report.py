@@ -32,7 +32,6 @@ def _grouping(result: dict[str, Any]) -> str:
 
 def _format_run(result: dict[str, Any]) -> str:
     p = result["parameters"]
-    ref = result["lmcache_reference"]
     t = result["targets"]
     met = result["targets_met"]
 
@@ -44,16 +43,15 @@ def _format_run(result: dict[str, Any]) -> str:
         f"{p['keys']} keys, window {p['window']}, {_grouping(result)}, {p['cpus']} CPUs",
         "",
         f"{'entries/s':24} {result['entries_per_s']:>12,.0f}   target >= {t['entries_per_s']:,} "
-        f"({mark('entries_per_s')}); LMCache {ref['entries_per_s'][0]:,}-"
-        f"{ref['entries_per_s'][1]:,} -> x{result['speedup_vs_lmcache']:.1f}",
+        f"({mark('entries_per_s')})",
         f"{'ack p50 / p99 / max ms':24} {result['ack_p50_ms']:>6.2f} / {result['ack_p99_ms']:.2f}"
         f" / {result['ack_max_ms']:.2f}   p99 target <= {t['ack_p99_ms']} "
-        f"({mark('ack_p99_ms')}); LMCache p99 {ref['ack_p99_ms'][0]}-{ref['ack_p99_ms'][1]}",
+        f"({mark('ack_p99_ms')})",
         f"{'max stall ms':24} {result['max_stall_ms']:>12.2f}   target <= {t['max_stall_ms']} "
-        f"({mark('max_stall_ms')}); LMCache {ref['max_stall_ms']}; per emitter "
+        f"({mark('max_stall_ms')}); per emitter "
         f"{result['max_stall_per_emitter_ms']:.2f}",
         f"{'lookup16 p50 / p99 ms':24} {result['lookup16_p50_ms']:>6.3f} / "
-        f"{result['lookup16_p99_ms']:.3f}   LMCache p50 {ref['lookup16_p50_ms']}",
+        f"{result['lookup16_p99_ms']:.3f}",
         f"{'bytes per key':24} {result['bytes_per_key']:>12.0f}   ({result['num_keys']:,} keys, "
         f"RSS {result['coordinator_rss_mb']:.0f} MB)",
         f"{'coordinator CPU s':24} {result['coordinator_cpu_s']:>12.2f}   "

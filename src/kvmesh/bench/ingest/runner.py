@@ -22,11 +22,12 @@ from typing import Any
 import grpc
 
 from kvmesh.api.coordinator.v1 import directory_pb2, directory_pb2_grpc
+from kvmesh.bench.common import Progress
 from kvmesh.common.convert import key_to_proto
 from kvmesh.common.keys import ObjectKey
 
 from .emitter import EmitterJob, EmitterResult, emitter_main
-from .params import LMCACHE_ENTRIES_PER_S, LMCACHE_REFERENCE, TARGETS
+from .params import TARGETS
 from .server import CoordinatorProcess, coordinator_process, cpu_seconds, rss_bytes
 
 
@@ -40,7 +41,9 @@ def _max_gap_ms(times_ns: Sequence[int]) -> float:
     return max((b - a for a, b in itertools.pairwise(s)), default=0) / 1e6
 
 
-def _stream(jobs: Sequence[EmitterJob], coordinator: CoordinatorProcess) -> list[EmitterResult]:
+def _stream(
+    jobs: Sequence[EmitterJob], coordinator: CoordinatorProcess, progress: Progress, tag: str
+) -> list[EmitterResult]:
     """Run every emitter process to completion; their results by index."""
     ctx = mp.get_context("spawn")  # no fork of a process that holds gRPC state
     ready = ctx.Queue()
@@ -51,17 +54,26 @@ def _stream(jobs: Sequence[EmitterJob], coordinator: CoordinatorProcess) -> list
         for job in jobs
     ]
     try:
+        progress.phase(
+            f"{tag}starting {len(jobs)} emitter processes (each serializes its batches)",
+            len(jobs),
+            "ready",
+        )
         for p in procs:
             p.start()
-        for _ in jobs:
+        for started in range(len(jobs)):
             index, error = ready.get(timeout=300)
             if error:
                 raise RuntimeError(f"emitter {index} could not start: {error}")
+            progress.count(started + 1)
+        keys = sum(job.batches * job.batch_entries for job in jobs)
+        progress.phase(f"{tag}streaming {keys:,} keys", len(jobs), "emitters finished")
         go.set()
         out: list[EmitterResult] = []
         while len(out) < len(jobs):
             try:
                 out.append(results.get(timeout=1.0))
+                progress.count(len(out))
             except queue.Empty:
                 if coordinator.proc.poll() is not None:
                     raise RuntimeError(
@@ -82,7 +94,9 @@ def _stream(jobs: Sequence[EmitterJob], coordinator: CoordinatorProcess) -> list
                 p.join(timeout=5)
 
 
-def _lookups(target: str, sample: Sequence[ObjectKey], n: int, seed: int) -> list[float]:
+def _lookups(
+    target: str, sample: Sequence[ObjectKey], n: int, seed: int, progress: Progress, tag: str
+) -> list[float]:
     """Latencies (s) of ``n`` 16-key lookups of stored keys; every key must have a placement."""
     rng = random.Random(seed)
     requests = [
@@ -95,11 +109,13 @@ def _lookups(target: str, sample: Sequence[ObjectKey], n: int, seed: int) -> lis
     with grpc.insecure_channel(target) as channel:
         stub = directory_pb2_grpc.DirectoryServiceStub(channel)
         stub.Lookup(requests[0], timeout=10, wait_for_ready=True)  # connect first
+        progress.phase(f"{tag}timing {n} 16-key directory lookups", n)
         perf = time.perf_counter
-        for request in requests:
+        for done, request in enumerate(requests, 1):
             t0 = perf()
             response = stub.Lookup(request, timeout=2)
             latencies.append(perf() - t0)
+            progress.count(done)
             if not all(r.placements for r in response.results):
                 raise RuntimeError("a stored key has no placement in the directory")
     return latencies
@@ -134,17 +150,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(
             "--emitters, --batch-entries, --window and --keys must be >= 1, --group >= 0"
         )
-    runs = [_run_one(args, window) for window in windows]
+    with Progress.for_args("ingest", args) as progress:
+        progress.say(
+            f"{len(windows)} run(s) (window {' then '.join(map(str, windows))}), each "
+            f"{args.emitters} emitters x {args.batch_entries}-entry batches, {args.keys:,} keys"
+        )
+        runs = []
+        for index, window in enumerate(windows, 1):
+            tag = f"run {index}/{len(windows)} (window {window}): "
+            runs.append(_run_one(args, window, progress, tag))
     if len(runs) == 1:
         return runs[0]
     return {**runs[0], "runs": runs}
 
 
-def _run_one(args: argparse.Namespace, window: int) -> dict[str, Any]:
+def _run_one(
+    args: argparse.Namespace, window: int, progress: Progress, tag: str = ""
+) -> dict[str, Any]:
     """Start the coordinator and the emitters, measure, stop everything; the figures."""
     # Groups never exceed what the window lets out at once.
     group = min(window, args.group or window)
     per_emitter = max(1, args.keys // (args.emitters * args.batch_entries))
+    progress.phase(f"{tag}starting the coordinator")
     with (
         tempfile.TemporaryDirectory(prefix="kvmesh-bench-ingest-") as tmp,
         coordinator_process(Path(tmp), args.coordinator_arg) as coordinator,
@@ -167,12 +194,13 @@ def _run_one(args: argparse.Namespace, window: int) -> dict[str, Any]:
             for i in range(args.emitters)
         ]
         cpu0 = cpu_seconds(pid)
-        results = _stream(jobs, coordinator)
+        results = _stream(jobs, coordinator, progress, tag)
         cpu1 = cpu_seconds(pid)
         stats = _stats(coordinator.target)
         rss1 = rss_bytes(pid)
         sample = [k for r in results for k in r.sample]
-        lookups = _lookups(coordinator.target, sample, args.lookups, args.seed)
+        lookups = _lookups(coordinator.target, sample, args.lookups, args.seed, progress, tag)
+        progress.phase(f"{tag}stopping the coordinator")
     first = min(r.send_ns[0] for r in results)
     last = max(max(r.ack_ns) for r in results)
     latencies_ms = [
@@ -220,10 +248,8 @@ def _run_one(args: argparse.Namespace, window: int) -> dict[str, Any]:
             "lookups": args.lookups,
             "cpus": os.cpu_count(),
         },
-        "lmcache_reference": LMCACHE_REFERENCE,
         "targets": TARGETS,
     }
-    result["speedup_vs_lmcache"] = result["entries_per_s"] / LMCACHE_ENTRIES_PER_S[1]
     result["targets_met"] = {
         "entries_per_s": result["entries_per_s"] >= TARGETS["entries_per_s"],
         "ack_p99_ms": result["ack_p99_ms"] <= TARGETS["ack_p99_ms"],

@@ -52,7 +52,7 @@ timed ones and are never the headline.
 Every file this creates (engine file, L1 segments, data directories) is
 removed, also on failure.
 
-Modules: :mod:`.params` (options, parameters, reference figures),
+Modules: :mod:`.params` (options, parameters, target),
 :mod:`.servers` (the arrangements' servers), :mod:`.workload` (what is
 timed), :mod:`.profiling` (the cProfile summary), :mod:`.runner` (``run``)
 and :mod:`.report` (``format_table``).

@@ -1,17 +1,12 @@
-"""What ``kvmesh bench lookup`` measures: its options, parameters and reference figures."""
+"""What ``kvmesh bench lookup`` measures: its options, parameters and target."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
-#: DESIGN §7 target and the LMCache 0.5.6 figures measured on this machine kind.
+#: DESIGN §7 target.
 TARGET_LOOKUP_P50_MS = 0.5
-LMCACHE_REFERENCE = {
-    "lookup_p50_ms": 1.5,
-    "empty_rtt_p50_ms_zmq": 0.3,
-    "empty_rtt_p50_ms_grpc": 0.7,
-}
 
 ARRANGEMENTS = ("node-lane", "node", "processes-lane", "processes", "in-process")
 MODEL = "bench/model"

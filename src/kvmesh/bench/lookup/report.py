@@ -14,7 +14,6 @@ def format_table(result: dict[str, Any]) -> str:
         f", p99 {result['lookup_p99_ms']:.3f} ms; empty round trip p50 "
         f"{result['empty_rtt_p50_ms']:.3f} ms; target p50 <= {result['target_lookup_p50_ms']} ms"
         f" ({'met' if result['meets_target'] else 'NOT met'})",
-        "LMCache 0.5.6 here: lookup p50 1.5 ms, empty round trip 0.3 ms (ZMQ) / 0.7 ms (gRPC)",
         "engine -> gateway: " + result["parameters"]["transport"].split(": ", 1)[1],
         "",
         f"{'':22}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'mean ms':>9}",

@@ -15,7 +15,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .params import ARRANGEMENTS, LMCACHE_REFERENCE, TARGET_LOOKUP_P50_MS, Endpoints, Params
+from kvmesh.bench.common import Progress
+
+from .params import ARRANGEMENTS, TARGET_LOOKUP_P50_MS, Endpoints, Params
 from .profiling import profile_summary
 from .servers import in_process, node_process, processes
 from .workload import engine_file, measure
@@ -25,6 +27,7 @@ def _arrangement(
     name: str,
     params: Params,
     shm_dir: str,
+    progress: Progress,
     profile_dir: Path | None = None,
     client_profile: cProfile.Profile | None = None,
 ) -> dict[str, Any]:
@@ -40,14 +43,18 @@ def _arrangement(
                 servers = node_process(params, work_dir, data_dir, lane=name == "node-lane")
             else:
                 servers = in_process(params, work_dir, data_dir)
+            label = f"[{name}{', under cProfile' if profile_dir else ''}] "
+            progress.phase(f"{label}starting the servers")
             with servers as endpoints:
-                return measure(endpoints, params, engine, client_profile)
+                figures = measure(endpoints, params, engine, client_profile, progress, label)
+                progress.phase(f"{label}stopping the servers")
+            return figures
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
-def _profile_pass(params: Params, shm_dir: str, top: int) -> dict[str, Any]:
+def _profile_pass(params: Params, shm_dir: str, top: int, progress: Progress) -> dict[str, Any]:
     """Servers (own processes) and the client loop under cProfile; where their time goes.
 
     Client and servers are profiled over the timed lookups + EndSessions only
@@ -57,7 +64,7 @@ def _profile_pass(params: Params, shm_dir: str, top: int) -> dict[str, Any]:
     profile_dir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-lookup-prof-"))
     try:
         client_profile = cProfile.Profile()
-        figures = _arrangement("processes", params, shm_dir, profile_dir, client_profile)
+        figures = _arrangement("processes", params, shm_dir, progress, profile_dir, client_profile)
         client_profile.create_stats()
         per = params.iterations
         out: dict[str, Any] = {
@@ -96,7 +103,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if params.chunk_tokens % params.block_size:
         raise ValueError("--chunk-tokens must be a multiple of --block-size")
     names = list(ARRANGEMENTS) if args.arrangement == "all" else [args.arrangement]
-    arrangements = {name: _arrangement(name, params, args.shm_dir) for name in names}
+    with Progress.for_args("lookup", args) as progress:
+        progress.say(
+            f"{len(names)} arrangement(s): {', '.join(names)}; {params.iterations} timed calls "
+            f"per figure after {params.warmup} untimed"
+        )
+        arrangements = {name: _arrangement(name, params, args.shm_dir, progress) for name in names}
+        profile = (
+            _profile_pass(params, args.shm_dir, args.profile_top, progress)
+            if args.profile
+            else None
+        )
     headline = arrangements[names[0]]
     result: dict[str, Any] = {
         "lookup_p50_ms": headline["lookup"]["p50_ms"],
@@ -105,7 +122,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "headline_arrangement": names[0],
         "target_lookup_p50_ms": TARGET_LOOKUP_P50_MS,
         "meets_target": headline["lookup"]["p50_ms"] <= TARGET_LOOKUP_P50_MS,
-        "lmcache_reference": LMCACHE_REFERENCE,
         "chunks": params.chunks,
         "tokens": params.tokens,
         "iterations": params.iterations,
@@ -127,6 +143,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "arrangements": arrangements,
     }
-    if args.profile:
-        result["profile"] = _profile_pass(params, args.shm_dir, args.profile_top)
+    if profile is not None:
+        result["profile"] = profile
     return result

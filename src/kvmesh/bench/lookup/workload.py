@@ -23,6 +23,7 @@ import numpy as np
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.bench.common import Progress
 from kvmesh.gateway.client import GatewayClient
 
 from .params import MODEL, Endpoints, Params
@@ -160,11 +161,20 @@ def _handler_means(
 
 
 def measure(
-    endpoints: Endpoints, params: Params, engine: Path, client_profile: cProfile.Profile | None
+    endpoints: Endpoints,
+    params: Params,
+    engine: Path,
+    client_profile: cProfile.Profile | None,
+    progress: Progress,
+    label: str = "",
 ) -> dict[str, Any]:
-    """Register, store, then time lookups, re-lookups and empty round trips."""
+    """Register, store, then time lookups, re-lookups and empty round trips.
+
+    Progress lines start with ``label`` (the arrangement's name).
+    """
     client = GatewayClient(endpoints.gateway)
     try:
+        progress.phase(f"{label}registering the engine, storing the {params.chunks}-chunk prompt")
         tokens = _register_and_store(client, params, engine)
         # Built once per prompt, as an engine reuses its token array; only the id changes.
         lookup = gateway_pb2.LookupRequest(
@@ -194,34 +204,43 @@ def measure(
             ends.append(t2 - t1)
 
         scratch: list[float] = []
+        progress.phase(f"{label}warm-up: {params.warmup} untimed lookups", params.warmup)
         for i in range(params.warmup):
             new_request(-1 - i, scratch, scratch)
+            progress.count(i + 1)
         g0, s0 = _scrape(endpoints.gateway_metrics), _scrape(endpoints.storage_metrics)
         lookups: list[float] = []
         ends: list[float] = []
+        progress.phase(f"{label}timed lookups + EndSession", params.iterations)
         _signal(endpoints.profiled_pids, signal.SIGUSR1)
         if client_profile is not None:
             client_profile.enable()
         for i in range(params.iterations):
             new_request(i, lookups, ends)
+            if i % 64 == 63:  # seldom: a profiled pass must not list it
+                progress.count(i + 1)
         if client_profile is not None:
             client_profile.disable()
         _signal(endpoints.profiled_pids, signal.SIGUSR2)
         g1, s1 = _scrape(endpoints.gateway_metrics), _scrape(endpoints.storage_metrics)
 
         lookup.request_id = "bench-same"
+        progress.phase(f"{label}timed re-lookups of one request", params.iterations)
         client.lookup(lookup)
         relookups: list[float] = []
-        for _ in range(params.iterations):
+        for i in range(params.iterations):
             t0 = clock()
             client.lookup(lookup)
             relookups.append(clock() - t0)
+            progress.count(i + 1)
         client.end_session(gateway_pb2.EndSessionRequest(request_id="bench-same"))
 
         chunk_size = gateway_pb2.GetChunkSizeRequest()
         ping = gateway_pb2.PingRequest()
         empties: dict[str, list[float]] = {"get_chunk_size": [], "ping": []}
-        for i in range(params.warmup + params.iterations):
+        rounds = params.warmup + params.iterations
+        progress.phase(f"{label}empty round trips (GetChunkSize, Ping)", rounds)
+        for i in range(rounds):
             t0 = clock()
             client.get_chunk_size(chunk_size)
             t1 = clock()
@@ -230,6 +249,7 @@ def measure(
             if i >= params.warmup:
                 empties["get_chunk_size"].append(t1 - t0)
                 empties["ping"].append(t2 - t1)
+            progress.count(i + 1)
         g2 = _scrape(endpoints.gateway_metrics)
         gateway_means = _handler_means(g0, g1, _GATEWAY_METHODS)
         gateway_means.update(_handler_means(g1, g2, ("GetChunkSize",)))
