@@ -74,6 +74,28 @@ def test_background_growth_starts_at_the_watermark(make_pool: Callable[..., L1Po
     assert pool.wait_committed(8 * MIB, timeout=10)
 
 
+def test_background_growth_keeps_half_a_segment_of_headroom(
+    make_pool: Callable[..., L1Pool],
+) -> None:
+    """Whatever the watermark, less than half a segment free starts the next growth."""
+    pool = make_pool(12 * MIB, background_grow=True, grow_watermark=0.95)
+    first = pool.allocate(2 * MIB)  # 2 MiB free of 4: not yet
+    assert first is not None
+    assert not pool.wait_committed(8 * MIB, timeout=0.05), "grew with half a segment free"
+    second = pool.allocate(MIB // 2)  # 1.5 MiB free, below the watermark's 95 %
+    assert second is not None
+    assert pool.wait_committed(8 * MIB, timeout=10)
+
+
+def test_a_requested_growth_adds_a_segment_below_the_watermark(
+    make_pool: Callable[..., L1Pool],
+) -> None:
+    pool = make_pool(12 * MIB, background_grow=True)
+    assert pool.can_grow()
+    pool.request_growth()
+    assert pool.wait_committed(8 * MIB, timeout=10)
+
+
 def test_allocation_fails_cleanly_when_full_and_memory_comes_back_on_free(
     make_pool: Callable[..., L1Pool],
 ) -> None:

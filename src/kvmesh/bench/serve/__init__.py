@@ -27,6 +27,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -73,6 +74,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arrangements",
         default=",".join(ARRANGEMENTS),
         help="which arrangements to run, comma-separated",
+    )
+    cores = os.cpu_count() or 1
+    parser.add_argument(
+        "--omp-bind",
+        default="0" if cores <= 2 else f"0-{cores - 2}",
+        help="VLLM_CPU_OMP_THREADS_BIND of every arrangement: the cores vLLM's threads run on "
+        "(the default leaves one core to kvmesh and the client, in every arrangement alike; "
+        "vLLM's OpenMP threads spin, so a process sharing their cores stalls every step)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of documents and questions")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -197,6 +206,7 @@ def _arrangement(
             block_size=args.block_size,
             max_model_len=min(shape["context"], 2 * prompt_tokens),
             gateway=node.lane if node else None,
+            omp_bind=args.omp_bind,
         )
         # The process's first request, outside the rounds and their counters, shares
         # nothing with them (a process's first request is slower).
@@ -291,6 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "concurrency": args.concurrency,
             "cache_docs": args.cache_docs,
             "output_tokens": args.output_tokens,
+            "omp_bind": args.omp_bind,
         },
         "arrangements": arrangements,
         "unique_prompt_bytes": unique_bytes,

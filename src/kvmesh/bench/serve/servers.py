@@ -167,6 +167,7 @@ def start_vllm(
     block_size: int,
     max_model_len: int,
     gateway: str | None,
+    omp_bind: str,
     startup_timeout_s: float = 600.0,
 ) -> Server:
     """vLLM's OpenAI server with a KV cache of ``kv_blocks`` blocks (and kvmesh if ``gateway``)."""
@@ -181,7 +182,7 @@ def start_vllm(
     ]  # fmt: skip
     if gateway:
         argv += ["--kv-transfer-config", json.dumps(transfer_config(gateway))]
-    env = {**os.environ, **engine_env(kv_cache_gib)}
+    env = {**os.environ, **engine_env(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": omp_bind}
     process = _spawn(f"vLLM ({name})", argv, work / f"vllm-{name}.log", env)
     server = Server(process, port)
     _wait(server.healthy, process, startup_timeout_s, f"vLLM ({name})")

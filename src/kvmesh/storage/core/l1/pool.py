@@ -282,10 +282,19 @@ class L1Pool:
     # -- internals --------------------------------------------------------
 
     def _wants_growth_locked(self) -> bool:
-        return (
-            self._committed < self.capacity_bytes
-            and self._alloc.used_bytes >= self.grow_watermark * self._committed
-        )
+        """Usage passed the watermark, or less than half a segment is left free.
+
+        The headroom rule keeps a growth ahead of the stores: on a VM a new
+        segment's first touch can take most of a second (fresh guest memory),
+        and with 256 MiB segments a 75 % watermark leaves 64 MiB, which a
+        busy node stores in about that time. A store that finds no room waits
+        for the growth, and vLLM's blocks wait with it.
+        """
+        if self._committed >= self.capacity_bytes:
+            return False
+        used = self._alloc.used_bytes
+        headroom = min(self.segment_bytes // 2, self._committed // 2)
+        return used >= self.grow_watermark * self._committed or (self._committed - used < headroom)
 
     def _grow_loop(self) -> None:
         while not self._closing.is_set():
@@ -329,9 +338,10 @@ class L1Pool:
                 self._committed += size
                 self._grown.notify_all()
             logger.info(
-                "L1 pool grew to %d of %d bytes (segment %s)",
+                "L1 pool grew to %d of %d bytes in %.0f ms (segment %s)",
                 self._committed,
                 self.capacity_bytes,
+                (time.monotonic() - now) * 1e3,
                 path,
             )
             return True
