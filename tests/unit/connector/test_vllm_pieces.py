@@ -9,6 +9,7 @@ KVMESH_REQUIRE_SERVICES=1 and skips otherwise).
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -192,17 +193,49 @@ def test_a_kv_cache_the_folder_cannot_hold_stays_in_vllms_memory(
 
 
 def test_a_file_left_by_a_dead_process_is_reclaimed_and_a_live_ones_kept(tmp_path: Path) -> None:
+    """A named file's owner holds its lock: a file nobody locks is stale, whatever its pid."""
+    mine = os.getpid()
+    # Unlocked, named after a live pid (another PID namespace's engine reused it).
+    stale = tmp_path / f"kvmesh-vllm-{mine}-0-0123abcd"
+    live = tmp_path / "kvmesh-vllm-1-99-89abcdef"  # locked, pid 1 of some namespace
+    unrelated = tmp_path / "kvmesh-vllm-notapid"
+    for path in (stale, live, unrelated):
+        path.write_bytes(b"kv")
+    holder = os.open(live, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        assert reclaim_stale(tmp_path) == [stale]
+    finally:
+        os.close(holder)
+    assert live.exists()
+    assert unrelated.exists()
+    assert not stale.exists()
+    # Its owner gone (the lock with it), the live file is stale too.
+    assert reclaim_stale(tmp_path) == [live]
+
+
+def test_a_file_of_an_older_kvmesh_is_judged_by_its_pid(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     stale = tmp_path / f"kvmesh-vllm-{dead.stdout.strip()}-0"
     live = tmp_path / f"kvmesh-vllm-{os.getpid()}-99"
-    unrelated = tmp_path / "kvmesh-vllm-notapid"
-    for path in (stale, live, unrelated):
+    for path in (stale, live):
         path.write_bytes(b"kv")
     assert reclaim_stale(tmp_path) == [stale]
     assert live.exists()
-    assert unrelated.exists()
-    assert not stale.exists()
+
+
+def test_two_named_pools_of_one_pid_never_collide_and_hold_their_files(tmp_path: Path) -> None:
+    first = SharedMemoryPool(tmp_path, named=True)
+    second = SharedMemoryPool(tmp_path, named=True)
+    assert first.path != second.path
+    with first:
+        torch.zeros(2 << 20, dtype=torch.int8)
+    assert first.buffer is not None
+    assert first.path.exists()
+    assert reclaim_stale(tmp_path) == []  # its owner (this process) holds the lock
+    first.close()
+    assert not first.path.exists()
 
 
 def test_the_pool_refuses_a_missing_folder(tmp_path: Path) -> None:

@@ -14,18 +14,22 @@ last mapping, however vLLM stops (SIGKILL included) — nothing is left in
 ``/dev/shm``. That needs storage to see vLLM's ``/proc`` (same user and PID
 namespace: the usual ``kvmesh node`` beside ``vllm serve``; in containers,
 a shared PID namespace). Where that cannot be, ``named_kv_file`` keeps the
-older way: a file named ``kvmesh-vllm-<pid>-<n>``, deleted on :meth:`close`;
-a file whose process died without closing (SIGKILL) is removed by the next
-pool created in the same folder, by checking that its pid is gone.
+older way: a file named ``kvmesh-vllm-<pid>-<n>-<random>``, deleted on
+:meth:`close`. Its owner holds an ``flock`` on it for life, so a file whose
+process died without closing (SIGKILL) is found unlocked and removed by the
+next pool created in the same folder, even from another PID namespace
+(where pids repeat and say nothing about the file's owner).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import logging
 import os
 import re
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +41,10 @@ from kvmesh.common.procs import pid_alive
 
 logger = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^kvmesh-vllm-(\d+)-\d+$")
+#: Named files: ``kvmesh-vllm-<pid>-<n>-<random>``; their owner holds an flock on them.
+_NAME = re.compile(r"^kvmesh-vllm-(\d+)-\d+-[0-9a-f]{8}$")
+#: Files an older kvmesh named without the random part and without a lock: the pid decides.
+_OLD_NAME = re.compile(r"^kvmesh-vllm-(\d+)-\d+$")
 _counter = itertools.count()
 #: Smaller allocations inside the context are left to torch (vLLM allocates nothing else
 #: there today; the bound keeps a stray small tensor out of the file).
@@ -45,19 +52,45 @@ MIN_BYTES = 1 << 20
 
 
 def reclaim_stale(folder: Path) -> list[Path]:
-    """Delete KV files in ``folder`` whose owning process is gone; the paths removed."""
+    """Delete named KV files in ``folder`` whose owner is gone; the paths removed.
+
+    An owner holds an exclusive ``flock`` on its file for as long as it lives
+    (the kernel drops it when the process dies, however it dies), so a file
+    nobody holds a lock on is stale. A pid would not do: engines in other
+    PID namespaces (containers sharing a ``/dev/shm``) reuse each other's
+    pids, and a restarted container's vLLM often gets its predecessor's.
+    """
     removed = []
     for path in folder.glob("kvmesh-vllm-*"):
-        match = _NAME.match(path.name)
-        if match is None or pid_alive(int(match.group(1))):
+        if _NAME.match(path.name):
+            stale = not _locked(path)
+        else:
+            old = _OLD_NAME.match(path.name)
+            stale = old is not None and not pid_alive(int(old.group(1)))
+        if not stale:
             continue
         try:
             path.unlink()
         except FileNotFoundError:
             continue
         removed.append(path)
-        logger.info("removed %s, left by process %s that no longer runs", path, match.group(1))
+        logger.info("removed %s, left by a vLLM process that no longer runs", path)
     return removed
+
+
+def _locked(path: Path) -> bool:
+    """Whether a live process holds the file's lock (a file that cannot be opened: yes)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # also drops the lock just taken
+    return False
 
 
 class SharedMemoryPool(TorchFunctionMode):
@@ -71,7 +104,10 @@ class SharedMemoryPool(TorchFunctionMode):
         reclaim_stale(self.folder)
         self.named = named
         #: Where storage opens the file: its name, or (nameless) vLLM's descriptor of it.
-        self.path = self.folder / f"kvmesh-vllm-{os.getpid()}-{next(_counter)}"
+        # A random part: another PID namespace may run a vLLM with this pid.
+        self.path = (
+            self.folder / f"kvmesh-vllm-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+        )
         self._fd: int | None = None
         self.buffer: torch.Tensor | None = None
 
@@ -123,7 +159,9 @@ class SharedMemoryPool(TorchFunctionMode):
             else:
                 self.path = Path(f"/proc/{os.getpid()}/fd/{fd}")
                 return fd
-        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held for life: see reclaim_stale
+        return fd
 
     def _map(self, nbytes: int) -> torch.Tensor | None:
         """The file, its pages allocated and mapped here; None (torch allocates) when
@@ -148,10 +186,9 @@ class SharedMemoryPool(TorchFunctionMode):
             )
             return None
         buffer = torch.from_file(str(self.path), shared=True, size=nbytes, dtype=torch.int8)
-        if self.named:
-            os.close(fd)
-        else:
-            self._fd = fd  # storage opens the file through it: kept open until close()
+        # Kept open until close(): storage opens a nameless file through it, and a named
+        # file's lock says its owner lives.
+        self._fd = fd
         logger.info(
             "vLLM's KV cache (%d bytes) lives in %s%s",
             nbytes,
@@ -176,9 +213,9 @@ class SharedMemoryPool(TorchFunctionMode):
     def close(self) -> None:
         """Delete the file, or close the nameless one's descriptor (the mapping stays
         valid while vLLM holds the tensor)."""
+        if self.named:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        elif self.named:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
