@@ -13,6 +13,17 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, TextIO, TypeVar
 
+from kvmesh.common.help_format import DefaultsHelpFormatter, add_common_arguments
+
+__all__ = [
+    "DefaultsHelpFormatter",
+    "LoopThread",
+    "Progress",
+    "add_common_arguments",
+    "bench_main",
+    "size_text",
+]
+
 T = TypeVar("T")
 
 
@@ -144,34 +155,6 @@ class Progress:
         self._last = time.monotonic()
 
 
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Help that shows every option's default (``(default: X)``), unless None or False.
-
-    A help text that already says ``%(default)s``, or names the default as
-    this would, is left as it is; a list default is shown as typed (``2 1``).
-    """
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        if (
-            not action.option_strings
-            or "%(default)" in text
-            or default is None
-            or default is False
-            or default is argparse.SUPPRESS
-        ):
-            return action.help
-        if isinstance(default, list | tuple):
-            shown = " ".join(str(v) for v in default) or "none"
-        else:
-            shown = str(default)
-        shown = f"(default: {shown})"
-        if shown in text:  # the help says it already
-            return action.help
-        return f"{text} {shown.replace('%', '%%')}"
-
-
 def size_text(nbytes: float) -> str:
     """``nbytes`` for a progress line: ``32 MiB``, ``1.5 GiB``, ``512 B``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -179,17 +162,6 @@ def size_text(nbytes: float) -> str:
             break
         nbytes /= 1024
     return f"{nbytes:.0f} {unit}" if float(nbytes).is_integer() else f"{nbytes:.1f} {unit}"
-
-
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--json`` and ``--quiet``, for a benchmark whose own options lack them."""
-    dests = {a.dest for a in parser._actions}
-    if "json" not in dests:
-        parser.add_argument("--json", action="store_true", help="print one JSON object")
-    if "quiet" not in dests:
-        parser.add_argument(
-            "--quiet", action="store_true", help="no progress lines on stderr while it runs"
-        )
 
 
 def bench_main(

@@ -191,7 +191,7 @@ def bench_parser(name: str, module: Any) -> OneLineParser:
 
     Every option's --help shows its default.
     """
-    from kvmesh.bench.common import DefaultsHelpFormatter, add_common_arguments
+    from kvmesh.common.help_format import DefaultsHelpFormatter, add_common_arguments
 
     parser = OneLineParser(
         prog=f"kvmesh bench {name}",
