@@ -3,7 +3,7 @@
 It serves ``kvmesh.coordinator.v1.EventIngestService`` (``StreamEvents``,
 ``IngestBatches``) and ``MembershipService`` through the real chassis
 (``create_server``: interceptors, health, reflection), with the EventGate's
-admission rules of reference coordinator §3.1 — a fresh cursor per new
+admission rules (docs/coordinator.md, "Event gate") — a fresh cursor per new
 emitter or incarnation, ``seq <= last_seq`` a duplicate, an older
 incarnation stale, a skipped seq admitted with a sticky gap flag — and
 membership with NOT_FOUND for unknown heartbeats.
@@ -69,7 +69,7 @@ class CoordinatorView(Protocol):
 
 @dataclass
 class Cursor:
-    """Per-emitter stream position (reference §3.1)."""
+    """Per-emitter stream position (docs/coordinator.md, "Event gate")."""
 
     incarnation: int
     last_seq: int = 0
@@ -139,7 +139,7 @@ class FakeCoordinator:
     # ------------------------------------------------------------------ gate
 
     def ingest(self, batch: CacheEventBatch) -> IngestResult:
-        """The reference EventGate's admission (§3.1), recording what it admitted."""
+        """The reference EventGate's admission, recording what it admitted."""
         with self._cond:
             result = self._admit(batch)
             self.verdicts.append((batch.instance_id, batch.incarnation, batch.seq, result))
@@ -418,7 +418,7 @@ class _MembershipServicer(membership_pb2_grpc.MembershipServiceServicer):
         state = self._state
         with state._cond:
             existed = state.instances.pop(request.instance_id, None) is not None
-            # Deregistration forgets the cursor too (reference §3.1 drop_instance).
+            # Deregistration forgets the cursor too (docs/coordinator.md, "Event gate").
             state._cursors.pop(request.instance_id, None)
             state.deregistrations += 1
             state._cond.notify_all()

@@ -14,7 +14,7 @@ Ingests 64-entry STORE batches from N emitters round-robin through
 * fence cost: a new incarnation of one emitter fences its L1 keys;
 * checkpoint capture time (how long ingest is quiesced) and write time.
 
-Reference figures for LMCache 0.5.6 on this machine kind (DESIGN §7):
+Reference figures for LMCache 0.5.6 on this machine kind (docs/benchmarks.md, "Targets"):
 15–20k entries/s, p99 4.7–9.1 ms, stalls up to 0.75 s, 16-key lookup p50 1 ms.
 
 Run: ``python -m kvmesh.bench.coordinator_core [--keys 1000000] [--emitters 4] [--json]``.

@@ -1,9 +1,9 @@
 """Benchmark of the gather/scatter kernels against a plain memcpy of the same bytes.
 
-DESIGN §7 asks store and retrieve to reach 85 % of a one-thread memcpy of the
-same bytes measured in the same run, for 32 MiB chunks (256 tokens × 32
-layers × 8 kv heads × 128 head_dim × bf16, block_size 16). This module times,
-per layout and per torch thread count:
+The target (docs/benchmarks.md, "Targets") asks store and retrieve to reach
+85 % of a one-thread memcpy of the same bytes measured in the same run, for
+32 MiB chunks (256 tokens × 32 layers × 8 kv heads × 128 head_dim × bf16,
+block_size 16). This module times, per layout and per torch thread count:
 
 - ``numpy_memcpy_gbps``: ``np.copyto`` of one 32 MiB buffer into another (one
   thread; glibc's memcpy, which switches to non-temporal stores at this size);

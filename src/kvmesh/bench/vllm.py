@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.bench.common import Progress
-from kvmesh.engine.model_store import resolve as resolve_model
+from kvmesh.common.model_store import resolve as resolve_model
 from kvmesh.engine.vllm.model import make_tiny_model
 from kvmesh.engine.vllm.runner import run_engine
 

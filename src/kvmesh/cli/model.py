@@ -10,7 +10,7 @@ from typing import Any
 
 def add_model_command(sub: Any) -> None:
     """Register ``kvmesh model get|path|list``."""
-    from kvmesh.engine import model_store
+    from kvmesh.common import model_store
 
     p = sub.add_parser(
         "model",
@@ -32,7 +32,7 @@ def add_model_command(sub: Any) -> None:
 
 def run_model(args: argparse.Namespace) -> int:
     """Handler of ``kvmesh model``."""
-    from kvmesh.engine import model_store
+    from kvmesh.common import model_store
 
     if args.action == "list":
         for name, model in sorted(model_store.MODELS.items()):

@@ -1,10 +1,9 @@
 """Cache events in plain Python: what a storage node reports and the coordinator ingests.
 
 These mirror ``kvmesh.events.v1`` (the enum values are the proto numbers, so
-conversion is ``int()``), with LMCache's invariants (reference coordinator
-§2.3–§2.4) enforced by :func:`validate_batch`. The emitter builds them, the
-coordinator's gate and consumers read them; only the servicers convert to and
-from protobuf.
+conversion is ``int()``), with LMCache's invariants (docs/events.md) enforced
+by :func:`validate_batch`. The emitter builds them, the coordinator's gate and
+consumers read them; only the servicers convert to and from protobuf.
 """
 
 from __future__ import annotations

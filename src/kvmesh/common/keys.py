@@ -3,7 +3,7 @@
 ``ObjectKey`` is a plain tuple so it is cheap to build on hot paths and can be
 used as a dict key; ``validate_object_key`` enforces the invariants at the
 edges (a servicer receiving a key, a file name being parsed). The rules are
-LMCache 0.5.6's (reference mp_server §3.2, coordinator §2.2), plus an exact
+LMCache 0.5.6's, plus an exact
 32-byte chunk hash, because every key kvmesh makes is a blake3 digest.
 """
 

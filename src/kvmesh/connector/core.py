@@ -6,7 +6,7 @@ in each step; the **worker** side registers the paged KV memory and executes
 those loads and saves. This class has the same hooks under the same names,
 taking plain objects (:mod:`kvmesh.connector.metadata`), so wiring it into vLLM is an
 adapter that copies fields, not a rewrite. The flow follows LMCache's MP
-connector (reference §6.3, §6.4):
+connector (docs/connector.md, "Scheduler flow" and "Worker flow"):
 
 scheduler, per request:
   1. :meth:`get_num_new_matched_tokens` — sends ``Lookup`` once (it returns at

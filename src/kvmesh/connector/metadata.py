@@ -45,7 +45,9 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class RetrieveOp:
-    """Load ``[start, end)`` of a request from kvmesh into its blocks (reference §6.3 step 4).
+    """Load ``[start, end)`` of a request from kvmesh into its blocks.
+
+    See docs/connector.md, "Scheduler flow" (step 4).
 
     ``block_ids`` covers exactly ``[start, end)``; the first
     ``skip_first_n_tokens`` tokens are already in the engine's own prefix cache

@@ -1,4 +1,7 @@
-"""Scheduler half of the connector: lookups, load and store plans, sessions (reference §6.3)."""
+"""Scheduler half of the connector: lookups, load and store plans, sessions.
+
+See docs/connector.md, "Scheduler flow".
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Worker half of the connector: KV registration, retrieves and stores (reference §6.4)."""
+"""Worker half of the connector: KV registration, retrieves and stores.
+
+See docs/connector.md, "Worker flow".
+"""
 
 from __future__ import annotations
 

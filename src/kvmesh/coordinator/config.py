@@ -1,4 +1,7 @@
-"""Settings of the coordinator service (defaults as LMCache 0.5.6's coordinator, §9.1)."""
+"""Settings of the coordinator service (defaults as LMCache 0.5.6's coordinator).
+
+See docs/coordinator.md, "Settings".
+"""
 
 from __future__ import annotations
 

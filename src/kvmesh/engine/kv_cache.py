@@ -7,7 +7,7 @@ Layout: exactly vLLM's flash-attention layout, one tensor per layer::
 All layers live in ONE file under ``/dev/shm``, layer ``i`` at byte offset
 ``i * layer_bytes``, so a kvmesh storage node can map the very same memory
 (one ``SharedMemoryHandle`` per layer: path, offset, size) and copy blocks in
-and out without the engine doing any copy work (DESIGN §3).
+and out without the engine doing any copy work (docs/architecture.md, "Engine memory").
 
 Token ``p`` of a request with block table ``block_ids`` lives in block
 ``block_ids[p // block_size]`` at row ``p % block_size`` (vLLM's slot mapping).

@@ -11,7 +11,7 @@ import enum
 
 
 class KVLayoutKind(enum.Enum):
-    """Per-layer paged KV formats kvmesh moves (reference §7.1 formats 1, 2, 3)."""
+    """Per-layer paged KV formats kvmesh moves (docs/kernels.md, "Layout kinds")."""
 
     FLASH_ATTN = "flash_attn"
     FLASHINFER = "flashinfer"

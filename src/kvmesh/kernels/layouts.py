@@ -15,7 +15,7 @@ The engine (vLLM) keeps one paged tensor per layer:
 The L1 chunk object of ``num_tokens`` tokens is
 ``[kv_size, num_layers, num_tokens, kv_heads * head_dim]`` (token-major,
 heads flattened; ``kv_size`` is 2, or 1 for MLA), contiguous, of the KV dtype
-(reference §7.3).
+(docs/kernels.md, "The L1 chunk object").
 
 :class:`PagedKVCache` validates the per-layer tensors once and precomputes
 what every copy needs, so the per-call cost of the ops stays small.

@@ -1,8 +1,9 @@
 """Plain reference implementation of the gather/scatter ops (the test oracle).
 
 One slice copy per (chunk, plane, layer, block, head), written straight from the
-semantics of reference §7.4 so it is easy to check by eye. It shares only the
-input validation with the fast ops in :mod:`kvmesh.kernels.ops`.
+semantics in docs/kernels.md, "Gather and scatter", so it is easy to check by
+eye. It shares only the input validation with the fast ops in
+:mod:`kvmesh.kernels.ops`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Settings of the storage service (L1/L2 defaults as LMCache 0.5.6, §15)."""
+"""Settings of the storage service (L1/L2 defaults as LMCache 0.5.6)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from kvmesh.engine import model_store
+from kvmesh.common import model_store
 from kvmesh.engine.vllm.runner import results, start_engine
 from tests.e2e.support import start_fleet
 from tests.e2e.with_vllm.support import resident_chunks

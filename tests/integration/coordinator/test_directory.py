@@ -1,7 +1,7 @@
 """DirectoryService over a real socket: Lookup (keys, tokens), ListKeys, GetStats, cursors.
 
-Reference §10.8 items that do not apply: #89 (blend matching: kvmesh keeps no
-blend index) and #100 (prefetch proxy: the coordinator never dials a node).
+LMCache behaviours that do not apply: blend matching (kvmesh keeps no blend
+index) and the prefetch proxy (the coordinator never dials a node).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _tokens(query: directory_pb2.TokenQuery, include: bool = False) -> directory
 
 
 def test_lookup_by_keys_answers_in_request_order(coord: Coord) -> None:
-    """§10.8 #84 (placement fields), #91 (unknown key: no placements; chunks = keys)."""
+    """Placement fields; an unknown key has no placements (chunks = keys)."""
     c = coord.clients
     c.ingest_batches(
         batch("node-b", 1, tier=L1, entries=stores([1], size=10)),
@@ -62,7 +62,7 @@ def test_lookup_by_keys_answers_in_request_order(coord: Coord) -> None:
 
 
 def test_lookup_returns_tokens_only_when_asked(coord: Coord) -> None:
-    """§10.8 #88: stored tokens come back, never an offset; #91: an unknown chunk has none."""
+    """Stored tokens come back, never an offset; an unknown chunk has none."""
     c = coord.clients
     c.ingest_batches(
         batch(
@@ -175,7 +175,7 @@ def test_lookup_by_tokens_needs_every_rank(coord: Coord) -> None:
 def test_bad_lookups_are_invalid_argument(
     coord: Coord, request_: directory_pb2.LookupRequest, field: str
 ) -> None:
-    """§10.8 #91: a bad key, neither form, or tokens without a model are rejected."""
+    """A bad key, neither form, or tokens without a model are rejected."""
     with pytest.raises(grpc.RpcError) as info:
         coord.clients.directory.lookup(request_)
     assert code_of(info.value) == grpc.StatusCode.INVALID_ARGUMENT
@@ -183,7 +183,7 @@ def test_bad_lookups_are_invalid_argument(
 
 
 def test_list_keys_pages_until_the_token_is_empty(coord: Coord) -> None:
-    """§10.8 #90: the listing paginates (page tokens for offsets) with a stable total."""
+    """The listing paginates (page tokens for offsets) with a stable total."""
     c = coord.clients
     ids = range(2500)
     c.ingest_batches(
@@ -212,7 +212,7 @@ def test_list_keys_pages_until_the_token_is_empty(coord: Coord) -> None:
 
 
 def test_list_keys_filters_keys_and_their_placements(coord: Coord) -> None:
-    """§10.8 #90: tier, instance and backend filters; placements are filtered too."""
+    """Tier, instance and backend filters; placements are filtered too."""
     c = coord.clients
     c.ingest_batches(
         batch("node-a", 1, tier=L1, entries=stores([1, 2])),
@@ -253,7 +253,7 @@ def test_list_keys_filters_keys_and_their_placements(coord: Coord) -> None:
 def test_bad_listings_are_invalid_argument(
     coord: Coord, request_: directory_pb2.ListKeysRequest, field: str
 ) -> None:
-    """§10.8 #90: a bad page size or page token (LMCache: offset=-1) is rejected."""
+    """A bad page size or page token (LMCache: offset=-1) is rejected."""
     with pytest.raises(grpc.RpcError) as info:
         coord.clients.directory.list_keys(request_)
     assert code_of(info.value) == grpc.StatusCode.INVALID_ARGUMENT
@@ -261,7 +261,7 @@ def test_bad_listings_are_invalid_argument(
 
 
 def test_get_stats_totals(coord: Coord) -> None:
-    """§10.8 #87: keys, placements, L1 keys per instance, no instance list; #88: bindings."""
+    """Keys, placements, L1 keys per instance, no instance list; token bindings."""
     c = coord.clients
     assert c.stats() == directory_pb2.GetStatsResponse()
     c.ingest_batches(
@@ -283,7 +283,7 @@ def test_get_stats_totals(coord: Coord) -> None:
 
 
 def test_ingest_cursors_show_incarnation_seq_gap_and_counters(coord: Coord) -> None:
-    """§10.3 #25: a skipped seq is admitted and sets the sticky gap flag."""
+    """A skipped seq is admitted and sets the sticky gap flag."""
     c = coord.clients
     assert c.cursors() == {}
     node = coord.node("node-a", incarnation=3)

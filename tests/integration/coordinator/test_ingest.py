@@ -1,7 +1,7 @@
 """EventIngestService over a real socket: the node stream and the unary form.
 
 The stream opens with ``open``; every batch gets one ack, in order, whose
-verdict is the gate's (reference §3.1): ADMITTED, DUPLICATE for a seq at or
+verdict is the gate's (docs/coordinator.md, "Event gate"): ADMITTED, DUPLICATE for a seq at or
 below the cursor, STALE_INCARNATION for an older incarnation; a newer
 incarnation fences the emitter's L1 placements first. A second stream of the
 same instance replaces the first. ``IngestBatches`` returns one verdict per
@@ -35,7 +35,7 @@ from tests.support.waiting import wait_until
 
 
 def test_stream_acks_every_batch_in_order_with_the_gates_verdict(coord: Coord) -> None:
-    """§10.3 #25 over gRPC: seq 6 after 2 is admitted, flags the gap; its key is present."""
+    """Over gRPC: seq 6 after 2 is admitted, flags the gap; its key is present."""
     node = coord.node("node-a", incarnation=5)
     node.batch(1, entries=stores([1]))
     node.batch(2, entries=stores([2]))
@@ -165,7 +165,7 @@ def test_command_results_travel_up_the_stream(coord: Coord) -> None:
 
 
 def test_ingest_batches_returns_one_verdict_per_batch(coord: Coord) -> None:
-    """§10.8 #85 (a mixed request) and #97 (a replay: all duplicates, usage counted once)."""
+    """A mixed request, and a replay: all duplicates, usage counted once."""
     c = coord.clients
     response = c.ingest_batches(
         _b(incarnation=2, seq=1, ids=[1]),
@@ -208,7 +208,7 @@ def test_ingest_batches_of_a_new_incarnation_fence_l1(coord: Coord) -> None:
 
 
 def test_one_batch_is_one_admitted_and_its_placement_carries_every_field(coord: Coord) -> None:
-    """§10.3 #24 / §10.8 #84: one batch → (1, 0, 0); Lookup shows every placement field."""
+    """One batch → (1, 0, 0); Lookup shows every placement field."""
     c = coord.clients
     one = batch(
         "node-a",

@@ -154,7 +154,7 @@ def shared(coord_loop: Any) -> Iterator[Coord]:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_unary_ingest_rejects_the_whole_request(shared: Coord, case: Case) -> None:
-    """§10.8 #92 (tier all, seq 0, bad key hash), #95 (bad event type), #98 (size < 0)."""
+    """Tier all, seq 0, a bad key hash, a bad event type and a negative size are refused."""
     c = shared.clients
     instance = f"unary-{case.name}"
     before = c.snapshot()
@@ -169,7 +169,7 @@ def test_unary_ingest_rejects_the_whole_request(shared: Coord, case: Case) -> No
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_stream_ends_on_the_bad_batch_and_keeps_the_earlier_ones(shared: Coord, case: Case) -> None:
-    """§10.8 #92, #95 (bad event type) and #98 on the stream."""
+    """A bad tier, seq or key hash, a bad event type and a negative size, on the stream."""
     c = shared.clients
     instance = f"stream-{case.name}"
     node = RawNode(shared.target, instance)
@@ -256,7 +256,7 @@ def test_a_batch_of_another_instance_ends_the_stream(make_coord: CoordFactory) -
 
 
 def test_access_may_have_an_empty_backend_and_config_no_entries(make_coord: CoordFactory) -> None:
-    """The two exemptions of the backend and entries rules are accepted (§10.8 #95: ACCESS)."""
+    """The two exemptions of the backend and entries rules are accepted (ACCESS)."""
     coord = make_coord()
     response = coord.clients.ingest_batches(
         batch("node-a", 1, entries=stores([1])),

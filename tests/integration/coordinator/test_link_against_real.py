@@ -177,7 +177,7 @@ def test_the_emitter_buffers_until_the_real_coordinator_appears(
 def test_the_emitters_stores_and_delete_land_in_the_real_directory(
     real: RealCoordinatorHandle, rig_factory: Any
 ) -> None:
-    """§10.10 #117 over gRPC: two stores and a delete leave one placement, tokens included."""
+    """Over gRPC: two stores and a delete leave one placement, tokens included."""
     rig = rig_factory(real.target)  # instance node-a, incarnation 3
     rig.emitter.start()
     kept, gone = key(1), key(2)

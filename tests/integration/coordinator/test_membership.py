@@ -22,7 +22,7 @@ from tests.support.waiting import wait_until
 
 
 def test_register_reregister_and_list(make_coord: CoordFactory) -> None:
-    """§10.3 #26: a registered instance is listed."""
+    """A registered instance is listed."""
     coord = make_coord(heartbeat_interval_seconds=2.5, instance_timeout_seconds=12.0)
     c = coord.clients
     first = c.membership.register_instance(
@@ -62,7 +62,7 @@ def test_registration_never_touches_the_cursor(coord: Coord) -> None:
 
 
 def test_heartbeat_of_a_known_and_an_unknown_instance(coord: Coord) -> None:
-    """§10.3 #26: a registered instance's heartbeat succeeds (LMCache: 200)."""
+    """A registered instance's heartbeat succeeds (LMCache: 200)."""
     c = coord.clients
     c.register("node-a")
     c.membership.heartbeat(membership_pb2.HeartbeatRequest(instance_id="node-a"))
@@ -81,7 +81,7 @@ def test_register_rejects_a_missing_or_malformed_id(coord: Coord, instance_id: s
 
 
 def test_deregister_fences_l1_keeps_l2_and_forgets_the_cursor(coord: Coord) -> None:
-    """§10.3 #26: deregistering removes the instance from the list (idempotent)."""
+    """Deregistering removes the instance from the list (idempotent)."""
     c = coord.clients
     c.register("node-a")
     c.register("node-b")

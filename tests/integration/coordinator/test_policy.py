@@ -110,7 +110,7 @@ def test_bad_policy_requests_are_invalid_argument(
 
 
 def test_default_quota_is_unset_at_boot_and_settable(coord: Coord) -> None:
-    """§10.8 #94: unset at boot; 0 is a real limit; a value round-trips; clearable."""
+    """Unset at boot; 0 is a real limit; a value round-trips; clearable."""
     p = coord.clients.policy
     assert not p.get_default_quota(policy_pb2.GetDefaultQuotaRequest()).HasField("limit_bytes")
     p.set_default_quota(policy_pb2.SetDefaultQuotaRequest(tier=L2, limit_bytes=0))
@@ -210,7 +210,7 @@ def test_usage_per_instance_compartment_and_shared_pool(coord: Coord) -> None:
 
 
 def test_usage_follows_stores_and_deletes_and_ignores_access(coord: Coord) -> None:
-    """§10.8 #95: stores count, ACCESS and an empty store are admitted without changing usage.
+    """Stores count, ACCESS and an empty store are admitted without changing usage.
 
     A DELETE subtracts the size that was stored (its own entry says 0), and a
     DELETE of a key never stored changes nothing.

@@ -61,7 +61,7 @@ def test_stream_settings_refuse_bad_values() -> None:
 
 
 def test_the_position_is_a_plain_checkpoint_section_that_restores_by_replacing() -> None:
-    """§10.3 #28: the position is the next seq to read; a restore replaces it."""
+    """The position is the next seq to read; a restore replaces it."""
     position = NatsStreamPosition("S")
     assert (position.name, position.persistence_type) == (
         POSITION_SECTION,

@@ -55,7 +55,7 @@ def wire_keys(hashes: list[bytes]) -> directory_pb2.KeyList:
 
 
 def test_every_placement_change_reaches_the_directory_exactly_once(fleet: Fleet) -> None:
-    """§10.3 #28: messages are applied in stream order, each once."""
+    """Messages are applied in stream order, each once."""
     # The coordinator starts first: the stream does not exist until the node creates it.
     coord = fleet.coordinator()
     c = coord.clients
@@ -90,7 +90,7 @@ def test_every_placement_change_reaches_the_directory_exactly_once(fleet: Fleet)
 
 
 def test_events_wait_in_the_stream_while_no_coordinator_runs(fleet: Fleet) -> None:
-    """§10.3 #28: without a position the source reads from the stream's first message."""
+    """Without a position the source reads from the stream's first message."""
     node = fleet.storage()  # NATS only: no coordinator anywhere yet
     instance = node.app.instance_id
     engine = fleet.engine(node)
@@ -112,7 +112,7 @@ def test_events_wait_in_the_stream_while_no_coordinator_runs(fleet: Fleet) -> No
 
 
 def test_a_clean_restart_resumes_at_the_checkpointed_position(fleet: Fleet) -> None:
-    """§10.3 #28: a restored position resumes after the last applied message."""
+    """A restored position resumes after the last applied message."""
     checkpoint = str(fleet.tmp_path / "coordinator.ckpt")
     coord = fleet.coordinator(checkpoint_path=checkpoint)
     node = fleet.storage()
@@ -145,7 +145,7 @@ def test_a_clean_restart_resumes_at_the_checkpointed_position(fleet: Fleet) -> N
 def test_a_coordinator_sigkilled_after_a_checkpoint_replays_what_followed(
     fleet: Fleet,
 ) -> None:
-    """§10.3 #28: a restored position that is behind replays what followed it."""
+    """A restored position that is behind replays what followed it."""
     proc = CliProcess(
         "coordinator",
         free_port(),
@@ -248,7 +248,7 @@ def test_a_delete_reaches_a_nats_node_and_its_deletes_come_back(fleet: Fleet) ->
 
 
 def test_kvmesh_status_shows_the_stream_position_and_lag(fleet: Fleet) -> None:
-    """§10.3 #28: the source's status (LMCache: ("kafka", SEEKABLE)) is in GetStatus."""
+    """The source's status (LMCache: ("kafka", SEEKABLE)) is in GetStatus."""
     coord = fleet.coordinator()
     node = fleet.storage(coordinator_target=coord.target)
     engine = fleet.engine(node)

@@ -58,7 +58,7 @@ def wait_applied_through(source: NatsEventSource, stream_seq: int) -> None:
 def test_a_resent_batch_is_stored_once_and_a_replayed_one_admitted_once(
     fleet: Fleet, raw: RawNats
 ) -> None:
-    """§10.3 #28: a replayed message is absorbed by the gate's seq dedup."""
+    """A replayed message is absorbed by the gate's seq dedup."""
     coord = fleet.coordinator()
     source = source_of(coord)
     subject = events_subject("raw-a")
@@ -88,7 +88,7 @@ def test_a_resent_batch_is_stored_once_and_a_replayed_one_admitted_once(
 def test_undecodable_and_invalid_messages_are_skipped_and_the_stream_goes_on(
     fleet: Fleet, raw: RawNats
 ) -> None:
-    """§10.3 #28: undecodable or invalid messages are skipped; the position still moves."""
+    """Undecodable or invalid messages are skipped; the position still moves."""
     coord = fleet.coordinator()
     source = source_of(coord)
     raw.publish("kvmesh.events.junk", b"\xff\xff\xff\xff not a protobuf")
@@ -151,7 +151,7 @@ def test_a_batch_whose_ingest_raises_is_logged_and_skipped_and_the_stream_goes_o
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """§10.3 #28 (LMCache Kafka: a record whose consumer raises is skipped, offset recorded)."""
+    """A record whose consumer raises is skipped, its offset recorded (as LMCache's Kafka)."""
     caplog.set_level(logging.ERROR, logger="kvmesh.coordinator.sources")
     coord = fleet.coordinator()
     source = source_of(coord)
@@ -186,7 +186,7 @@ def test_a_batch_whose_ingest_raises_is_logged_and_skipped_and_the_stream_goes_o
 def test_the_source_logs_a_lost_connection_and_reads_on_after_nats_restarts(
     fleet: Fleet, nats: ServerProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """§10.3 #28 (LMCache Kafka: a consumer error is logged and polling continues)."""
+    """A consumer error is logged and polling continues (as LMCache's Kafka source)."""
     caplog.set_level(logging.WARNING, logger="kvmesh.coordinator.sources")
     coord = fleet.coordinator()
     source = source_of(coord)

@@ -1,4 +1,4 @@
-"""Token hashing is byte-identical to LMCache 0.5.6 (vectors from the reference, §4)."""
+"""Token hashing is byte-identical to LMCache 0.5.6 (vectors computed with LMCache 0.5.6)."""
 
 from __future__ import annotations
 

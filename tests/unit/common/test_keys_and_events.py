@@ -1,4 +1,4 @@
-"""ObjectKey rules and cache-event batch invariants (reference coordinator §2)."""
+"""ObjectKey rules and cache-event batch invariants."""
 
 from __future__ import annotations
 

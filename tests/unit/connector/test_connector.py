@@ -1,4 +1,6 @@
-"""The connector's hooks follow LMCache's MP connector flow (reference §6.3, §6.4).
+"""The connector's hooks follow LMCache's MP connector flow.
+
+See docs/connector.md, "Scheduler flow" and "Worker flow".
 
 Driven against :class:`FakeGateway`, an in-process gateway + storage, so the
 tests see every call the connector makes.

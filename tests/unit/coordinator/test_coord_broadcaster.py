@@ -1,4 +1,4 @@
-"""CacheEventBroadcaster (reference catalogue §10.2 items 19–23)."""
+"""CacheEventBroadcaster (docs/coordinator.md, "Broadcaster")."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from tests.unit.coordinator.coord_testkit import RecordingConsumer, Stream, key
 
 
 def test_batches_and_fences_reach_consumers_in_registration_order() -> None:
-    """§10.2 #19."""
     log: list[tuple[str, str, object]] = []
     b = CacheEventBroadcaster()
     for name in ("first", "second", "third"):
@@ -29,7 +28,6 @@ def test_batches_and_fences_reach_consumers_in_registration_order() -> None:
 
 
 def test_broadcast_and_fence_without_consumers_do_nothing() -> None:
-    """§10.2 #20."""
     b = CacheEventBroadcaster()
     b.broadcast(Stream().store([key(1)]))
     b.fence_instance("node-a")
@@ -37,7 +35,6 @@ def test_broadcast_and_fence_without_consumers_do_nothing() -> None:
 
 
 def test_late_consumer_sees_only_later_batches() -> None:
-    """§10.2 #21."""
     b = CacheEventBroadcaster()
     s = Stream()
     b.broadcast(s.store([key(1)]))
@@ -51,7 +48,7 @@ def test_late_consumer_sees_only_later_batches() -> None:
 def test_failing_consumer_is_logged_and_later_consumers_still_run(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """§10.2 #22: consume and fence failures are logged with context and isolated."""
+    """Consume and fence failures are logged with context and isolated."""
     b = CacheEventBroadcaster()
     bad = RecordingConsumer("bad", fail_consume=True, fail_fence=True)
     good = RecordingConsumer("good")
@@ -68,7 +65,7 @@ def test_failing_consumer_is_logged_and_later_consumers_still_run(
 
 
 def test_stats_list_every_consumer_from_registration() -> None:
-    """§10.2 #23: delivered / failures / apply time per consumer, zeros before any batch."""
+    """Delivered / failures / apply time per consumer, zeros before any batch."""
     b = CacheEventBroadcaster()
     b.register(RecordingConsumer())
     b.register(RecordingConsumer(fail_consume=True, fail_fence=True), name="flaky")
@@ -87,7 +84,7 @@ def test_stats_list_every_consumer_from_registration() -> None:
 
 
 def test_repeated_names_get_a_suffix_and_non_consumers_are_refused() -> None:
-    """kvmesh: stats keys stay unique; a registration without the hooks is a TypeError."""
+    """Kvmesh: stats keys stay unique; a registration without the hooks is a TypeError."""
     b = CacheEventBroadcaster()
     assert b.register(RecordingConsumer()) == "RecordingConsumer"
     assert b.register(RecordingConsumer()) == "RecordingConsumer#2"

@@ -1,4 +1,4 @@
-"""Capacity declarations and the fleet memory view (reference catalogue §10.9 items 102–109)."""
+"""Capacity declarations and the fleet memory view (docs/coordinator.md, "Capacity")."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def make() -> Coordinator:
 
 
 def test_declared_and_used_give_a_ratio() -> None:
-    """§10.9 #102: 40 GiB dram, 10 GiB used → 0.25, registered and declared."""
+    """40 GiB dram, 10 GiB used → 0.25, registered and declared."""
     c = make()
     c.register_instance("node-a")
     s = Stream()
@@ -38,7 +38,7 @@ def test_declared_and_used_give_a_ratio() -> None:
 
 
 def test_undeclared_idle_and_overfull_ratios() -> None:
-    """§10.9 #103: undeclared → None; declared idle → 0.0; 3 GiB of 1 GiB → 3.0 (not clamped)."""
+    """Undeclared → None; declared idle → 0.0; 3 GiB of 1 GiB → 3.0 (not clamped)."""
     c = make()
     c.register_instance("a")
     c.ingest(Stream("a").store([key(1)], size=5))
@@ -53,7 +53,7 @@ def test_undeclared_idle_and_overfull_ratios() -> None:
 
 
 def test_unknown_and_deregistered_instances() -> None:
-    """§10.9 #104: unknown → NOT_FOUND; L2 bytes keep a gone node listed; L1-only → NOT_FOUND."""
+    """Unknown → NOT_FOUND; L2 bytes keep a gone node listed; L1-only → NOT_FOUND."""
     c = make()
     with pytest.raises(NotFound):
         c.instance_usage("nobody")
@@ -74,7 +74,7 @@ def test_unknown_and_deregistered_instances() -> None:
 
 
 def test_fleet_view_lists_instances_and_shared_pools_once() -> None:
-    """§10.9 #105: shared s3 (25 of 100 GiB) once; disagreeing caps → 0/None; empty fleet."""
+    """Shared s3 (25 of 100 GiB) once; disagreeing caps → 0/None; empty fleet."""
     assert make().fleet_usage().instances == ()
     assert make().fleet_usage().shared_modules == ()
     c = make()
@@ -96,7 +96,7 @@ def test_fleet_view_lists_instances_and_shared_pools_once() -> None:
 
 
 def test_registration_declares_nothing_and_config_tier_must_be_concrete() -> None:
-    """§10.9 #106: repeated compartment within one revision keeps the last value."""
+    """Repeated compartment within one revision keeps the last value."""
     c = make()
     c.register_instance("a", metadata={"capacity_bytes": "999"})
     assert c.instance_usage("a").declared_capacity is False
@@ -110,7 +110,6 @@ def test_registration_declares_nothing_and_config_tier_must_be_concrete() -> Non
 
 
 def test_declaration_stamps_order_by_incarnation_then_revision() -> None:
-    """§10.9 #107."""
     reg = ServerConfigRegistry()
     s = Stream("a", incarnation=1)
     reg.consume(s.config(Tier.L1, "dram", 1, 1))
@@ -137,7 +136,7 @@ def test_declaration_stamps_order_by_incarnation_then_revision() -> None:
 
 
 def test_registry_capture_restore_and_straggler_after_restore() -> None:
-    """§10.9 #109: plain tuples, round trip, stamps restored, non-empty restore refused."""
+    """Plain tuples, round trip, stamps restored, non-empty restore refused."""
     reg = ServerConfigRegistry()
     reg.consume(Stream("a", incarnation=3).config(Tier.L1, "dram", 7, 4))
     cap = reg.capture()

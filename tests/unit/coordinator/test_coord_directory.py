@@ -1,4 +1,4 @@
-"""KeyDirectory (reference catalogue §10.4 items 29–54) plus kvmesh's storage guarantees."""
+"""KeyDirectory (docs/coordinator.md, "Key directory") plus kvmesh's storage guarantees."""
 
 from __future__ import annotations
 
@@ -34,14 +34,12 @@ def placements(d: KeyDirectory, k: ObjectKey) -> tuple[Placement, ...]:
 
 
 def test_store_then_lookup_returns_the_placement() -> None:
-    """§10.4 #29."""
     d = make()
     apply(d, Stream().store([key(1)], size=1024))
     assert placements(d, key(1)) == (Placement("node-a", 1, Tier.L1, "dram", 1024, False),)
 
 
 def test_unknown_key_gives_empty_placements_in_request_order() -> None:
-    """§10.4 #30."""
     d = make()
     apply(d, Stream().store([key(2)]))
     res = d.lookup([key(1), key(2), key(3)])
@@ -50,7 +48,7 @@ def test_unknown_key_gives_empty_placements_in_request_order() -> None:
 
 
 def test_restore_of_same_identity_replaces_size() -> None:
-    """§10.4 #31: size 100 then 200 → one placement of 200."""
+    """Size 100 then 200 → one placement of 200."""
     d = make()
     s = Stream()
     apply(d, s.store([key(1)], size=100), s.store([key(1)], size=200))
@@ -59,14 +57,12 @@ def test_restore_of_same_identity_replaces_size() -> None:
 
 
 def test_two_instances_give_two_placements_sorted_by_instance() -> None:
-    """§10.4 #32."""
     d = make()
     apply(d, Stream("node-b").store([key(1)]), Stream("node-a").store([key(1)]))
     assert [p.instance_id for p in placements(d, key(1))] == ["node-a", "node-b"]
 
 
 def test_l1_and_l2_of_one_instance_sorted_l1_first() -> None:
-    """§10.4 #33."""
     d = make()
     s = Stream()
     apply(d, s.store([key(1)], tier=Tier.L2), s.store([key(1)], tier=Tier.L1))
@@ -77,7 +73,6 @@ def test_l1_and_l2_of_one_instance_sorted_l1_first() -> None:
 
 
 def test_delete_removes_placement_and_empty_record() -> None:
-    """§10.4 #34."""
     d = make()
     s = Stream()
     apply(d, s.store([key(1)]), s.delete([key(1)]))
@@ -87,7 +82,6 @@ def test_delete_removes_placement_and_empty_record() -> None:
 
 
 def test_l1_delete_keeps_l2_and_leaves_the_l1_index() -> None:
-    """§10.4 #35."""
     d = make()
     s = Stream()
     apply(d, s.store([key(1)], tier=Tier.L2), s.store([key(1)]), s.delete([key(1)]))
@@ -96,7 +90,6 @@ def test_l1_delete_keeps_l2_and_leaves_the_l1_index() -> None:
 
 
 def test_delete_of_unknown_key_does_nothing() -> None:
-    """§10.4 #36."""
     d = make()
     s = Stream()
     apply(d, s.store([key(1)]), s.delete([key(2)]), Stream("node-b").delete([key(1)]))
@@ -105,7 +98,6 @@ def test_delete_of_unknown_key_does_nothing() -> None:
 
 
 def test_access_never_creates_a_record() -> None:
-    """§10.4 #37."""
     d = make()
     apply(d, Stream().access([key(1)], ts=5.0))
     assert d.stats().num_keys == 0
@@ -113,7 +105,7 @@ def test_access_never_creates_a_record() -> None:
 
 
 def test_access_with_empty_backend_refreshes_without_touching_placements() -> None:
-    """§10.4 #38 (and §4.1: access_count +1 per entry, last_access = max)."""
+    """access_count grows by one per entry; last_access is the latest."""
     d = make()
     s = Stream()
     apply(d, s.store([key(1)], ts=10.0))
@@ -127,7 +119,7 @@ def test_access_with_empty_backend_refreshes_without_touching_placements() -> No
 
 
 def test_store_or_delete_with_empty_backend_is_rejected() -> None:
-    """§10.4 #39: validation at the edge rejects it (the core is never handed one)."""
+    """Validation at the edge rejects it (the core is never handed one)."""
     for et in (EventType.STORE, EventType.DELETE):
         batch = CacheEventBatch("node-a", 1, 1, et, Tier.L1, "", (CacheEventEntry(key(1)),))
         with pytest.raises(InvalidArgument, match="backend"):
@@ -135,7 +127,7 @@ def test_store_or_delete_with_empty_backend_is_rejected() -> None:
 
 
 def test_fence_drops_only_the_fenced_instances_l1() -> None:
-    """§10.4 #40: k1 keeps node-b only, k2 is gone, node-a leaves the index."""
+    """K1 keeps node-b only, k2 is gone, node-a leaves the index."""
     d = make()
     apply(d, Stream("node-a").store([key(1), key(2)]), Stream("node-b").store([key(1)]))
     d.fence_instance("node-a")
@@ -146,7 +138,6 @@ def test_fence_drops_only_the_fenced_instances_l1() -> None:
 
 
 def test_fence_of_unknown_instance_does_nothing() -> None:
-    """§10.4 #41."""
     d = make()
     apply(d, Stream().store([key(1)]))
     d.fence_instance("ghost")
@@ -154,7 +145,7 @@ def test_fence_of_unknown_instance_does_nothing() -> None:
 
 
 def test_binding_filled_by_store_and_released_with_last_key() -> None:
-    """§10.4 #42: rank-0 and rank-1 keys share one binding until both are gone."""
+    """Rank-0 and rank-1 keys share one binding until both are gone."""
     d = make()
     s = Stream()
     r0 = ObjectKey(h(1), "m", worker_kv_rank(2, 0))
@@ -170,7 +161,6 @@ def test_binding_filled_by_store_and_released_with_last_key() -> None:
 
 
 def test_chunks_bind_independently() -> None:
-    """§10.4 #43."""
     d = make()
     s = Stream()
     apply(d, s.store([key(1)], tokens=[1, 2]), s.store([key(2)], tokens=[3, 4]))
@@ -179,7 +169,6 @@ def test_chunks_bind_independently() -> None:
 
 
 def test_tokenless_store_then_stamped_store_fills_the_binding() -> None:
-    """§10.4 #44."""
     d = make()
     s = Stream()
     apply(d, s.store([key(1)]))
@@ -191,7 +180,6 @@ def test_tokenless_store_then_stamped_store_fills_the_binding() -> None:
 
 
 def test_restore_with_new_tokens_replaces_the_content() -> None:
-    """§10.4 #45."""
     d = make()
     s = Stream()
     apply(d, s.store([key(1)], tokens=[1, 2, 3]), s.store([key(1)], tokens=[7, 8, 9]))
@@ -199,7 +187,7 @@ def test_restore_with_new_tokens_replaces_the_content() -> None:
 
 
 def test_tokens_outside_uint32_leave_binding_unfilled_but_apply_placement() -> None:
-    """§10.4 #46: then a well-formed store repairs the binding."""
+    """Then a well-formed store repairs the binding."""
     d = make()
     s = Stream()
     apply(d, s.store([key(1)], tokens=[1, 2**32]))
@@ -210,7 +198,6 @@ def test_tokens_outside_uint32_leave_binding_unfilled_but_apply_placement() -> N
 
 
 def test_token_offset_below_minus_one_rejected_and_default_is_unknown() -> None:
-    """§10.4 #47."""
     bad = Stream().store([key(1)], tokens=[1], token_offset=-2)
     with pytest.raises(InvalidArgument, match="token_offset"):
         validate_batch(bad)
@@ -221,7 +208,6 @@ def test_token_offset_below_minus_one_rejected_and_default_is_unknown() -> None:
 
 
 def test_fence_releases_bindings() -> None:
-    """§10.4 #48."""
     d = make()
     apply(d, Stream().store([key(1)], tokens=[1, 2]))
     d.fence_instance("node-a")
@@ -229,7 +215,7 @@ def test_fence_releases_bindings() -> None:
 
 
 def test_list_keys_totals_filters_and_pages() -> None:
-    """§10.4 #49: totals, tier / instance / backend filters (placements filtered), paging."""
+    """Totals, tier / instance / backend filters (placements filtered), paging."""
     d = make()
     a, b = Stream("node-a"), Stream("node-b")
     apply(
@@ -265,7 +251,7 @@ def test_list_keys_totals_filters_and_pages() -> None:
 
 
 def test_list_keys_rejects_bad_limit_and_token() -> None:
-    """§10.4 #49: a bad limit or page token raises InvalidArgument."""
+    """A bad limit or page token raises InvalidArgument."""
     d = make()
     for limit in (0, -1, 10_001):
         with pytest.raises(InvalidArgument):
@@ -280,7 +266,7 @@ def test_list_keys_rejects_bad_limit_and_token() -> None:
 
 
 def test_paging_is_stable_while_keys_change() -> None:
-    """kvmesh: keys present throughout are listed exactly once despite inserts and deletes."""
+    """Kvmesh: keys present throughout are listed exactly once despite inserts and deletes."""
     d = make()
     s = Stream()
     apply(d, s.store([key(i) for i in range(200)]))
@@ -302,7 +288,7 @@ def test_paging_is_stable_while_keys_change() -> None:
 
 
 def test_list_keys_bounds_the_work_per_call() -> None:
-    """kvmesh: with a selective filter a page may come back short but with a token."""
+    """Kvmesh: with a selective filter a page may come back short but with a token."""
     d = make()
     apply(d, Stream().store([key(i) for i in range(50)]))
     page = d.list_keys(backend="nowhere", limit=5, max_scan=10)
@@ -311,7 +297,7 @@ def test_list_keys_bounds_the_work_per_call() -> None:
 
 
 def test_batch_invariants_are_enforced_at_the_edge() -> None:
-    """§10.4 #50: tier must be concrete, seq >= 1, size >= 0, instance id non-empty."""
+    """Tier must be concrete, seq >= 1, size >= 0, instance id non-empty."""
     base = Stream().store([key(1)])
     bad = [
         CacheEventBatch("node-a", 1, 1, EventType.STORE, 3, "dram", base.entries),  # type: ignore[arg-type]
@@ -328,7 +314,7 @@ def test_batch_invariants_are_enforced_at_the_edge() -> None:
 
 
 def test_stats_count_keys_placements_and_l1_index_per_instance() -> None:
-    """§10.4 #51: 2 keys, 3 placements; a=2, b=0 when b only reported L2."""
+    """2 keys, 3 placements; a=2, b=0 when b only reported L2."""
     d = make()
     apply(
         d,
@@ -342,7 +328,7 @@ def test_stats_count_keys_placements_and_l1_index_per_instance() -> None:
 
 
 def test_shared_pool_has_one_placement_naming_the_last_reporter() -> None:
-    """§10.4 #52: any reporter — or a controller stream under its own id — deletes it."""
+    """Any reporter — or a controller stream under its own id — deletes it."""
     d = make()
     a, b, ctl = Stream("node-a"), Stream("node-b", incarnation=4), Stream("pool-ctl")
     apply(
@@ -359,7 +345,7 @@ def test_shared_pool_has_one_placement_naming_the_last_reporter() -> None:
 
 
 def test_fence_follows_the_recorded_reporter_of_shared_placements() -> None:
-    """§10.4 #53: shared L1 of the fenced reporter goes; L2 and re-reported shared survive."""
+    """Shared L1 of the fenced reporter goes; L2 and re-reported shared survive."""
     d = make()
     ctl, a, b = Stream("pool-ctl"), Stream("node-a"), Stream("node-b")
     apply(
@@ -386,7 +372,6 @@ def test_fence_follows_the_recorded_reporter_of_shared_placements() -> None:
 
 
 def test_private_and_shared_on_same_tier_backend_are_separate() -> None:
-    """§10.4 #54."""
     d = make()
     s = Stream()
     apply(
@@ -400,7 +385,7 @@ def test_private_and_shared_on_same_tier_backend_are_separate() -> None:
 
 
 def test_keys_across_object_groups_and_key_bytes() -> None:
-    """§4.1: sibling groups are found; key_bytes sums a tier's placements (§10.5 #58)."""
+    """Sibling groups are found; key_bytes sums a tier's placements."""
     d = make()
     s = Stream()
     g0, g2 = key(1, group=0), key(1, group=2)
@@ -416,7 +401,7 @@ def test_keys_across_object_groups_and_key_bytes() -> None:
 
 
 def test_salt_and_model_are_part_of_identity() -> None:
-    """§2.2: the same hash in another tenant or model is another key."""
+    """The same hash in another tenant or model is another key."""
     d = make()
     apply(d, Stream().store([key(1, salt="t1")]))
     assert placements(d, key(1, salt="t2")) == ()
@@ -425,7 +410,7 @@ def test_salt_and_model_are_part_of_identity() -> None:
 
 
 def test_big_tables_hold_no_gc_tracked_objects() -> None:
-    """kvmesh: shards and reverse index stay untracked, so full GCs do not grow with them."""
+    """Kvmesh: shards and reverse index stay untracked, so full GCs do not grow with them."""
     d = make()
     s = Stream()
     apply(
@@ -441,7 +426,7 @@ def test_big_tables_hold_no_gc_tracked_objects() -> None:
 
 
 def test_binding_cap_bounds_token_memory() -> None:
-    """kvmesh: at most ``token_binding_cap`` bindings; the oldest go first; 0 disables."""
+    """Kvmesh: at most ``token_binding_cap`` bindings; the oldest go first; 0 disables."""
     d = KeyDirectory(KeySpaces(), token_binding_cap=8)
     s = Stream()
     for i in range(20):
@@ -457,7 +442,7 @@ def test_binding_cap_bounds_token_memory() -> None:
 
 
 def test_capture_is_unchanged_by_later_writes() -> None:
-    """§10.11 #125 for the directory: copy-on-write shards keep the capture frozen."""
+    """For the directory: copy-on-write shards keep the capture frozen."""
     d = make()
     s = Stream()
     apply(d, s.store([key(1), key(2)]))
@@ -470,7 +455,7 @@ def test_capture_is_unchanged_by_later_writes() -> None:
 
 
 def test_restore_rebuilds_index_totals_usage_and_bindings() -> None:
-    """§4.1 durable component: a capture restores into a fresh directory and usage view."""
+    """Durable component: a capture restores into a fresh directory and usage view."""
     d = make()
     a = Stream("node-a", incarnation=3)
     apply(
@@ -494,7 +479,7 @@ def test_restore_rebuilds_index_totals_usage_and_bindings() -> None:
 
 
 def test_restore_translates_key_spaces_of_a_codec_in_use() -> None:
-    """kvmesh: sections store their space table; ids are remapped on restore."""
+    """Kvmesh: sections store their space table; ids are remapped on restore."""
     d = make()
     apply(d, Stream().store([key(1, salt="t1"), key(2, model="x")]))
     cap = d.capture()
@@ -507,7 +492,7 @@ def test_restore_translates_key_spaces_of_a_codec_in_use() -> None:
 
 
 def test_bad_restore_leaves_the_directory_untouched() -> None:
-    """§7.3: a malformed section raises and nothing is half-loaded."""
+    """A malformed section raises and nothing is half-loaded."""
     d = make()
     apply(d, Stream().store([key(1)]))
     cap = d.capture()

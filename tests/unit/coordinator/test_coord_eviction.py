@@ -1,4 +1,4 @@
-"""Fleet eviction: quotas, LRU, pins, deletes (reference catalogue §10.6 items 62–73)."""
+"""Fleet eviction: quotas, LRU, pins, deletes (docs/coordinator.md, "Fleet eviction")."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def victims(c: Coordinator, salt: str = "") -> list[ObjectKey]:
 
 
 def test_stores_are_plannable_and_a_lookup_touch_reorders() -> None:
-    """§10.6 #62: after touching k1, k2 is the first victim; unknown keys are not tracked."""
+    """After touching k1, k2 is the first victim; unknown keys are not tracked."""
     c = make(ratio=0.5)
     s = Stream()
     c.set_quota("", 0)
@@ -67,7 +67,7 @@ def test_stores_are_plannable_and_a_lookup_touch_reorders() -> None:
 
 
 def test_delete_removes_key_from_lru_and_usage() -> None:
-    """§10.6 #63: an emptied salt leaves the plan empty."""
+    """An emptied salt leaves the plan empty."""
     c = make()
     s = Stream()
     c.set_quota("", 0)
@@ -78,7 +78,7 @@ def test_delete_removes_key_from_lru_and_usage() -> None:
 
 
 def test_default_quota_none_exempts_and_explicit_values_arm_eviction() -> None:
-    """§10.6 #64: None exempts; explicit quota enforced under None; 0 arms; >0 is a budget."""
+    """None exempts; explicit quota enforced under None; 0 arms; >0 is a budget."""
     c = make()
     s = Stream()
     l2(
@@ -97,7 +97,7 @@ def test_default_quota_none_exempts_and_explicit_values_arm_eviction() -> None:
 
 
 def test_plan_respects_quota_ratio_and_watermark() -> None:
-    """§10.6 #65: under quota none; 0.5 → oldest of 2; quota 0 all; salts independent; watermark."""
+    """Under quota none; 0.5 → oldest of 2; quota 0 all; salts independent; watermark."""
     c = make(ratio=0.5)
     s = Stream()
     l2(c, s.store([key(1)], tier=Tier.L2, size=100), s.store([key(2)], tier=Tier.L2, size=100))
@@ -122,7 +122,7 @@ def test_plan_respects_quota_ratio_and_watermark() -> None:
 
 
 def test_execute_sends_victims_to_their_holder_and_changes_nothing_locally() -> None:
-    """§10.6 #66: one delete to the owner, exact keys, tier L2, the placement's backend."""
+    """One delete to the owner, exact keys, tier L2, the placement's backend."""
     disp = RecordingDispatcher()
     c = make(dispatcher=disp)
     c.register_instance("node-a")
@@ -137,7 +137,7 @@ def test_execute_sends_victims_to_their_holder_and_changes_nothing_locally() -> 
 
 
 def test_unregistered_holder_or_refused_dispatch_repeats_next_cycle() -> None:
-    """§10.6 #67: no live holder → nothing sent; a refused dispatch leaves the LRU as is."""
+    """No live holder → nothing sent; a refused dispatch leaves the LRU as is."""
     disp = RecordingDispatcher(accept=False)
     c = make(dispatcher=disp)
     l2(c, Stream().store([key(1)], tier=Tier.L2, size=10))
@@ -154,7 +154,7 @@ def test_unregistered_holder_or_refused_dispatch_repeats_next_cycle() -> None:
 
 
 def test_deletes_are_chunked_at_max_delete_batch() -> None:
-    """§10.6 #68: with the batch limit 2, five keys go out as 2, 2 and 1."""
+    """With the batch limit 2, five keys go out as 2, 2 and 1."""
     disp = RecordingDispatcher()
     c = make(dispatcher=disp, max_delete_batch=2)
     c.register_instance("node-a")
@@ -168,7 +168,6 @@ def test_deletes_are_chunked_at_max_delete_batch() -> None:
 
 
 def test_empty_plan_dispatches_nothing() -> None:
-    """§10.6 #69."""
     disp = RecordingDispatcher()
     c = make(dispatcher=disp)
     c.register_instance("node-a")
@@ -179,7 +178,7 @@ def test_empty_plan_dispatches_nothing() -> None:
 
 
 def test_pins_exclude_keys_and_are_reference_counted() -> None:
-    """§10.6 #70: pinned keys skipped; two pins need two unpins; order kept; drop clears."""
+    """Pinned keys skipped; two pins need two unpins; order kept; drop clears."""
     c = make()
     s = Stream()
     l2(c, s.store([key(1)], tier=Tier.L2), s.store([key(2)], tier=Tier.L2))
@@ -201,7 +200,7 @@ def test_pins_exclude_keys_and_are_reference_counted() -> None:
 
 
 def test_consume_tracks_l2_only_and_keeps_key_while_another_copy_holds_bytes() -> None:
-    """§10.6 #71: STORE registers, ACCESS touches, DELETE drops once no L2 copy remains."""
+    """STORE registers, ACCESS touches, DELETE drops once no L2 copy remains."""
     c = make()
     a, b = Stream("node-a"), Stream("node-b")
     l2(
@@ -219,7 +218,6 @@ def test_consume_tracks_l2_only_and_keeps_key_while_another_copy_holds_bytes() -
 
 
 def test_fence_keeps_l2_usage_and_lru() -> None:
-    """§10.6 #72."""
     c = make()
     l2(c, Stream().store([key(1)], tier=Tier.L2, size=10))
     c.gate.drop_instance("node-a")
@@ -228,7 +226,7 @@ def test_fence_keeps_l2_usage_and_lru() -> None:
 
 
 def test_eviction_loop_sleeps_first_then_runs_every_interval() -> None:
-    """§10.6 #73: nothing within the first interval; then one cycle per tick until stopped."""
+    """Nothing within the first interval; then one cycle per tick until stopped."""
     disp = RecordingDispatcher()
     c = make(dispatcher=disp)
     c.register_instance("node-a")
@@ -249,7 +247,7 @@ def test_eviction_loop_sleeps_first_then_runs_every_interval() -> None:
 
 
 def test_nothing_is_evicted_before_one_heartbeat_period() -> None:
-    """kvmesh readiness gate: a cold or restored coordinator never mass-evicts at once."""
+    """Kvmesh readiness gate: a cold or restored coordinator never mass-evicts at once."""
     clock = FakeClock()
     disp = RecordingDispatcher()
     c = make(dispatcher=disp, clock=clock, ready=False)
@@ -269,7 +267,7 @@ def test_nothing_is_evicted_before_one_heartbeat_period() -> None:
 
 
 def test_victims_in_flight_count_but_are_not_resent_until_expiry() -> None:
-    """kvmesh: a sent victim is not re-sent every cycle; it is once the redispatch time passed."""
+    """Kvmesh: a sent victim is not re-sent every cycle; it is once the redispatch time passed."""
     clock = FakeClock()
     disp = RecordingDispatcher()
     c = make(dispatcher=disp, clock=clock)
@@ -287,7 +285,7 @@ def test_victims_in_flight_count_but_are_not_resent_until_expiry() -> None:
 
 
 def test_each_copy_goes_to_an_instance_that_holds_it() -> None:
-    """kvmesh: private copies to each owner; a shared copy to a live reporter of the pool."""
+    """Kvmesh: private copies to each owner; a shared copy to a live reporter of the pool."""
     disp = RecordingDispatcher()
     c = make(dispatcher=disp)
     a, b = Stream("node-a"), Stream("node-b")
@@ -316,7 +314,7 @@ def test_each_copy_goes_to_an_instance_that_holds_it() -> None:
 
 
 def test_undeliverable_victims_do_not_block_the_ones_behind() -> None:
-    """kvmesh: the oldest key's only holder is gone; the next key is chosen instead."""
+    """Kvmesh: the oldest key's only holder is gone; the next key is chosen instead."""
     disp = RecordingDispatcher()
     c = make(ratio=0.5, dispatcher=disp)
     l2(
@@ -333,7 +331,7 @@ def test_undeliverable_victims_do_not_block_the_ones_behind() -> None:
 
 
 def test_returning_delete_events_clear_the_lru() -> None:
-    """§4.4: the loop converges only through the DELETE events the node reports."""
+    """The loop converges only through the DELETE events the node reports."""
     disp = RecordingDispatcher()
     c = make(dispatcher=disp)
     c.register_instance("node-a")
@@ -348,7 +346,7 @@ def test_returning_delete_events_clear_the_lru() -> None:
 
 
 def test_quota_manager_rules() -> None:
-    """§4.4 QuotaManager: negative refused, 0 allowed, unknown limit 0, capture/restore."""
+    """QuotaManager: negative refused, 0 allowed, unknown limit 0, capture/restore."""
     q = QuotaManager()
     with pytest.raises(InvalidArgument):
         q.set_quota("t", -1)

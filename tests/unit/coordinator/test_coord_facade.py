@@ -20,7 +20,7 @@ def make(**kw: object) -> Coordinator:
 
 
 def test_consumers_are_wired_directory_before_eviction() -> None:
-    """§3.2 / §12.1: the directory (which feeds usage) runs before the eviction controller."""
+    """The directory (which feeds usage) runs before the eviction controller."""
     assert make().broadcaster.consumer_names == (
         "KeyDirectory",
         "ServerConfigRegistry",
@@ -29,7 +29,7 @@ def test_consumers_are_wired_directory_before_eviction() -> None:
 
 
 def test_ingest_validates_and_applies_nothing_from_a_bad_list() -> None:
-    """§8.2: a malformed batch is INVALID_ARGUMENT and nothing of the list is ingested."""
+    """A malformed batch is INVALID_ARGUMENT and nothing of the list is ingested."""
     c = make()
     good = Stream().store([key(1)])
     bad = CacheEventBatch(
@@ -46,7 +46,7 @@ def test_ingest_validates_and_applies_nothing_from_a_bad_list() -> None:
 
 
 def test_lookup_tokens_hashes_fans_out_ranks_and_groups() -> None:
-    """§2.7 / §10.8 #86: chunk-major then rank; sub-chunk input → 0 chunks; bad model rejected."""
+    """Chunk-major then rank; sub-chunk input → 0 chunks; bad model rejected."""
     c = make(chunk_size=4)
     tokens = list(range(10))
     hashes = TokenHasher(4).hash_chunks(tokens)
@@ -76,13 +76,13 @@ def test_lookup_tokens_hashes_fans_out_ranks_and_groups() -> None:
 
 
 def test_too_many_tokens_are_rejected() -> None:
-    """§2.7: more than 10^6 tokens is INVALID_ARGUMENT."""
+    """More than 10^6 tokens is INVALID_ARGUMENT."""
     with pytest.raises(InvalidArgument, match="token"):
         make().lookup_tokens("m", 1, "", [0] * 1_000_001)
 
 
 def test_pins_by_tokens_leave_the_plan_and_unpin_restores_them() -> None:
-    """§10.8 #101: chunk_size 4, 8 tokens → 2 chunks, 2 keys pinned; sub-chunk → 0."""
+    """Chunk_size 4, 8 tokens → 2 chunks, 2 keys pinned; sub-chunk → 0."""
     c = make(chunk_size=4, eviction_ratio=1.0)
     c.mark_eviction_ready()
     tokens = list(range(8))
@@ -104,7 +104,7 @@ def test_pins_by_tokens_leave_the_plan_and_unpin_restores_them() -> None:
 
 
 def test_quota_status_views() -> None:
-    """§10.8 #93/#96/#99: L1 never reports a quota; quota-only salts are listed; unknown → zeros."""
+    """L1 never reports a quota; quota-only salts are listed; unknown → zeros."""
     c = make()
     s = Stream()
     c.ingest(s.store([key(1, salt="a")], tier=Tier.L2, size=10))
@@ -129,7 +129,7 @@ def test_quota_status_views() -> None:
 
 
 def test_status_reports_cursors_consumers_and_directory() -> None:
-    """kvmesh: one call for ``kvmesh status``."""
+    """Kvmesh: one call for ``kvmesh status``."""
     c = make()
     c.ingest(Stream().store([key(1)], seq=3))
     st = c.status()
@@ -142,7 +142,7 @@ def test_status_reports_cursors_consumers_and_directory() -> None:
 
 
 def test_start_and_stop_run_and_join_every_timer() -> None:
-    """kvmesh: timers start with start(), stop cleanly; stop is idempotent; no restart."""
+    """Kvmesh: timers start with start(), stop cleanly; stop is idempotent; no restart."""
     c = make(
         health_check_interval=0.01,
         eviction_check_interval=0.01,
@@ -162,7 +162,7 @@ def test_start_and_stop_run_and_join_every_timer() -> None:
 
 
 def test_background_sweep_drains_a_large_fence() -> None:
-    """kvmesh: the fence-sweep timer empties the backlog without any further batch."""
+    """Kvmesh: the fence-sweep timer empties the backlog without any further batch."""
     c = make(fence_sweep_interval=0.01)
     c.directory._fence_sync_keys = 0
     c.directory._reclaim_per_batch = 0

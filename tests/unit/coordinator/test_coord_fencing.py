@@ -2,7 +2,8 @@
 
 The directory settles a fence at once (placements invisible, usage and totals
 adjusted) and sweeps records later; these tests pin that nothing observable
-depends on when the sweep runs (reference §3.1, §4.1 fence_instance, §4.2).
+depends on when the sweep runs (docs/coordinator.md, "Event gate", "Key directory"
+and "Usage").
 """
 
 from __future__ import annotations

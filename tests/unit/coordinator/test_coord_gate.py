@@ -1,4 +1,4 @@
-"""EventGate and QuiesceLock (reference catalogue §10.1 items 1–18, §10.11 item 123)."""
+"""EventGate and QuiesceLock (docs/coordinator.md, "Event gate")."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def make_gate(*consumers: RecordingConsumer, wall: FakeClock | None = None) -> E
 
 
 def test_admitted_batch_reaches_every_consumer() -> None:
-    """§10.1 #1: a valid batch is ADMITTED and both consumers get exactly it."""
+    """A valid batch is ADMITTED and both consumers get exactly it."""
     c1, c2 = RecordingConsumer("c1"), RecordingConsumer("c2")
     gate = make_gate(c1, c2)
     batch = Stream().store([key(1)])
@@ -37,12 +37,11 @@ def test_admitted_batch_reaches_every_consumer() -> None:
 
 
 def test_ingest_without_consumers_is_admitted() -> None:
-    """§10.1 #2."""
     assert make_gate().ingest(Stream().store([key(1)])) is IngestResult.ADMITTED
 
 
 def test_ingest_batches_counts_and_keeps_list_order() -> None:
-    """§10.1 #3: [seq1, seq2] → applied 2, delivered in list order."""
+    """[seq1, seq2] → applied 2, delivered in list order."""
     c = RecordingConsumer()
     s = Stream()
     b1, b2 = s.store([key(1)]), s.store([key(2)])
@@ -52,7 +51,7 @@ def test_ingest_batches_counts_and_keeps_list_order() -> None:
 
 
 def test_mixed_list_counts_applied_duplicate_and_stale() -> None:
-    """§10.1 #4: [inc2 s1, inc2 s1, inc1 s9, inc2 s2] → 2/1/1, only first and last delivered."""
+    """[inc2 s1, inc2 s1, inc1 s9, inc2 s2] → 2/1/1, only first and last delivered."""
     c = RecordingConsumer()
     s2 = Stream(incarnation=2)
     first = s2.store([key(1)], seq=1)
@@ -65,7 +64,7 @@ def test_mixed_list_counts_applied_duplicate_and_stale() -> None:
 
 
 def test_new_incarnation_within_one_list_fences_once() -> None:
-    """§10.1 #5: [inc1 s1, inc2 s1] → applied 2 and node-a fenced once."""
+    """[inc1 s1, inc2 s1] → applied 2 and node-a fenced once."""
     c = RecordingConsumer()
     summary = make_gate(c).ingest_batches(
         [Stream(incarnation=1).store([key(1)]), Stream(incarnation=2).store([key(2)])]
@@ -75,7 +74,6 @@ def test_new_incarnation_within_one_list_fences_once() -> None:
 
 
 def test_same_seq_with_different_payload_is_duplicate() -> None:
-    """§10.1 #6."""
     c = RecordingConsumer()
     gate = make_gate(c)
     s = Stream()
@@ -85,7 +83,7 @@ def test_same_seq_with_different_payload_is_duplicate() -> None:
 
 
 def test_replay_after_later_delete_is_duplicate() -> None:
-    """§10.1 #7: seq1 store, seq2 delete, replayed seq1 → DUPLICATE; 2 delivered."""
+    """Seq1 store, seq2 delete, replayed seq1 → DUPLICATE; 2 delivered."""
     c = RecordingConsumer()
     gate = make_gate(c)
     s = Stream()
@@ -97,7 +95,7 @@ def test_replay_after_later_delete_is_duplicate() -> None:
 
 
 def test_out_of_order_older_seq_is_dropped_as_duplicate() -> None:
-    """§3.1: no reorder buffer — once seq 5 is in, seq 3 is a duplicate forever."""
+    """No reorder buffer — once seq 5 is in, seq 3 is a duplicate forever."""
     gate = make_gate()
     s = Stream()
     gate.ingest(s.store([key(1)], seq=5))
@@ -105,7 +103,7 @@ def test_out_of_order_older_seq_is_dropped_as_duplicate() -> None:
 
 
 def test_seq_jump_sets_sticky_gap_but_admits() -> None:
-    """§10.1 #8: seq1 then seq5 → ADMITTED, gap flagged, last_seq 5; later seqs keep the flag."""
+    """Seq1 then seq5 → ADMITTED, gap flagged, last_seq 5; later seqs keep the flag."""
     c = RecordingConsumer()
     gate = make_gate(c)
     s = Stream()
@@ -120,7 +118,6 @@ def test_seq_jump_sets_sticky_gap_but_admits() -> None:
 
 
 def test_consecutive_seqs_leave_no_gap() -> None:
-    """§10.1 #9."""
     gate = make_gate()
     s = Stream()
     gate.ingest(s.store([key(1)]))
@@ -129,14 +126,13 @@ def test_consecutive_seqs_leave_no_gap() -> None:
 
 
 def test_first_batch_after_cold_start_with_high_seq_is_a_gap() -> None:
-    """§3.1: a fresh cursor starts at last_seq 0, so a first seq > 1 is flagged."""
+    """A fresh cursor starts at last_seq 0, so a first seq > 1 is flagged."""
     gate = make_gate()
     gate.ingest(Stream().store([key(1)], seq=7))
     assert gate.cursors()["node-a"].gap_detected is True
 
 
 def test_emitters_have_independent_cursors() -> None:
-    """§10.1 #10."""
     gate = make_gate()
     assert gate.ingest(Stream("node-a").store([key(1)])) is IngestResult.ADMITTED
     assert gate.ingest(Stream("node-b").store([key(1)])) is IngestResult.ADMITTED
@@ -144,7 +140,7 @@ def test_emitters_have_independent_cursors() -> None:
 
 
 def test_newer_incarnation_fences_before_admitting() -> None:
-    """§10.1 #11: inc2 after inc1 → ADMITTED, fenced first, cursor (inc 2, last_seq 1)."""
+    """Inc2 after inc1 → ADMITTED, fenced first, cursor (inc 2, last_seq 1)."""
     log: list[tuple[str, str, object]] = []
     c = RecordingConsumer(log=log)
     gate = make_gate(c)
@@ -157,7 +153,7 @@ def test_newer_incarnation_fences_before_admitting() -> None:
 
 
 def test_restart_removes_old_incarnation_l1_from_real_directory() -> None:
-    """§10.1 #12: inc1 stores k1, k2 in L1; inc2 stores k3 → k1, k2 gone, k3 at inc 2."""
+    """Inc1 stores k1, k2 in L1; inc2 stores k3 → k1, k2 gone, k3 at inc 2."""
     spaces = KeySpaces()
     directory = KeyDirectory(spaces)
     b = CacheEventBroadcaster()
@@ -172,7 +168,7 @@ def test_restart_removes_old_incarnation_l1_from_real_directory() -> None:
 
 
 def test_restart_keeps_other_instances_placements() -> None:
-    """§10.1 #13: node-a and node-b hold k1; node-a restarts → only node-b's remains."""
+    """Node-a and node-b hold k1; node-a restarts → only node-b's remains."""
     spaces = KeySpaces()
     directory = KeyDirectory(spaces)
     b = CacheEventBroadcaster()
@@ -186,7 +182,7 @@ def test_restart_keeps_other_instances_placements() -> None:
 
 
 def test_older_incarnation_is_stale_without_delivery_or_fence() -> None:
-    """§10.1 #14: after inc2/s1, inc1/s99 → STALE_INCARNATION, no delivery, no fence."""
+    """After inc2/s1, inc1/s99 → STALE_INCARNATION, no delivery, no fence."""
     c = RecordingConsumer()
     gate = make_gate(c)
     gate.ingest(Stream(incarnation=2).store([key(1)]))
@@ -199,7 +195,6 @@ def test_older_incarnation_is_stale_without_delivery_or_fence() -> None:
 
 
 def test_same_incarnation_never_fences() -> None:
-    """§10.1 #15."""
     c = RecordingConsumer()
     gate = make_gate(c)
     s = Stream()
@@ -209,7 +204,7 @@ def test_same_incarnation_never_fences() -> None:
 
 
 def test_drop_instance_fences_and_forgets_cursor() -> None:
-    """§10.1 #16: drop after inc5/s9 fences, cursors empty, then inc1/s1 is ADMITTED."""
+    """Drop after inc5/s9 fences, cursors empty, then inc1/s1 is ADMITTED."""
     c = RecordingConsumer()
     gate = make_gate(c)
     gate.ingest(Stream(incarnation=5).store([key(1)], seq=9))
@@ -220,7 +215,7 @@ def test_drop_instance_fences_and_forgets_cursor() -> None:
 
 
 def test_drop_unknown_instance_is_harmless_but_still_fences() -> None:
-    """§10.1 #17 (and §3.1: fencing fires even without a cursor)."""
+    """Fencing fires even without a cursor."""
     c = RecordingConsumer()
     gate = make_gate(c)
     gate.drop_instance("ghost")
@@ -229,19 +224,18 @@ def test_drop_unknown_instance_is_harmless_but_still_fences() -> None:
 
 
 def test_cursors_empty_before_any_event() -> None:
-    """§10.1 #18."""
     assert make_gate().cursors() == {}
 
 
 def test_consumer_failure_does_not_change_the_result() -> None:
-    """§3.1: a consumer that raises → still ADMITTED and the cursor advances."""
+    """A consumer that raises → still ADMITTED and the cursor advances."""
     gate = make_gate(RecordingConsumer(fail_consume=True))
     assert gate.ingest(Stream().store([key(1)])) is IngestResult.ADMITTED
     assert gate.cursors()["node-a"].last_seq == 1
 
 
 def test_cursor_counters_track_admitted_duplicate_stale_and_admit_time() -> None:
-    """kvmesh: per-emitter counters exposed with the cursor."""
+    """Kvmesh: per-emitter counters exposed with the cursor."""
     wall = FakeClock(1700.0)
     gate = make_gate(wall=wall)
     s2 = Stream(incarnation=2)
@@ -256,7 +250,7 @@ def test_cursor_counters_track_admitted_duplicate_stale_and_admit_time() -> None
 
 
 def test_counters_survive_incarnation_change_and_reset_on_drop() -> None:
-    """kvmesh: counters are per emitter id; a new incarnation keeps them, drop_instance resets."""
+    """Kvmesh: counters are per emitter id; a new incarnation keeps them, drop_instance resets."""
     gate = make_gate()
     gate.ingest(Stream(incarnation=1).store([key(1)], seq=3))
     gate.ingest(Stream(incarnation=2).store([key(1)]))
@@ -270,7 +264,7 @@ def test_counters_survive_incarnation_change_and_reset_on_drop() -> None:
 
 
 def test_cursor_restore_requires_an_empty_gate() -> None:
-    """§10.11 #122 / §3.1: restore after an admit (or twice) is refused."""
+    """Restore after an admit (or twice) is refused."""
     gate = make_gate()
     gate.ingest(Stream().store([key(1)]))
     state = gate.capture()
@@ -284,7 +278,7 @@ def test_cursor_restore_requires_an_empty_gate() -> None:
 
 
 def test_restore_accepts_lmcache_shaped_cursor_rows() -> None:
-    """§3.1: rows ``(incarnation, last_seq, gap_detected)`` come back as lists from msgpack."""
+    """Rows ``(incarnation, last_seq, gap_detected)`` come back as lists from msgpack."""
     gate = make_gate()
     gate.restore({"cursors": {"node-a": [7, 12, True]}})
     cur = gate.cursors()["node-a"]
@@ -292,11 +286,11 @@ def test_restore_accepts_lmcache_shaped_cursor_rows() -> None:
     assert gate.ingest(Stream(incarnation=7).store([key(1)], seq=12)) is IngestResult.DUPLICATE
 
 
-# -- QuiesceLock (§10.11 #123) -------------------------------------------------
+# -- QuiesceLock -------------------------------------------------
 
 
 def test_applying_waits_while_a_capture_holds_the_quiesce() -> None:
-    """§10.11 #123: an applying() that arrives during quiesced() waits for it."""
+    """An applying() that arrives during quiesced() waits for it."""
     q = QuiesceLock()
     entered = threading.Event()
     with q.quiesced(1.0):
@@ -309,7 +303,7 @@ def test_applying_waits_while_a_capture_holds_the_quiesce() -> None:
 
 
 def test_quiesce_waits_for_the_batch_in_flight() -> None:
-    """§10.11 #123: quiesced() returns only after the in-flight batch finished."""
+    """Quiesced() returns only after the in-flight batch finished."""
     q = QuiesceLock()
     release = threading.Event()
     started = threading.Event()
@@ -339,7 +333,7 @@ def test_quiesce_waits_for_the_batch_in_flight() -> None:
 
 
 def test_wedged_batch_times_out_the_quiesce_and_ingest_resumes() -> None:
-    """§10.11 #123: timeout error mentions "in flight"; afterwards batches flow again."""
+    """Timeout error mentions "in flight"; afterwards batches flow again."""
     q = QuiesceLock()
     wedged = threading.Event()
     release = threading.Event()
@@ -363,7 +357,7 @@ def test_wedged_batch_times_out_the_quiesce_and_ingest_resumes() -> None:
 
 
 def test_ingest_during_a_slow_capture_does_not_deadlock() -> None:
-    """§10.11 #123: the capture holds the cursors; the parked ingest is admitted after it."""
+    """The capture holds the cursors; the parked ingest is admitted after it."""
     gate = make_gate()
     gate.ingest(Stream().store([key(1)]))
     captured: list[object] = []
@@ -385,7 +379,7 @@ def test_ingest_during_a_slow_capture_does_not_deadlock() -> None:
 
 
 def test_second_capturer_queues_behind_the_first() -> None:
-    """kvmesh: two concurrent quiesced() calls do not clear each other's request."""
+    """Kvmesh: two concurrent quiesced() calls do not clear each other's request."""
     q = QuiesceLock()
     with q.quiesced(1.0), pytest.raises(QuiesceTimeout), q.quiesced(0.05):
         pass
@@ -394,7 +388,7 @@ def test_second_capturer_queues_behind_the_first() -> None:
 
 
 def test_drop_instance_is_bracketed_by_the_quiesce() -> None:
-    """§3.1: drop_instance takes applying(), so it parks during a capture."""
+    """Drop_instance takes applying(), so it parks during a capture."""
     c = RecordingConsumer()
     gate = make_gate(c)
     done = threading.Event()
@@ -409,7 +403,7 @@ def test_drop_instance_is_bracketed_by_the_quiesce() -> None:
 
 
 def test_tier_is_irrelevant_to_admission() -> None:
-    """§3.1: admission looks at instance, incarnation and seq only."""
+    """Admission looks at instance, incarnation and seq only."""
     gate = make_gate()
     s = Stream()
     assert gate.ingest(s.store([key(1)], tier=Tier.L2)) is IngestResult.ADMITTED

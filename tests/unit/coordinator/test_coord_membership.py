@@ -1,4 +1,4 @@
-"""Instance registry and heartbeat expiry (reference catalogue §10.7 items 74–82)."""
+"""Instance registry and heartbeat expiry (docs/coordinator.md, "Membership")."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ def make(clock: FakeClock, **kw: float) -> Coordinator:
 
 
 def test_register_reports_whether_it_was_a_reregistration() -> None:
-    """§10.7 #74."""
     c = make(FakeClock())
     ends = Endpoints(gateway_address="10.0.0.7:8765", storage_address="10.0.0.7:8766")
     first = c.register_instance("i1", incarnation=3, endpoints=ends, metadata={"zone": "a"})
@@ -39,7 +38,7 @@ def test_register_reports_whether_it_was_a_reregistration() -> None:
 
 
 def test_heartbeat_known_ok_unknown_not_found() -> None:
-    """§10.7 #75: an unknown id answers NOT_FOUND, meaning "register again"."""
+    """An unknown id answers NOT_FOUND, meaning "register again"."""
     c = make(FakeClock())
     c.register_instance("i1")
     c.heartbeat("i1")
@@ -49,13 +48,11 @@ def test_heartbeat_known_ok_unknown_not_found() -> None:
 
 
 def test_deregistering_a_never_registered_id_is_fine() -> None:
-    """§10.7 #76."""
     c = make(FakeClock())
     assert c.deregister_instance("ghost") is False
 
 
 def test_empty_instance_id_is_replaced_by_a_generated_one() -> None:
-    """§10.7 #78."""
     c = make(FakeClock())
     reg = c.register_instance("   ")
     assert reg.instance_id.startswith("kvm-")
@@ -63,7 +60,7 @@ def test_empty_instance_id_is_replaced_by_a_generated_one() -> None:
 
 
 def test_registry_snapshots_heartbeats_and_monotonic_staleness() -> None:
-    """§10.7 #79: snapshots are independent; heartbeats update; stale uses the monotonic clock."""
+    """Snapshots are independent; heartbeats update; stale uses the monotonic clock."""
     clock = FakeClock()
     wall = FakeClock(1.7e9)
     reg = InstanceRegistry(clock=clock, wall_clock=wall)
@@ -89,7 +86,6 @@ def test_registry_snapshots_heartbeats_and_monotonic_staleness() -> None:
 
 
 def test_evict_stale_removes_only_expired_instances() -> None:
-    """§10.7 #80."""
     clock = FakeClock()
     reg = InstanceRegistry(clock=clock)
     reg.register("old")
@@ -101,7 +97,7 @@ def test_evict_stale_removes_only_expired_instances() -> None:
 
 
 def test_reaped_instance_loses_l1_usage_and_keeps_l2() -> None:
-    """§10.7 #81: heartbeat expiry fences L1 (and forgets the cursor) but keeps L2."""
+    """Heartbeat expiry fences L1 (and forgets the cursor) but keeps L2."""
     clock = FakeClock()
     c = make(clock)
     c.register_instance("node-a")
@@ -116,7 +112,7 @@ def test_reaped_instance_loses_l1_usage_and_keeps_l2() -> None:
 
 
 def test_reaped_instance_loses_its_capacity_declaration() -> None:
-    """§10.7 #82 (§12.3 fixed): after a timeout the instance's usage view is NOT_FOUND."""
+    """After a timeout the instance's usage view is NOT_FOUND."""
     clock = FakeClock()
     c = make(clock)
     c.register_instance("node-a")
@@ -130,7 +126,7 @@ def test_reaped_instance_loses_its_capacity_declaration() -> None:
 
 
 def test_registration_touches_neither_cursor_nor_capacity() -> None:
-    """§8.1 / §12.4: re-registering keeps the gate cursor and the declaration."""
+    """Re-registering keeps the gate cursor and the declaration."""
     c = make(FakeClock())
     c.ingest(Stream().config(Tier.L1, "dram", 100, 1))
     c.register_instance("node-a")
@@ -140,7 +136,7 @@ def test_registration_touches_neither_cursor_nor_capacity() -> None:
 
 
 def test_deregister_fences_and_forgets_even_unknown_ids() -> None:
-    """§8.1: DELETE always drops the gate cursor and the capacity declaration."""
+    """DELETE always drops the gate cursor and the capacity declaration."""
     c = make(FakeClock())
     s = Stream()
     c.ingest(s.config(Tier.L1, "dram", 100, 1))
@@ -152,7 +148,7 @@ def test_deregister_fences_and_forgets_even_unknown_ids() -> None:
 
 
 def test_health_timer_reaps_a_silent_instance() -> None:
-    """§10.3 #27 on the core: a short timeout and sweep interval reap a node that never beats."""
+    """On the core: a short timeout and sweep interval reap a node that never beats."""
     c = Coordinator(
         CoordinatorSettings(
             instance_timeout=0.05, health_check_interval=0.02, eviction_check_interval=0

@@ -1,4 +1,4 @@
-"""Checkpoint, metadata and captures (reference catalogue §10.11 items 120–129)."""
+"""Checkpoint, metadata and captures (docs/coordinator.md, "Persistence")."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def captures(c: Coordinator) -> dict[str, object]:
 
 
 def test_round_trip_restores_identical_state(tmp_path: Path) -> None:
-    """§10.11 #120: capture → file → fresh coordinator → capture again is identical."""
+    """Capture → file → fresh coordinator → capture again is identical."""
     c = populated()
     before = captures(c)
     path = tmp_path / "ckpt"
@@ -88,7 +88,7 @@ def test_round_trip_restores_identical_state(tmp_path: Path) -> None:
 
 
 def test_restored_cursors_fence_the_restarted_emitter(tmp_path: Path) -> None:
-    """§10.11 #121: restore an inc7 L1 placement; inc8 arrives; the placement is gone."""
+    """Restore an inc7 L1 placement; inc8 arrives; the placement is gone."""
     c = populated()
     path = tmp_path / "ckpt"
     write_checkpoint(path, captures(c))
@@ -102,7 +102,7 @@ def test_restored_cursors_fence_the_restarted_emitter(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("section", ["stream_cursors", "key_directory", "server_config"])
 def test_second_restore_of_a_stateful_section_is_refused(section: str) -> None:
-    """§10.11 #122: state cannot be counted twice; lru_order / pins / quotas replace."""
+    """State cannot be counted twice; lru_order / pins / quotas replace."""
     c = populated()
     state = captures(c)
     fresh = Coordinator(settings())
@@ -113,7 +113,7 @@ def test_second_restore_of_a_stateful_section_is_refused(section: str) -> None:
 
 
 def test_replace_sections_accept_a_second_restore() -> None:
-    """§10.11 #122: lru_order, pins and quotas replace their state."""
+    """Lru_order, pins and quotas replace their state."""
     c = populated()
     fresh = Coordinator(settings())
     for _ in range(2):
@@ -125,7 +125,7 @@ def test_replace_sections_accept_a_second_restore() -> None:
 
 
 def test_save_then_load_into_fresh_coordinator(tmp_path: Path) -> None:
-    """§10.11 #124: 3 keys and 2048 L2 bytes come back."""
+    """3 keys and 2048 L2 bytes come back."""
     c = populated(tmp_path)
     assert c.checkpoint_now().ok is True
     fresh = Coordinator(settings(tmp_path))
@@ -154,7 +154,7 @@ class _SlowConsumer:
 
 
 def test_capture_during_a_slow_consumer_never_holds_half_a_batch(tmp_path: Path) -> None:
-    """§10.11 #124: the capture waits for the whole batch (or times out, writing nothing)."""
+    """The capture waits for the whole batch (or times out, writing nothing)."""
     c = Coordinator(settings(tmp_path, quiesce_timeout=10.0))
     slow = _SlowConsumer()
     c.broadcaster.register(slow)
@@ -180,7 +180,6 @@ def test_capture_during_a_slow_consumer_never_holds_half_a_batch(tmp_path: Path)
 
 
 def test_missing_checkpoint_is_a_cold_start(tmp_path: Path) -> None:
-    """§10.11 #124."""
     report = load_checkpoint(tmp_path / "nope", Coordinator(settings()).checkpoint_components)
     assert (report.cold, report.reason) == (True, "missing")
 
@@ -197,7 +196,7 @@ def test_missing_checkpoint_is_a_cold_start(tmp_path: Path) -> None:
     ],
 )
 def test_unreadable_checkpoints_start_cold(tmp_path: Path, payload: bytes, reason: str) -> None:
-    """§10.11 #124: bad magic, version 0x63, no payload, truncated header → cold, no crash."""
+    """Bad magic, version 0x63, no payload, truncated header → cold, no crash."""
     path = tmp_path / "ckpt"
     path.write_bytes(payload)
     c = Coordinator(settings())
@@ -208,7 +207,7 @@ def test_unreadable_checkpoints_start_cold(tmp_path: Path, payload: bytes, reaso
 
 
 def test_one_bad_section_does_not_block_the_others(tmp_path: Path) -> None:
-    """§10.11 #124: the broken directory is skipped, cursors and capacity still load."""
+    """The broken directory is skipped, cursors and capacity still load."""
     c = populated()
     state = captures(c)
     state["key_directory"] = {"format": 1, "spaces": "garbage"}
@@ -223,7 +222,7 @@ def test_one_bad_section_does_not_block_the_others(tmp_path: Path) -> None:
 
 
 def test_write_to_a_directory_path_fails_without_raising(tmp_path: Path) -> None:
-    """§10.11 #124: save_checkpoint logs and returns False."""
+    """Save_checkpoint logs and returns False."""
     (tmp_path / "ckpt").mkdir()
     c = populated()
     result = save_checkpoint(tmp_path / "ckpt", c.quiesce, c.checkpoint_components)
@@ -232,7 +231,7 @@ def test_write_to_a_directory_path_fails_without_raising(tmp_path: Path) -> None
 
 
 def test_captures_are_copies_unaffected_by_later_changes() -> None:
-    """§10.11 #125: later ingests, pins, quota changes and drops leave a capture unchanged."""
+    """Later ingests, pins, quota changes and drops leave a capture unchanged."""
     c = populated()
     comps = [*c.checkpoint_components, c.pins, c.quotas]
     caps = {comp.name: comp.capture() for comp in comps}
@@ -250,7 +249,6 @@ def test_captures_are_copies_unaffected_by_later_changes() -> None:
 
 
 def test_every_capture_is_plain_data_and_a_nested_key_is_caught() -> None:
-    """§10.11 #126."""
     c = populated()
     for comp in [*c.checkpoint_components, c.pins, c.quotas]:
         assert find_non_plain(comp.capture()) is None, comp.name
@@ -265,7 +263,7 @@ def test_every_capture_is_plain_data_and_a_nested_key_is_caught() -> None:
 
 
 def test_metadata_round_trip_and_document_shape(tmp_path: Path) -> None:
-    """§10.11 #127: pins, quotas, default; JSON with version 1; QuotaManager alone works."""
+    """Pins, quotas, default; JSON with version 1; QuotaManager alone works."""
     path = tmp_path / "meta.json"
     store = MetadataStore(path)
     pins, quotas = PinTable(), QuotaManager()
@@ -311,7 +309,7 @@ def test_metadata_round_trip_and_document_shape(tmp_path: Path) -> None:
     ],
 )
 def test_bad_metadata_documents_leave_components_untouched(tmp_path: Path, text: str) -> None:
-    """§10.11 #127: unparsable, not an object, version 99, no components, no saved_at."""
+    """Unparsable, not an object, version 99, no components, no saved_at."""
     path = tmp_path / "meta.json"
     path.write_text(text)
     store = MetadataStore(path)
@@ -323,14 +321,14 @@ def test_bad_metadata_documents_leave_components_untouched(tmp_path: Path, text:
 
 
 def test_metadata_store_refuses_checkpoint_components() -> None:
-    """§10.11 #127: registering checkpoint state raises."""
+    """Registering checkpoint state raises."""
     c = Coordinator(settings())
     with pytest.raises(ValueError, match="checkpoint state"):
         MetadataStore(None).register(c.directory)
 
 
 def test_artifact_write_read_missing_and_failed_write(tmp_path: Path) -> None:
-    """§10.11 #128: write/read; missing → ArtifactNotFoundError; failed write keeps old file."""
+    """Write/read; missing → ArtifactNotFoundError; failed write keeps old file."""
     path = tmp_path / "deep" / "dir" / "ckpt"
     write_checkpoint(path, {"s": {"a": [1, b"x", None, 2.5, True]}})
     assert read_checkpoint(path) == {"s": {"a": [1, b"x", None, 2.5, True]}}
@@ -344,7 +342,7 @@ def test_artifact_write_read_missing_and_failed_write(tmp_path: Path) -> None:
 
 
 def test_null_stores_discard_writes_and_find_nothing(tmp_path: Path) -> None:
-    """§10.11 #128: without paths nothing is written or read."""
+    """Without paths nothing is written or read."""
     store = MetadataStore(None)
     store.register(QuotaManager())
     assert store.save() is True
@@ -356,7 +354,7 @@ def test_null_stores_discard_writes_and_find_nothing(tmp_path: Path) -> None:
 
 
 def test_clean_stop_writes_both_artifacts_and_restart_reloads_them(tmp_path: Path) -> None:
-    """§10.11 #129: interval 0 still checkpoints on stop; the restart sees 1 key and the default."""
+    """Interval 0 still checkpoints on stop; the restart sees 1 key and the default."""
     c = Coordinator(settings(tmp_path, checkpoint_interval=0))
     c.start()
     c.ingest(Stream().store([key(1)], tier=Tier.L2))
@@ -379,7 +377,7 @@ def test_clean_stop_writes_both_artifacts_and_restart_reloads_them(tmp_path: Pat
 
 
 def test_quota_change_is_on_disk_before_the_call_returns(tmp_path: Path) -> None:
-    """§10.11 #129: the metadata file holds 1073741824 right after set_quota."""
+    """The metadata file holds 1073741824 right after set_quota."""
     c = Coordinator(settings(tmp_path))
     c.set_quota("t", GIB)
     doc = json.loads(Path(c.settings.metadata_path).read_text())
@@ -392,7 +390,6 @@ def test_quota_change_is_on_disk_before_the_call_returns(tmp_path: Path) -> None
 def test_nothing_configured_creates_no_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """§10.11 #129."""
     monkeypatch.chdir(tmp_path)
     c = Coordinator(settings())
     c.start()
@@ -403,7 +400,7 @@ def test_nothing_configured_creates_no_files(
 
 
 def test_periodic_checkpoint_timer_writes_the_file(tmp_path: Path) -> None:
-    """§7.5: with an interval the checkpoint is rewritten in the background."""
+    """With an interval the checkpoint is rewritten in the background."""
     from tests.support.waiting import wait_until
 
     c = Coordinator(settings(tmp_path, checkpoint_interval=0.02))
@@ -416,7 +413,7 @@ def test_periodic_checkpoint_timer_writes_the_file(tmp_path: Path) -> None:
 
 
 def test_checkpoint_releases_copy_on_write_after_writing(tmp_path: Path) -> None:
-    """kvmesh: once written, the capture is dropped and shards stop being copied on write."""
+    """Kvmesh: once written, the capture is dropped and shards stop being copied on write."""
     c = populated(tmp_path)
     assert c.checkpoint_now().ok is True
     assert not any(c.directory._st.store.frozen)
@@ -424,7 +421,7 @@ def test_checkpoint_releases_copy_on_write_after_writing(tmp_path: Path) -> None
 
 
 def test_overlapping_snapshots_keep_shards_frozen_until_all_are_released() -> None:
-    """kvmesh: an eviction snapshot released during a checkpoint write cannot unfreeze it."""
+    """Kvmesh: an eviction snapshot released during a checkpoint write cannot unfreeze it."""
     c = populated()
     cap = c.lru.capture()
     frozen = copy.deepcopy(cap)
@@ -437,7 +434,7 @@ def test_overlapping_snapshots_keep_shards_frozen_until_all_are_released() -> No
 
 
 def test_stop_without_load_does_not_overwrite_the_checkpoint(tmp_path: Path) -> None:
-    """kvmesh: an instance that never loaded state must not replace a good checkpoint."""
+    """Kvmesh: an instance that never loaded state must not replace a good checkpoint."""
     c = populated(tmp_path)
     assert c.checkpoint_now().ok is True
     before = Path(c.settings.checkpoint_path).read_bytes()

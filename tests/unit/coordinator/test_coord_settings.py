@@ -1,4 +1,4 @@
-"""Core settings (reference catalogue §10.12 item 130)."""
+"""Core settings (docs/coordinator.md, "Settings")."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from kvmesh.coordinator.core import CoordinatorSettings
 
 
 def test_defaults_are_valid_and_match_lmcache() -> None:
-    """§10.12 #130: defaults construct; values are LMCache's where it has them."""
+    """Defaults construct; values are LMCache's where it has them."""
     s = CoordinatorSettings()
     assert (s.instance_timeout, s.health_check_interval, s.eviction_check_interval) == (
         30.0,
@@ -38,14 +38,13 @@ def test_defaults_are_valid_and_match_lmcache() -> None:
     ],
 )
 def test_out_of_range_values_raise_naming_the_field(field: str, value: float) -> None:
-    """§10.12 #130: instance_timeout 0, health_check_interval -1 (and friends) raise."""
+    """Instance_timeout 0, health_check_interval -1 (and friends) raise."""
     with pytest.raises(InvalidArgument) as info:
         CoordinatorSettings(**{field: value})  # type: ignore[arg-type]
     assert info.value.field == field
 
 
 def test_explicit_values_are_kept() -> None:
-    """§10.12 #130."""
     s = CoordinatorSettings(
         instance_timeout=3.5, health_check_interval=0, checkpoint_path="/x", eviction_ratio=1.0
     )

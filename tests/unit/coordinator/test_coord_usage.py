@@ -1,4 +1,4 @@
-"""Usage view fed by the directory (reference catalogue §10.5 items 55–61)."""
+"""Usage view fed by the directory (docs/coordinator.md, "Usage")."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def apply(d: KeyDirectory, *batches: CacheEventBatch) -> None:
 
 
 def test_bytes_aggregate_per_salt_access_ignored_restore_applies_delta() -> None:
-    """§10.5 #55: per-salt sums; ACCESS changes nothing; 100 then 250 gives 250."""
+    """Per-salt sums; ACCESS changes nothing; 100 then 250 gives 250."""
     d, u = make()
     s = Stream()
     apply(
@@ -34,7 +34,7 @@ def test_bytes_aggregate_per_salt_access_ignored_restore_applies_delta() -> None
 
 
 def test_delete_subtracts_and_cleans_up_and_untracked_delete_is_noop() -> None:
-    """§10.5 #56: the recorded size is subtracted (the wire size on a delete is ignored)."""
+    """The recorded size is subtracted (the wire size on a delete is ignored)."""
     d, u = make()
     s = Stream()
     apply(d, s.store([key(1, salt="t")], tier=Tier.L2, size=100))
@@ -47,7 +47,7 @@ def test_delete_subtracts_and_cleans_up_and_untracked_delete_is_noop() -> None:
 
 
 def test_private_copies_count_twice_shared_pool_once() -> None:
-    """§10.5 #57: 2 private + 1 shared (2 reporters) = 300; any reporter's delete clears it."""
+    """2 private + 1 shared (2 reporters) = 300; any reporter's delete clears it."""
     d, u = make()
     a, b = Stream("node-a"), Stream("node-b")
     apply(
@@ -64,7 +64,6 @@ def test_private_copies_count_twice_shared_pool_once() -> None:
 
 
 def test_key_bytes_sum_over_backends() -> None:
-    """§10.5 #58."""
     d, _u = make()
     s = Stream()
     apply(
@@ -76,7 +75,7 @@ def test_key_bytes_sum_over_backends() -> None:
 
 
 def test_tiers_are_accounted_separately() -> None:
-    """§10.5 #59: L2 100 and L1 40 for one key; an L1 delete leaves L2."""
+    """L2 100 and L1 40 for one key; an L1 delete leaves L2."""
     d, u = make()
     s = Stream()
     apply(d, s.store([key(1)], tier=Tier.L2, size=100), s.store([key(1)], size=40))
@@ -86,7 +85,7 @@ def test_tiers_are_accounted_separately() -> None:
 
 
 def test_bytes_by_instance_lists_backends_and_shared_owner() -> None:
-    """§10.5 #60: per owner and backend; shared under ""; emptied backends disappear."""
+    """Per owner and backend; shared under ""; emptied backends disappear."""
     d, u = make()
     a, b = Stream("node-a"), Stream("node-b")
     apply(
@@ -106,7 +105,7 @@ def test_bytes_by_instance_lists_backends_and_shared_owner() -> None:
 
 
 def test_fence_drops_only_that_instances_l1_and_is_idempotent() -> None:
-    """§10.5 #61: keeps its L2, spares shared L2, idempotent, no double count on re-store."""
+    """Keeps its L2, spares shared L2, idempotent, no double count on re-store."""
     d, u = make()
     a, b = Stream("node-a"), Stream("node-b")
     apply(
@@ -125,7 +124,7 @@ def test_fence_drops_only_that_instances_l1_and_is_idempotent() -> None:
 
 
 def test_shared_l1_fence_is_consistent_between_directory_and_usage() -> None:
-    """§12.2 fixed: a shared L1 placement fenced in the directory is un-counted in usage.
+    """Fixed: a shared L1 placement fenced in the directory is un-counted in usage.
 
     LMCache's usage view kept its bytes (owner "") while the directory dropped
     it; kvmesh derives usage from the directory, so both agree.

@@ -1,8 +1,9 @@
 """``kvmesh bench datapath``: store and retrieve throughput through a real storage service.
 
-DESIGN §7: store (engine → L1) and retrieve (L1 → engine) must reach 85 % of
-a one-thread memcpy of the same bytes measured in the same run; LMCache 0.5.6
-does 4.3–4.6 GB/s store and about 4.0 GB/s retrieve on this machine kind.
+Target (docs/benchmarks.md, "Targets"): store (engine → L1) and retrieve (L1 →
+engine) must reach 85 % of a one-thread memcpy of the same bytes measured in
+the same run; LMCache 0.5.6 does 4.3–4.6 GB/s store and about 4.0 GB/s
+retrieve on this machine kind.
 
 What runs: a storage node (``StorageApp`` through the chassis
 ``create_server``, L2 ``none``) on a loopback port of this process, its L1

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from kvmesh.common.dtypes import BY_SHORT
 
-#: DESIGN §7 target: store and retrieve at this fraction of the same run's memcpy.
+#: Target (docs/benchmarks.md, "Targets"): store and retrieve at this fraction of
+#: the same run's memcpy.
 TARGET_RATIO = 0.85
 
 MIB = 1 << 20

@@ -1,10 +1,10 @@
 """``kvmesh bench ingest``: cache-event ingest and directory lookups through a real coordinator.
 
-DESIGN §7: LMCache 0.5.6 ingests 15–20k entries/s (64-entry store batches, 4
-emitters) with ack p99 4.7–9.1 ms and stalls up to 0.75 s (full garbage
-collections that grow with the directory); a 16-key directory lookup takes
-about 1 ms. Targets: at least 10x its entries/s, p99 at most 5 ms and no
-stall over 50 ms.
+Baseline and targets (docs/benchmarks.md, "Targets"): LMCache 0.5.6 ingests
+15–20k entries/s (64-entry store batches, 4 emitters) with ack p99 4.7–9.1 ms and
+stalls up to 0.75 s (full garbage collections that grow with the directory);
+a 16-key directory lookup takes about 1 ms. Targets: at least 10x its
+entries/s, p99 at most 5 ms and no stall over 50 ms.
 
 What runs, as deployed:
 

@@ -11,7 +11,7 @@ SALT = "tenant-a"
 
 START_TIMEOUT_S = 60.0
 
-#: DESIGN §7.
+#: docs/benchmarks.md, "Targets".
 TARGETS = {"entries_per_s": 200_000, "ack_p99_ms": 5.0, "max_stall_ms": 50.0}
 
 

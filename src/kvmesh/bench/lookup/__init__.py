@@ -1,8 +1,8 @@
 """``kvmesh bench lookup``: latency of a prefix lookup through a real gateway and storage node.
 
-DESIGN §7: a Lookup of a 32-chunk prefix through the gateway must have a p50
-of at most 0.5 ms. LMCache 0.5.6 measures 1.5 ms lookup p50 on this machine
-kind, and an empty round trip of 0.3 ms (ZMQ) / 0.7 ms (its own gRPC).
+Target (docs/benchmarks.md, "Targets"): a Lookup of a 32-chunk prefix through
+the gateway must have a p50 of at most 0.5 ms. LMCache 0.5.6 measures 1.5 ms
+lookup p50 on this machine kind, and an empty round trip of 0.3 ms (ZMQ) / 0.7 ms (its own gRPC).
 
 What runs, by ``--arrangement`` (the headline is the first that runs):
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-#: DESIGN §7 target.
+#: The target (docs/benchmarks.md, "Targets").
 TARGET_LOOKUP_P50_MS = 0.5
 
 ARRANGEMENTS = ("node-lane", "node", "processes-lane", "processes", "in-process")

@@ -40,7 +40,7 @@ from typing import Any
 from kvmesh.bench.serve.client import Answer, run_round, stream_completion
 from kvmesh.bench.serve.servers import Node, Server, start_node, start_vllm
 from kvmesh.common.hashing import TokenHasher
-from kvmesh.engine.model_store import resolve as resolve_model
+from kvmesh.common.model_store import resolve as resolve_model
 from kvmesh.engine.vllm.model import make_tiny_model
 
 ARRANGEMENTS = ("vllm_alone", "floor", "kvmesh")

@@ -1,4 +1,6 @@
-"""Fan-out of admitted batches and fences to the coordinator's consumers (reference §3.2).
+"""Fan-out of admitted batches and fences to the coordinator's consumers.
+
+See docs/coordinator.md, "Broadcaster".
 
 Consumers run in registration order; an exception in one is logged with the
 batch identity and counted, and the remaining consumers still run (only the

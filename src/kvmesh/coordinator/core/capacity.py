@@ -1,4 +1,4 @@
-"""Declared capacity of each instance's compartments (reference §4.3).
+"""Declared capacity of each instance's compartments (docs/coordinator.md, "Capacity").
 
 CONFIG batches declare one compartment ``(tier, backend, shared)`` each. A
 declaration is stamped ``(incarnation, capacity_revision)`` and stamps are
@@ -11,7 +11,7 @@ the old process's revision 9.
 Capacity is configuration, not L1 state, so ``fence_instance`` does nothing;
 ``forget`` drops an instance's declaration. kvmesh wires ``forget`` into the
 heartbeat-timeout path as well as deregistration (LMCache 0.5.6 only did
-the latter, so a reaped node's capacity lingered; reference §12.3).
+the latter, so a reaped node's capacity lingered; docs/coordinator.md, "Capacity").
 """
 
 from __future__ import annotations

@@ -213,7 +213,10 @@ class Coordinator(CoreComponents):
         *,
         with_tokens: bool = True,
     ) -> TokenLookup:
-        """Resolve tokens to keys (§2.7), expand across object groups, look each up."""
+        """Resolve tokens to keys, expand across object groups, look each up.
+
+        See docs/coordinator.md, "Token lookups".
+        """
         return tokens.lookup_tokens(
             self.hasher,
             self.directory,
@@ -374,7 +377,10 @@ class Coordinator(CoreComponents):
         cache_salt: str,
         token_ids: Sequence[int] | np.ndarray,
     ) -> PinResult:
-        """Pin every key of a token sequence (resolved locally, §2.7)."""
+        """Pin every key of a token sequence (resolved locally).
+
+        See docs/coordinator.md, "Token lookups".
+        """
         keys, chunks = tokens.resolve_token_keys(
             self.hasher, model_name, world_size, cache_salt, token_ids
         )
@@ -447,7 +453,10 @@ class Coordinator(CoreComponents):
         tier: Tier | None = None,
         force: bool = False,
     ) -> DeleteKeysResult:
-        """:meth:`delete_keys` of every key of a token sequence (resolved locally, §2.7)."""
+        """:meth:`delete_keys` of every key of a token sequence (resolved locally).
+
+        See docs/coordinator.md, "Token lookups".
+        """
         deletes.require_instance(self, instance_id)
         keys, _chunks = tokens.resolve_token_keys(
             self.hasher, model_name, world_size, cache_salt, token_ids

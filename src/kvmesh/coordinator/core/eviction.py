@@ -1,4 +1,6 @@
-"""Fleet L2 eviction: per-salt quotas, LRU order, pins, deletes to the holders (reference §4.4).
+"""Fleet L2 eviction: per-salt quotas, LRU order, pins, deletes to the holders.
+
+See docs/coordinator.md, "Fleet eviction".
 
 What stays as in LMCache 0.5.6:
 
@@ -18,7 +20,8 @@ What stays as in LMCache 0.5.6:
 * the LRU and usage change only when the resulting DELETE events come back,
   so a failed or unsent delete simply reappears in the next plan.
 
-kvmesh changes (fixes of reference §12.8 and hardening):
+kvmesh changes (fixes of LMCache's deletes to one random node, and hardening;
+docs/coordinator.md, "Fleet eviction"):
 
 * deletes go through a :class:`DeleteDispatcher` (the node's own command
   stream), not HTTP to a random node: each victim is sent, per L2

@@ -1,6 +1,6 @@
 """Admission of cache-event batches: incarnation fencing, seq dedup, gap detection.
 
-Behaviour is LMCache 0.5.6's EventGate (reference coordinator §3.1) exactly:
+Behaviour is LMCache 0.5.6's EventGate exactly (docs/coordinator.md, "Event gate"):
 
 * a batch from an older incarnation than the emitter's cursor is
   STALE_INCARNATION and nothing else happens;
@@ -75,7 +75,7 @@ CursorListener = Callable[[str, bool, bool], None]
 
 
 class EventGate:
-    """The only way cache facts enter the coordinator (reference §3.1)."""
+    """The only way cache facts enter the coordinator (docs/coordinator.md, "Event gate")."""
 
     name = "stream_cursors"
     persistence_type = PersistenceType.CHECKPOINT

@@ -1,4 +1,4 @@
-"""Instance registry and heartbeat expiry (reference §5.1–§5.2).
+"""Instance registry and heartbeat expiry (docs/coordinator.md, "Membership").
 
 The registry is a view, not an event consumer, and is never checkpointed:
 nodes re-register after a coordinator restart (a heartbeat for an unknown
@@ -9,12 +9,12 @@ than ``timeout`` seconds old.
 
 Re-registration overwrites the entry (heartbeat included) and never touches
 the gate cursor or capacity: a node that restarts under the same id is
-fenced by its new incarnation, not by registering (reference §12.4).
+fenced by its new incarnation, not by registering (docs/coordinator.md, "Membership").
 
 kvmesh: the coordinator's sweep (:func:`evict_stale` plus the gate and
 capacity calls in ``Coordinator.sweep_stale_instances``) fences the reaped
 node's L1 *and* forgets its capacity declaration, which LMCache 0.5.6 left
-unwired on timeout (reference §12.3).
+unwired on timeout (docs/coordinator.md, "Capacity").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Checkpoint and metadata persistence of the coordinator (reference §7).
+"""Checkpoint and metadata persistence of the coordinator (docs/coordinator.md, "Persistence").
 
 Two artifacts:
 

@@ -1,4 +1,6 @@
-"""Pins: reference counts on L2 chunk keys that fleet eviction must skip (reference §4.4).
+"""Pins: reference counts on L2 chunk keys that fleet eviction must skip.
+
+See docs/coordinator.md, "Pins".
 
 A pin is counted on the chunk key with ``object_group_id`` forced to 0, so
 one pin covers every object group of the chunk. Pins are operator intent,

@@ -1,4 +1,4 @@
-"""Per-salt L2 quotas: operator intent, saved as metadata (reference §4.4).
+"""Per-salt L2 quotas: operator intent, saved as metadata (docs/coordinator.md, "Quotas").
 
 As in LMCache 0.5.6 the default quota is explicit: None (the boot state)
 exempts salts without a quota, 0 arms allowlist eviction, > 0 is a per-salt

@@ -1,4 +1,4 @@
-"""Knobs of the coordinator core (reference §9.1, the subset the core uses).
+"""Knobs of the coordinator core (docs/coordinator.md, "Settings").
 
 The service's config (flags, ``KVMESH_*`` environment, YAML) maps onto this
 frozen dataclass; it validates itself on construction and raises

@@ -1,4 +1,4 @@
-"""Token sequence → directory keys (reference §2.7).
+"""Token sequence → directory keys (docs/coordinator.md, "Token lookups").
 
 Only complete chunks are hashed (chained blake3, :class:`TokenHasher`), and
 each chunk hash fans out to one key per kv rank ``r`` of ``world_size`` with

@@ -1,9 +1,9 @@
-"""Byte usage per tier, per cache salt and per (owner, backend) — reference §4.2.
+"""Byte usage per tier, per cache salt and per (owner, backend) (docs/coordinator.md, "Usage").
 
 kvmesh change: the usage view keeps **no per-placement table of its own**.
 LMCache's CacheUsageManager duplicates every placement's size (another
 ~150 bytes per key at ten million keys) and fences on its own rules, which
-disagree with the directory's for shared L1 (§12.2: the directory drops a
+disagree with the directory's for shared L1 (docs/coordinator.md, "Usage": the directory drops a
 shared L1 placement whose last reporter is fenced, the usage view never
 did). Here the KeyDirectory owns placements and, while it applies a batch or
 a fence, reports the byte changes it made as :class:`UsageDelta` rows; this

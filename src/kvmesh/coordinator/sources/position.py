@@ -1,11 +1,12 @@
 """The NATS source's read position: a checkpoint section, so it moves with the directory.
 
-The position is kvmesh's, not NATS's (reference §3.3, LMCache's Kafka group
-that never commits): a checkpoint section ``nats_stream_position`` =
-``{"stream": name, "next_seq": N, "created": ts}`` (``next_seq`` 0: from the
-stream's first message). The source registers it in the core's checkpoint
-components when it is built, before the core loads its checkpoint, so it is
-captured under the same quiesce as the cursors and the directory.
+The position is kvmesh's, not NATS's (docs/coordinator.md, "Event sources and
+stream position"; LMCache's Kafka group that never commits): a checkpoint
+section ``nats_stream_position`` = ``{"stream": name, "next_seq": N,
+"created": ts}`` (``next_seq`` 0: from the stream's first message). The source
+registers it in the core's checkpoint components when it is built, before the
+core loads its checkpoint, so it is captured under the same quiesce as the
+cursors and the directory.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-#: Shape of the model (issue 12's suggestion): small enough for 2 cores, long context.
+#: Shape of the model: small enough for 2 cores, long context.
 TINY = {
     "hidden_size": 256,
     "intermediate_size": 512,

@@ -1,6 +1,6 @@
 """Eviction for L1 and L2: byte watermarks, LRU, per-cache_salt quotas, pins.
 
-What differs from LMCache (reference mp_server §11) and why:
+What differs from LMCache 0.5.6's L1 eviction, and why:
 
 - Watermarks are in **bytes** of the *configured* capacity. LMCache counts
   objects (a 4 KiB partial chunk weighs as much as a 32 MiB one) and

@@ -2,7 +2,7 @@
 
 The coordinator's gate fences an emitter's old L1 placements when it sees a
 higher incarnation for the same ``instance_id`` and drops batches from a lower
-one (reference coordinator §3.1). So the number must grow on *every* start —
+one (docs/coordinator.md, "Event gate"). So the number must grow on *every* start —
 even when the wall clock stepped backwards or two starts fall in the same
 second, which LMCache's ``int(time.time())`` does not guarantee.
 

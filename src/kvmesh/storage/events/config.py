@@ -25,7 +25,7 @@ __all__ = [
 #: much as applying a 64-entry batch). A larger window queues more per node
 #: in front of the coordinator, which every batch's ack waits behind (it adds
 #: latency, Little's law), and lets one catching-up node crowd out the rest.
-#: ``kvmesh bench ingest`` runs this window by default (DESIGN §7).
+#: ``kvmesh bench ingest`` runs this window by default (docs/benchmarks.md, "ingest").
 DEFAULT_MAX_IN_FLIGHT_BATCHES = 2
 
 

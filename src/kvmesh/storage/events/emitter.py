@@ -1,6 +1,7 @@
 """The storage node's cache-event emitter: every placement change, reported in order, once.
 
-What it does (reference coordinator §6.4, with kvmesh's changes):
+What it does (docs/events.md, "Emitter: batching and numbering" and "Delivery";
+LMCache's emitter with kvmesh's changes):
 
 * ``record`` / ``record_capacity`` are called from many threads (L1 manager,
   store and prefetch controllers). They only append to a pending list under

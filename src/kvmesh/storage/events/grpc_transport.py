@@ -7,10 +7,11 @@ waits (bounded) until the coordinator serves ingest (a ``grpc.health.v1``
 check with ``wait_for_ready`` and a deadline), then opens one bidirectional
 call whose first message is ``open``; batches go up as ``batch``, acks and
 coordinator commands come down, command results go up as
-``command_result``. The node always dials (DESIGN §1): the coordinator never
-needs a node's address to send it commands. The registrar's client of
-``MembershipService`` is :mod:`kvmesh.storage.events.grpc_membership` (pass
-the same ``channel`` to both to share it).
+``command_result``. The node always dials (docs/events.md, "Who dials whom"):
+the coordinator never needs a node's address to send it commands. The
+registrar's client of ``MembershipService`` is
+:mod:`kvmesh.storage.events.grpc_membership` (pass the same ``channel`` to
+both to share it).
 
 Threads of one :class:`GrpcEventSession` (all daemons, all ending when the
 session ends, whether by :meth:`GrpcEventSession.close` or a stream error):

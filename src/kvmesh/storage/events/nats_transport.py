@@ -2,7 +2,7 @@
 
 :class:`NatsEventTransport` is the emitter's
 :class:`~kvmesh.storage.events.transport.EventTransport` over a JetStream
-stream instead of a gRPC call to the coordinator (DESIGN §4, "Transports").
+stream instead of a gRPC call to the coordinator (docs/events.md, "Transports").
 The coordinator reads the stream at its own pace and keeps its read position
 in its checkpoint (:mod:`kvmesh.coordinator.nats_source`), so events
 published while it is down or after its last checkpoint are replayed, not

@@ -1,6 +1,6 @@
 """The storage node's membership loop: register with the coordinator, heartbeat, deregister.
 
-Behaviour follows LMCache's ``keep_registered`` (reference coordinator §5.3)
+Behaviour follows LMCache's ``keep_registered`` (docs/events.md, "Registrar")
 against a :class:`MembershipClient` (the gRPC ``MembershipService`` client
 plugs in there):
 

@@ -107,7 +107,7 @@ def test_every_batch_reaches_the_coordinator_exactly_once_in_order(
     rig_factory: Callable[..., Rig],
     no_new_threads: Callable[[], None],
 ) -> None:
-    """§10.10 #116: real threads deliver every batch in order; close flushes the tail."""
+    """Real threads deliver every batch in order; close flushes the tail."""
     rig = rig_factory(coordinator.target)
     rig.emitter.start()
     for start in range(0, 300, 30):

@@ -228,7 +228,7 @@ def test_closing_the_transport_closes_its_open_sessions(
 def test_connect_to_an_absent_coordinator_raises_transport_error(
     no_new_threads: Callable[[], None],
 ) -> None:
-    """§10.10 #117: a connection failure raises (LMCache: CacheEventPublishError)."""
+    """A connection failure raises (LMCache: CacheEventPublishError)."""
     transport = GrpcEventTransport(f"127.0.0.1:{free_port()}", connect_timeout_s=0.3)
     for _ in range(3):
         with pytest.raises(TransportError, match="not reachable"):

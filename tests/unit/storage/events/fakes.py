@@ -1,4 +1,4 @@
-"""Test doubles for the emitter tests: a gate with the reference's §3.1 semantics, helpers.
+"""Test doubles for the emitter tests: a gate, with docs/coordinator.md "Event gate" semantics.
 
 :class:`LoopbackTransport` is an in-process event transport that hands
 batches straight to a gate (a :class:`FakeGate`), with fault injection.
@@ -49,7 +49,7 @@ class Cursor:
 
 
 class FakeGate:
-    """The reference EventGate's admission rules (§3.1), recording what it admitted.
+    """The reference EventGate's admission rules, recording what it admitted.
 
     Fresh cursor per new emitter or incarnation; stale incarnation dropped;
     ``seq <= last_seq`` is a duplicate; a jump flags a (sticky) gap but is

@@ -1,9 +1,11 @@
-"""Batching, numbering and capacity declarations of the emitter (reference §6.4, §10.10).
+"""Batching, numbering and capacity declarations of the emitter.
+
+See docs/events.md, "Emitter: batching and numbering".
 
 These run without the emitter's threads: ``flush()`` numbers the pending
 events and ``unacked_batches()`` shows what would be sent.
 
-§10.10 items 111, 112 and 119 do not apply: a storage node publishes no
+LMCache's token events do not apply: a storage node publishes no
 tokens event and stamps no token ids on its entries (chunk hashing lives in
 the gateway, tested in tests/unit/common/test_hashing.py).
 """
@@ -44,7 +46,6 @@ def flushed(emitter: CacheEventEmitter) -> list[CacheEventBatch]:
 
 
 def test_l1_store_access_evict_become_three_stamped_batches() -> None:
-    """§10.10 #110."""
     em = make_emitter()
     em.record(EventType.STORE, Tier.L1, "dram", False, [entry(1, 100), entry(2, 200)])
     em.record(EventType.STORE, Tier.L1, "dram", False, [entry(3, 300)])  # store + reserve
@@ -65,7 +66,6 @@ def test_l1_store_access_evict_become_three_stamped_batches() -> None:
 
 
 def test_hybrid_l1_media_become_one_run_per_backend() -> None:
-    """§10.10 #113."""
     em = make_emitter()
     em.record(EventType.STORE, Tier.L1, "dram", False, [entry(1, 10)])
     em.record(EventType.STORE, Tier.L1, "devdax", False, [entry(2, 20)])
@@ -79,7 +79,6 @@ def test_hybrid_l1_media_become_one_run_per_backend() -> None:
 
 
 def test_l2_events_carry_backend_sizes_and_shared_runs_stay_separate() -> None:
-    """§10.10 #114."""
     em = make_emitter()
     em.record(EventType.STORE, Tier.L2, "fs", False, [entry(1, 4096), entry(2, 8192)])
     em.record(EventType.STORE, Tier.L2, "fs", True, [entry(3, 1024)])
@@ -98,7 +97,6 @@ def test_l2_events_carry_backend_sizes_and_shared_runs_stay_separate() -> None:
 
 
 def test_store_delete_store_of_one_key_stays_three_batches() -> None:
-    """§10.10 #115."""
     em = make_emitter()
     for event_type in (EventType.STORE, EventType.DELETE, EventType.STORE):
         em.record(event_type, Tier.L2, "fs", False, [entry(1, 64)])
@@ -125,7 +123,7 @@ def test_records_merge_only_into_the_last_pending_batch() -> None:
 
 
 def test_empty_flush_publishes_nothing_and_consumes_no_seq() -> None:
-    """§10.10 #116: an empty flush publishes nothing."""
+    """An empty flush publishes nothing."""
     em = make_emitter()
 
     assert em.flush() == 0
@@ -179,7 +177,7 @@ def test_a_record_tops_up_the_last_batch_before_starting_a_new_one() -> None:
 
 
 def test_capacity_declaration_becomes_config_batches_first_with_one_revision() -> None:
-    """§10.10 #118: config batches first, one revision, no entries, seqs [1, 2]."""
+    """Config batches first, one revision, no entries, seqs [1, 2]."""
     em = make_emitter()
     em.record(EventType.STORE, Tier.L1, "dram", False, [entry(1, 10)])
     em.record_capacity([(Tier.L1, "dram", False, 16 * GIB), (Tier.L2, "fs", True, 64 * GIB)])
@@ -199,7 +197,7 @@ def test_capacity_declaration_becomes_config_batches_first_with_one_revision() -
 
 
 def test_newer_unflushed_capacity_snapshot_replaces_the_older_one() -> None:
-    """§10.10 #118: the newer unflushed snapshot wins (revision 1, 16 GiB)."""
+    """The newer unflushed snapshot wins (revision 1, 16 GiB)."""
     em = make_emitter()
     em.record_capacity([(Tier.L1, "dram", False, 8 * GIB)])
     em.record_capacity([(Tier.L1, "dram", False, 16 * GIB)])
@@ -252,7 +250,7 @@ def test_redeclare_capacity_requeues_the_last_declaration_at_a_new_revision() ->
     ],
 )
 def test_invalid_settings_are_rejected(field: str, value: object) -> None:
-    """§10.10 #116: a negative flush interval (among others) is rejected."""
+    """A negative flush interval (among others) is rejected."""
     with pytest.raises(InvalidArgument) as info:
         make_emitter(**{field: value})
     assert info.value.field == field
@@ -352,7 +350,7 @@ def test_window_byte_bound_drops_the_oldest_but_keeps_the_newest() -> None:
 
 
 def test_overflow_that_drops_a_declaration_queues_it_again() -> None:
-    """§10.10 #118: a declaration that was not delivered is re-sent at revision 2."""
+    """A declaration that was not delivered is re-sent at revision 2."""
     em = make_emitter(max_buffered_batches=2)
     em.record_capacity([(Tier.L1, "dram", False, GIB)])
     em.flush()

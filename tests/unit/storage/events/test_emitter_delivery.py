@@ -80,7 +80,7 @@ def emitter_threads_alive() -> list[str]:
 
 
 def test_timer_flush_delivers_without_an_explicit_flush() -> None:
-    """§10.10 #116: a buffered tail is flushed once the interval has passed."""
+    """A buffered tail is flushed once the interval has passed."""
     r = Rig(flush_interval_s=0.02).start()
     try:
         r.store(1)
@@ -107,7 +107,7 @@ def test_full_batch_flushes_at_once_and_a_partial_tail_waits_for_the_timer() -> 
 
 
 def test_interval_zero_flushes_every_record() -> None:
-    """§10.10 #116: with interval 0 every record is flushed."""
+    """With interval 0 every record is flushed."""
     r = Rig(flush_interval_s=0.0).start()
     try:
         r.store(1)
@@ -119,7 +119,7 @@ def test_interval_zero_flushes_every_record() -> None:
 
 
 def test_close_flushes_waits_for_acks_and_stops_threads() -> None:
-    """§10.10 #116: shutdown flushes and closes the stream."""
+    """Shutdown flushes and closes the stream."""
     r = Rig().start()
     r.store(1, 2)
     r.emitter.record_capacity([(Tier.L2, "fs", False, 1 << 30)])
@@ -146,7 +146,7 @@ def test_close_with_the_coordinator_down_gives_up_at_the_deadline() -> None:
 
 
 def test_a_failed_send_is_resent_so_the_gate_sees_no_gap(rig: Rig) -> None:
-    """§10.10 #116, changed on purpose: a failed send is resent, leaving no gap."""
+    """Changed from LMCache on purpose: a failed send is resent, leaving no gap."""
     # LMCache drops a batch whose publish failed (seq 2 follows a gap); kvmesh resends it.
     rig.transport.fail_next_sends(1)
     rig.store(1)

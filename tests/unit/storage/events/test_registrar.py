@@ -1,4 +1,4 @@
-"""The storage node's membership loop (reference §5.3, behaviours of §10.7 item 83)."""
+"""The storage node's membership loop (docs/events.md, "Registrar")."""
 
 from __future__ import annotations
 

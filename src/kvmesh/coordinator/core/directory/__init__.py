@@ -1,4 +1,6 @@
-"""KeyDirectory: key → placements, with an L1 reverse index and token bindings (reference §4.1).
+"""KeyDirectory: key → placements, with an L1 reverse index and token bindings.
+
+See docs/coordinator.md, "Key directory".
 
 Behaviour follows LMCache 0.5.6: a placement's identity is ``(instance,
 tier, backend)`` when private and ``(tier, backend)`` fleet-wide when
@@ -40,7 +42,7 @@ Usage accounting: while applying a batch or a fence, the directory reports
 the byte changes it made to the :class:`CacheUsageManager` (see
 :mod:`kvmesh.coordinator.core.usage`), so directory and usage can never disagree. In particular a
 shared L1 placement fenced here is un-counted there too (LMCache's usage
-view never fenced shared L1; reference §12.2).
+view never fenced shared L1; docs/coordinator.md, "Usage").
 """
 
 from .bindings import DEFAULT_TOKEN_BINDING_CAP

@@ -2,7 +2,7 @@
 
 A request is a grid of keys: rows are kv ranks / object groups, columns are
 chunks. A column counts only when every row has it, and only the contiguous
-prefix of counting columns is served (reference mp_server §12.3):
+prefix of counting columns is served (as in LMCache 0.5.6):
 
 1. Read-lock every L1 hit ``num_kv_readers`` times (synchronously, in
    ``submit``). When L1 alone covers the whole grid, or no L2 adapter is

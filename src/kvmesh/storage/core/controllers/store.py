@@ -8,7 +8,7 @@ adapter) and runs the adapters in parallel on an I/O pool. A degraded
 adapter is skipped, never waited on; there is no retry (as in LMCache: the
 object stays in L1 and the next store of the key writes it again).
 
-Policies (reference mp_server §12.2): ``default`` keeps the object in L1;
+Policies (LMCache 0.5.6's): ``default`` keeps the object in L1;
 ``skip_l1`` deletes it from L1 once at least one adapter stored it (L1 as a
 pure write buffer).
 

@@ -1,6 +1,6 @@
 """The L1 object table: the resident, staging and doomed maps and the steps that move entries.
 
-Two maps, as in LMCache (reference mp_server §10.2): **resident** ``key →
+Two maps, as in LMCache 0.5.6: **resident** ``key →
 entry`` (visible to readers) and **staging** ``key → {writer tag → entry}``
 (being written, invisible); beyond LMCache, a third, **doomed**, holds what a
 forced delete took out of the index while a lock holder still uses its

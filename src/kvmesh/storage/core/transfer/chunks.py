@@ -112,7 +112,9 @@ CUDA_IPC_EVENT_BYTES = 64
 
 
 def _wait_for_producer(kv: PagedKVCache, handle: bytes) -> None:
-    """Order this process's copies after the engine's event (reference §7.6).
+    """Order this process's copies after the engine's event.
+
+    See docs/kernels.md, "Device ordering on CUDA".
 
     The engine records an interprocess event on its stream after the forward
     that wrote (or last read) the blocks and sends its IPC handle; the copy

@@ -8,9 +8,10 @@ and in tests) or a :class:`~kvmesh.storage.core.transfer.cuda_ipc.CudaIpcHandle`
 (the fields of torch's ``_share_cuda_()``, on GPU hosts). The engine then
 names chunks only by block ids; :class:`TransferEngine` copies between its
 memory and L1 chunk objects with :mod:`kernels`, and the engine process does
-no copy work (DESIGN §3). This module is the registry and loads no torch; the
-copies and the opening of memory (:mod:`~kvmesh.storage.core.transfer.chunks`)
-load with the first registration.
+no copy work (docs/architecture.md, "Engine memory"). This module is the
+registry and loads no torch; the copies and the opening of memory
+(:mod:`~kvmesh.storage.core.transfer.chunks`) load with the first
+registration.
 
 Everything the engine says is checked before memory is touched (the handles
 by :mod:`~kvmesh.storage.core.transfer.shm` and
