@@ -13,6 +13,7 @@ three services' /metrics text before and after the traffic.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -162,6 +163,15 @@ def main() -> None:
             while time.monotonic() < deadline and (
                 "kvmesh.coordinator.IngestBatch" not in spans_of(store_trace)
                 or "kvmesh.coordinator.IngestBatch" not in spans_of(retrieve_trace)
+            ):
+                time.sleep(0.05)
+            # L2 writes run behind the stores: wait for the node to count one.
+            storage_metrics = servers["storage"].metrics
+            assert storage_metrics is not None
+            while time.monotonic() < deadline and not re.search(
+                r"^kvmesh_storage_l2_stored_keys_total(\{[^}]*\})? [1-9]",
+                _metrics(storage_metrics.address),
+                re.M,
             ):
                 time.sleep(0.05)
             after = {n: _metrics(s.metrics.address) for n, s in servers.items() if s.metrics}
