@@ -259,12 +259,12 @@ def build_parser() -> OneLineParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         add_config_arguments(p, command.load(command.config), command.name)
-    from kvmesh.cli import fleet
+    from kvmesh.cli import up
     from kvmesh.cli.model import add_model_command
     from kvmesh.cli.status import add_status_command
     from kvmesh.cli.traces import add_traces_command
 
-    fleet.add_up_command(sub)
+    up.add_up_command(sub)
     add_status_command(sub)
     add_traces_command(sub)
     add_model_command(sub)

@@ -84,8 +84,9 @@ from kvmesh.storage.core.incarnation import InstanceLock, next_incarnation
 from kvmesh.storage.core.l1.pool import reclaim_dead_pools
 from kvmesh.storage.core.l2.base import L2Adapter
 from kvmesh.storage.core.l2.factory import build_l2_adapter
-from kvmesh.storage.core.manager import StorageManager, StorageOptions
+from kvmesh.storage.core.manager import StorageManager
 from kvmesh.storage.core.node import DEFAULT_LEASE_TTL_S, StorageNode
+from kvmesh.storage.core.options import StorageOptions
 from kvmesh.storage.core.ports import NodeCommand
 from kvmesh.storage.core.transfer.engine import TransferEngine
 from kvmesh.storage.events.config import EmitterConfig

@@ -17,7 +17,8 @@ from kvmesh.common.errors import Unavailable
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.l2.base import L2Adapter
-from kvmesh.storage.core.manager import StorageManager, StorageOptions
+from kvmesh.storage.core.manager import StorageManager
+from kvmesh.storage.core.options import StorageOptions
 from tests.support.waiting import wait_until
 from tests.unit.storage.helpers import MIB, FakeClock, FakeL2, make_key
 

@@ -14,7 +14,8 @@ from kvmesh.storage.core.controllers.prefetch import PrefetchPolicy, PrefetchRes
 from kvmesh.storage.core.controllers.store import StorePolicy
 from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.l2.base import L2Adapter
-from kvmesh.storage.core.manager import StorageManager, StorageOptions
+from kvmesh.storage.core.manager import StorageManager
+from kvmesh.storage.core.options import StorageOptions
 from tests.unit.storage.helpers import MIB, FakeClock, FakeL2, RecordingSink, make_key
 
 CHUNK = 256 * 1024

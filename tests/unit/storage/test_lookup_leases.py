@@ -16,8 +16,9 @@ import pytest
 
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.copies import ChunkCopier
-from kvmesh.storage.core.manager import StorageManager, StorageOptions
+from kvmesh.storage.core.manager import StorageManager
 from kvmesh.storage.core.node_lookups import NodeLookups
+from kvmesh.storage.core.options import StorageOptions
 from tests.unit.storage.helpers import MIB, FakeClock, make_key
 
 CHUNK = 64 * 1024

@@ -7,8 +7,9 @@ from collections.abc import Iterator
 import pytest
 
 from kvmesh.common.errors import NotFound
-from kvmesh.storage.core.manager import StorageManager, StorageOptions
+from kvmesh.storage.core.manager import StorageManager
 from kvmesh.storage.core.node import StorageNode
+from kvmesh.storage.core.options import StorageOptions
 from kvmesh.storage.core.transfer.engine import TransferEngine
 from tests.unit.storage.helpers import MIB, FakeClock, make_key
 

@@ -13,8 +13,9 @@ from kvmesh.common.errors import NotFound
 from kvmesh.storage.core.controllers.prefetch_job import PrefetchHandle
 from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.l2.base import L2Adapter
-from kvmesh.storage.core.manager import StorageManager, StorageOptions
+from kvmesh.storage.core.manager import StorageManager
 from kvmesh.storage.core.node import StorageNode
+from kvmesh.storage.core.options import StorageOptions
 from kvmesh.storage.core.transfer.engine import TransferEngine
 from tests.support.waiting import wait_until
 from tests.unit.storage.helpers import MIB, FakeClock, FakeL2, make_key

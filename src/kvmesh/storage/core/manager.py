@@ -18,46 +18,35 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.core.controllers.l2tier import DEFAULT_BACKOFF_S, DEFAULT_MAX_BACKOFF_S, L2Tier
+from kvmesh.storage.core.controllers.l2tier import L2Tier
 from kvmesh.storage.core.controllers.prefetch import (
-    DEFAULT_MAX_IN_FLIGHT,
     PrefetchController,
-    PrefetchPolicy,
     PrefetchResult,
 )
 from kvmesh.storage.core.controllers.prefetch_job import PrefetchHandle
 from kvmesh.storage.core.controllers.store import (
-    DEFAULT_BATCH_KEYS,
-    DEFAULT_MAX_PENDING_KEYS,
     StoreController,
-    StorePolicy,
 )
 from kvmesh.storage.core.eviction import (
-    DEFAULT_PERIOD_S,
-    DEFAULT_TARGET_WATERMARK,
-    DEFAULT_TRIGGER_WATERMARK,
     EvictionController,
-    L2EvictionConfig,
     Quota,
     QuotaManager,
 )
 from kvmesh.storage.core.l1.manager import (
-    DEFAULT_READ_TTL_S,
-    DEFAULT_WRITE_TTL_S,
     STORE_TAG,
     L1Manager,
 )
 from kvmesh.storage.core.l1.objects import L1Object
-from kvmesh.storage.core.l1.pool import DEFAULT_SEGMENT_BYTES, DEFAULT_SHM_DIR, L1Pool
+from kvmesh.storage.core.l1.pool import L1Pool
 from kvmesh.storage.core.l1.results import L1Result, RemovalReason
 from kvmesh.storage.core.l2.base import L2Adapter, L2Unavailable
+from kvmesh.storage.core.options import StorageOptions
 from kvmesh.storage.core.pins import PinTable
 from kvmesh.storage.core.ports import CapacityModule, EventSink
 
@@ -65,41 +54,6 @@ logger = logging.getLogger(__name__)
 
 #: Backend name of the DRAM L1 in cache events (LMCache's ``L1BackendType.dram``).
 L1_BACKEND = "dram"
-
-
-@dataclass(frozen=True, slots=True)
-class StorageOptions:
-    """Tunables of the storage core; the service config maps onto these."""
-
-    # L1 pool
-    segment_bytes: int = DEFAULT_SEGMENT_BYTES
-    shm_dir: str = DEFAULT_SHM_DIR
-    initial_l1_bytes: int | None = None  # None: one segment at start
-    grow_watermark: float = 0.75
-    prefault: bool = True
-    full_chunk_bytes: int | None = None  # None: learned (largest object size seen)
-    # L1 locks
-    read_ttl_s: float = DEFAULT_READ_TTL_S
-    write_ttl_s: float = DEFAULT_WRITE_TTL_S
-    # eviction
-    eviction_period_s: float = DEFAULT_PERIOD_S
-    trigger_watermark: float = DEFAULT_TRIGGER_WATERMARK
-    target_watermark: float = DEFAULT_TARGET_WATERMARK
-    l2_eviction: Mapping[str, L2EvictionConfig] = field(default_factory=dict)
-    default_quota: Quota | None = None  # None: salts without a quota are exempt
-    # controllers
-    store_policy: StorePolicy = StorePolicy.DEFAULT
-    store_batch_keys: int = DEFAULT_BATCH_KEYS
-    store_max_pending_keys: int = DEFAULT_MAX_PENDING_KEYS
-    prefetch_policy: PrefetchPolicy = PrefetchPolicy.DEFAULT
-    prefetch_max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
-    l2_backoff_s: float = DEFAULT_BACKOFF_S
-    l2_max_backoff_s: float = DEFAULT_MAX_BACKOFF_S
-    # threads
-    background_threads: bool = True  # eviction loops and ahead-of-need pool growth
-    index_l2_at_start: bool = True
-    close_flush_timeout_s: float = 5.0
-    clear_drain_timeout_s: float = 20.0  # a Clear waits this long for owed L2 writes
 
 
 class _L1EventBridge:
