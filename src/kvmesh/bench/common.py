@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import socket
 import sys
 import threading
 import time
@@ -21,6 +23,8 @@ __all__ = [
     "Progress",
     "add_common_arguments",
     "bench_main",
+    "cpu_seconds",
+    "free_port",
     "size_text",
 ]
 
@@ -153,6 +157,22 @@ class Progress:
         stream.write(f"{self.name}: {text}\n")
         stream.flush()
         self._last = time.monotonic()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (for a server the benchmark starts)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` so far, all threads (Linux)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        # The command name may hold spaces: fields count from the closing parenthesis.
+        fields = fh.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
 
 
 def size_text(nbytes: float) -> str:

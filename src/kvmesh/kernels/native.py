@@ -258,13 +258,8 @@ def library() -> NativeCopy | None:
     return load()
 
 
-def load(timeout: float | None = None) -> NativeCopy | None:
-    """Open and self-test the kernel once; ``None`` if unavailable (logged once).
-
-    ``timeout`` is accepted for callers written when the kernel was compiled
-    at run time; opening it never waits on anything.
-    """
-    del timeout
+def load() -> NativeCopy | None:
+    """Open and self-test the kernel once; ``None`` if unavailable (logged once)."""
     if not enabled():
         return None
     with _lock:

@@ -358,7 +358,7 @@ class StorageApp:
         await self.peers.start()  # the P2P data plane's listener
         # Build or load the native copy kernel now, off the request path (the first
         # store would otherwise fall back to the slower NumPy copy while it compiles).
-        library = await _on_own_thread("kvmesh-kernel-load", native.load, 60.0)
+        library = await _on_own_thread("kvmesh-kernel-load", native.load)
         logger.info("copy kernel: %s", native.status() if library else "numpy fallback")
         if self.emitter is not None:
             self.emitter.start()

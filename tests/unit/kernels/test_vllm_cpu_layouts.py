@@ -46,7 +46,7 @@ KV_HEADS = 2
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test runs with the native tile kernel and with the torch fallback."""
     if request.param == "native":
-        if native.load(timeout=120) is None:
+        if native.load() is None:
             pytest.fail(f"the native kernel did not load: {native.status()}", pytrace=False)
     else:
         monkeypatch.setenv("KVMESH_NATIVE_COPY", "0")

@@ -22,13 +22,13 @@ from typing import Any
 import grpc
 
 from kvmesh.api.coordinator.v1 import directory_pb2, directory_pb2_grpc
-from kvmesh.bench.common import Progress
+from kvmesh.bench.common import Progress, cpu_seconds
 from kvmesh.common.convert import key_to_proto
 from kvmesh.common.keys import ObjectKey
 
 from .emitter import EmitterJob, EmitterResult, emitter_main
 from .params import TARGETS
-from .server import CoordinatorProcess, coordinator_process, cpu_seconds, rss_bytes
+from .server import CoordinatorProcess, coordinator_process, rss_bytes
 
 
 def _pct(values: Sequence[float], q: float) -> float:

@@ -1,7 +1,7 @@
 """The coordinator under test: a ``kvmesh coordinator`` subprocess on a free loopback port.
 
 It dies with this process (``PR_SET_PDEATHSIG``) and is stopped on the way
-out; :func:`rss_bytes` and :func:`cpu_seconds` read its memory and CPU time
+out; :func:`rss_bytes` reads its memory (:func:`kvmesh.bench.common.cpu_seconds` its CPU time)
 from ``/proc``.
 """
 
@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,15 +20,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.bench.common import free_port
+
 from .params import START_TIMEOUT_S
 
 INGEST_SERVICE = "kvmesh.coordinator.v1.EventIngestService"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 try:
@@ -57,15 +51,6 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` (all threads)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        # The command name may hold spaces: fields count from the closing parenthesis.
-        fields = fh.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
-
-
 @dataclass
 class CoordinatorProcess:
     """A ``kvmesh coordinator`` subprocess."""
@@ -85,7 +70,7 @@ class CoordinatorProcess:
 @contextlib.contextmanager
 def coordinator_process(workdir: Path, extra: Sequence[str] = ()) -> Iterator[CoordinatorProcess]:
     """Start ``kvmesh coordinator`` on a free port; SIGTERM (then SIGKILL) it on exit."""
-    port = _free_port()
+    port = free_port()
     log_path = workdir / "coordinator.log"
     args = [
         sys.executable,

@@ -30,15 +30,17 @@ import math
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from kvmesh.bench.common import Progress
 from kvmesh.bench.serve.client import Answer, run_round, stream_completion
-from kvmesh.bench.serve.servers import Node, Server, start_node, start_vllm
+from kvmesh.bench.serve.servers import Node, Server, metrics, start_node, start_vllm
 from kvmesh.common.hashing import TokenHasher
 from kvmesh.common.model_store import resolve as resolve_model
 from kvmesh.engine.vllm.model import make_tiny_model
@@ -50,7 +52,6 @@ QUESTION_TOKENS = 24
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvmesh bench serve``."""
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.add_argument(
         "--model",
         metavar="NAME|DIR",
@@ -84,12 +85,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "vLLM's OpenMP threads spin, so a process sharing their cores stalls every step)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of documents and questions")
-    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
-
-
-def _progress(args: argparse.Namespace, text: str) -> None:
-    if not args.quiet:
-        print(f"bench serve: {text}", file=sys.stderr, flush=True)
 
 
 def _model_shape(model: Path) -> dict[str, int]:
@@ -128,8 +123,6 @@ def _workload(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]
 def _unique_chunks(prompts: Sequence[Sequence[int]]) -> int:
     """Complete chunks of the prompts, counted once per distinct prefix (what a cache keeps)."""
     hasher = TokenHasher(CHUNK)
-    import numpy as np
-
     seen: set[bytes] = set()
     for prompt in prompts:
         seen.update(hasher.hash_chunks(np.asarray(prompt, dtype=np.uint32)))
@@ -153,11 +146,16 @@ def _summary(answers: Sequence[Answer], round_s: float) -> dict[str, float]:
 
 
 def _run_rounds(
-    args: argparse.Namespace, name: str, server: Server, rounds: dict[str, list[list[int]]]
+    args: argparse.Namespace,
+    name: str,
+    server: Server,
+    rounds: dict[str, list[list[int]]],
+    progress: Progress,
 ) -> dict[str, dict[str, float]]:
     out = {}
     for label, prompts in rounds.items():
-        _progress(args, f"{name}: {label} round, {len(prompts)} requests")
+        progress.phase(f"{name}: {label} round", len(prompts), "answered")
+        answered = 0
 
         def send(i: int, prompts: list[list[int]] = prompts) -> tuple[float, float, int]:
             return stream_completion(
@@ -165,7 +163,10 @@ def _run_rounds(
             )
 
         def show(a: Answer, label: str = label) -> None:
-            _progress(args, f"{name}: {label} {a.index + 1}: TTFT {1e3 * a.ttft_s:.0f} ms")
+            nonlocal answered
+            answered += 1
+            progress.count(answered)
+            progress.say(f"{name}: {label} {a.index + 1}: TTFT {1e3 * a.ttft_s:.0f} ms")
 
         answers, elapsed = run_round(send, len(prompts), args.concurrency, show)
         out[label] = _summary(answers, elapsed)
@@ -179,6 +180,7 @@ def _arrangement(
     shape: dict[str, int],
     rounds: dict[str, list[list[int]]],
     work: Path,
+    progress: Progress,
 ) -> dict[str, Any]:
     prompt_tokens = args.doc_tokens + QUESTION_TOKENS + args.output_tokens
     blocks_per_prompt = math.ceil(prompt_tokens / args.block_size)
@@ -193,10 +195,11 @@ def _arrangement(
     gib = max(1, math.ceil(blocks * block_bytes * 1.1 / 2**30))
     node: Node | None = None
     server: Server | None = None
-    _progress(args, f"{name}: starting ({blocks} KV blocks of {args.block_size} tokens)")
     try:
         if name == "kvmesh":
+            progress.phase("kvmesh: starting a kvmesh node")
             node = start_node(work, args.l1_size, CHUNK)
+        progress.phase(f"{name}: starting vLLM ({blocks} KV blocks of {args.block_size} tokens)")
         server = start_vllm(
             work,
             name,
@@ -218,7 +221,7 @@ def _arrangement(
         before = node.counters() if node else {}
         cpu_before = node.cpu_seconds() if node else 0.0
         vllm_before = _preemptions(server)
-        summaries = _run_rounds(args, name, server, rounds)
+        summaries = _run_rounds(args, name, server, rounds, progress)
         result: dict[str, Any] = {
             "kv_blocks": blocks,
             "warmup_ttft_mean_ms": summaries["warmup"]["ttft_mean_ms"],
@@ -263,8 +266,6 @@ def _arrangement(
 
 
 def _preemptions(server: Server) -> int:
-    from kvmesh.bench.serve.servers import metrics
-
     return int(metrics(server.metrics_url).get("vllm:num_preemptions_total", 0.0))
 
 
@@ -280,8 +281,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(
             f"kvmesh bench serve: --documents and --concurrency >= 1, --doc-tokens >= {CHUNK}"
         )
-    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvmesh-bench-serve-") as tmp,
+        Progress.for_args("serve", args) as progress,
+    ):
         work = Path(tmp)
+        progress.phase("making the model's folder")
         model = resolve_model(args.model) if args.model else make_tiny_model(work / "model")
         shape = _model_shape(model)
         warmup, queries = _workload(args)
@@ -289,7 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         unique_bytes = _unique_chunks(warmup + queries) * shape["kv_bytes_per_token"] * CHUNK
         arrangements = {}
         for name in chosen:
-            arrangements[name] = _arrangement(args, name, model, shape, rounds, work)
+            arrangements[name] = _arrangement(args, name, model, shape, rounds, work, progress)
     result: dict[str, Any] = {
         "benchmark": "serve",
         "model": args.model or "tiny random-weight Llama (kvmesh.engine.vllm.model)",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,13 +20,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.bench.common import cpu_seconds, free_port
 from kvmesh.engine.vllm.worker import engine_env, transfer_config
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -48,16 +42,6 @@ def metrics(url: str) -> dict[str, float]:
         except ValueError:
             continue
     return out
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds of process ``pid`` so far (Linux)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
 
 
 @dataclass

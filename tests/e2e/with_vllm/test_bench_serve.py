@@ -1,0 +1,41 @@
+"""``kvmesh bench serve --json`` end to end, small: three real vLLM servers and a node.
+
+The figures themselves are not asserted (speed is read off the benchmark,
+never a test); what the JSON promises is: every arrangement's keys, kvmesh
+serving the repeated documents, bytes stored equal to the unique prompt
+chunks, and progress on stderr with stdout one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.harness import kvmesh_cli
+from tests.support.servers import require_vllm
+
+pytestmark = pytest.mark.slow
+
+KEYS = ("query_ttft_mean_ms", "warmup_ttft_max_ms", "warmup_round_s", "query_round_s")
+
+
+def test_bench_serve_reports_every_arrangement() -> None:
+    require_vllm()
+    done = kvmesh_cli(
+        "bench", "serve", "--documents", "3", "--doc-tokens", "1024", "--cache-docs", "1.5",
+        "--json", timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["model"]
+    for name in ("vllm_alone", "floor", "kvmesh"):
+        figures = result["arrangements"][name]
+        assert all(figures[key] > 0 for key in KEYS), (name, figures)
+    mesh = result["arrangements"]["kvmesh"]
+    # Each document is 4 chunks; the query round finds at least the ones vLLM evicted.
+    assert mesh["tokens_from_kvmesh"] >= 1024
+    assert result["stored_bytes"] == result["unique_prompt_bytes"] > 0
+    assert result["arrangements"]["floor"]["cached_tokens"] >= 3 * 1024
+    assert "serve: vllm_alone: warmup round" in done.stderr
+    assert "serve: done in" in done.stderr
