@@ -145,14 +145,6 @@ def find() -> Running | None:
     return Running(path, data, [p for _, p, _ in reversed(live[:-1])])
 
 
-def load(path: Path | None = None) -> dict[str, Any] | None:
-    """A live fleet's file: ``path``'s, else the default fleet's (see :func:`find`); or None."""
-    if path is not None:
-        return _read(path)
-    running = find()
-    return running.data if running is not None else None
-
-
 def describe(running: Running | None = None) -> str:
     """How the commands found (or did not find) a fleet, for messages."""
     if running is not None:
