@@ -66,6 +66,12 @@ SERVICES = {
         "kvmesh.coordinator.servicers.policy:PolicyServicer",
         "kvmesh.coordinator.client:PolicyClient",
     ),
+    "kvmesh.coordinator.v1.EngineService": (
+        "kvmesh/coordinator/v1/engines.proto",
+        "kvmesh.api.coordinator.v1.engines_pb2",
+        "kvmesh.coordinator.servicers.engines:EngineServicer",
+        "kvmesh.coordinator.engine_client:EngineClient",
+    ),
     "kvmesh.coordinator.v1.AdminService": (
         "kvmesh/coordinator/v1/admin.proto",
         "kvmesh.api.coordinator.v1.admin_pb2",

@@ -102,6 +102,18 @@ def _check_cache_salt(cache_salt: str) -> str | None:
     return None
 
 
+def salt_with_lora(cache_salt: str, lora_name: str | None, lora_id: int | None) -> str:
+    """The salt kvmesh keys carry for a request with a LoRA adapter.
+
+    Different adapters never share KV, so the adapter is part of the salt:
+    the vLLM connector writes keys this way, and the coordinator computes the
+    same salt from an engine's KV events and from a score request.
+    """
+    if not lora_name:
+        return cache_salt
+    return f"{cache_salt}\x1flora:{lora_name}:{lora_id or 0}"
+
+
 def validate_model_name(model_name: str, field: str = "model_name") -> None:
     """Raise InvalidArgument unless ``model_name`` is usable in a key."""
     problem = _check_model_name(model_name)

@@ -1,4 +1,4 @@
-"""The coordinator as a service: core, five servicers, node streams, timers, metrics.
+"""The coordinator as a service: core, six servicers, node streams, engine events, metrics.
 
 The top of the coordinator's layers: core ← wire ← servicers / sources ← app.
 """
@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from kvmesh.api.coordinator.v1 import (
     admin_pb2_grpc,
     directory_pb2_grpc,
+    engines_pb2_grpc,
     ingest_pb2_grpc,
     membership_pb2_grpc,
     policy_pb2_grpc,
@@ -24,8 +25,11 @@ from kvmesh.common.events import Tier
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.core.coordinator import Coordinator
 from kvmesh.coordinator.core.settings import CoordinatorSettings
+from kvmesh.coordinator.enginefeed.publisher import TierPublisher
+from kvmesh.coordinator.enginefeed.subscriber import EngineFeed
 from kvmesh.coordinator.servicers.admin import AdminServicer
 from kvmesh.coordinator.servicers.directory import DirectoryServicer
+from kvmesh.coordinator.servicers.engines import EngineServicer
 from kvmesh.coordinator.servicers.ingest import EventIngestServicer, NodeStreams
 from kvmesh.coordinator.servicers.membership import MembershipServicer
 from kvmesh.coordinator.servicers.policy import PolicyServicer
@@ -56,6 +60,7 @@ def settings_from_config(config: CoordinatorConfig) -> CoordinatorSettings:
         checkpoint_path=config.checkpoint_path,
         checkpoint_interval=config.checkpoint_interval_seconds,
         metadata_path=config.metadata_path,
+        score_weights=config.tier_weights(),
     )
 
 
@@ -204,6 +209,22 @@ class CoordinatorApp:
                 on_command_sent=self.streams.record_sent,
             )
             self.core.set_delete_dispatcher(PreferStreamDispatcher(self.streams, self.nats))
+        # vLLM engines' own KV events in (docs/routing.md) ...
+        for spec in config.engine_specs():
+            self.core.engines.register(spec)
+        self.feed = EngineFeed(self.core.engines)
+        # ... and kvmesh's tiers out as vLLM events.
+        self.publisher: TierPublisher | None = None
+        if config.publish_events_endpoint:
+            self.publisher = TierPublisher(
+                config.publish_events_endpoint,
+                replay_endpoint=config.publish_events_replay_endpoint,
+                topic_prefix=config.publish_events_topic,
+                chunk_size=config.chunk_size,
+            )
+            # Bound now, so an endpoint that cannot be used fails before anything serves.
+            self.publisher.bind()
+            self.core.broadcaster.register(self.publisher)
         report = self.core.load_state()
         if report is not None and not report.cold:
             logger.info("restored checkpoint sections: %s", ", ".join(report.restored))
@@ -214,6 +235,7 @@ class CoordinatorApp:
         directory = DirectoryServicer(core)
         membership = MembershipServicer(core, streams)
         policy = PolicyServicer(core)
+        engines = EngineServicer(core)
         admin = AdminServicer(core, streams, self.nats.stats if self.nats is not None else None)
 
         def add(fn: Any, servicer: Any) -> Any:
@@ -230,6 +252,10 @@ class CoordinatorApp:
             ServiceBinding(
                 f"{PACKAGE}.DirectoryService",
                 add(directory_pb2_grpc.add_DirectoryServiceServicer_to_server, directory),
+            ),
+            ServiceBinding(
+                f"{PACKAGE}.EngineService",
+                add(engines_pb2_grpc.add_EngineServiceServicer_to_server, engines),
             ),
             ServiceBinding(
                 f"{PACKAGE}.MembershipService",
@@ -255,10 +281,16 @@ class CoordinatorApp:
 
     async def start(self) -> None:
         self.core.start()
+        if self.publisher is not None:
+            self.publisher.start()
+        await self.feed.start()
         if self.nats is not None:
             await self.nats.start()
 
     async def stop(self) -> None:
+        await self.feed.stop()
+        if self.publisher is not None:
+            self.publisher.stop()
         if self.nats is not None:
             # Before the core's final checkpoint, so it holds the final stream position.
             await self.nats.stop()

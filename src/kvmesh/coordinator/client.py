@@ -92,6 +92,7 @@ class DirectoryClient(SyncClient):
         "ListKeys": CallPolicy(timeout=10.0, idempotent=True),
         "GetStats": CallPolicy(timeout=2.0, idempotent=True),
         "ListIngestCursors": CallPolicy(timeout=2.0, idempotent=True),
+        "ScoreEngines": CallPolicy(timeout=1.0, idempotent=True),
     }
 
     def lookup(
@@ -156,6 +157,18 @@ class DirectoryClient(SyncClient):
             directory_pb2.ListIngestCursorsResponse,
             timeout,
             wait_for_ready,
+        )
+
+    def score_engines(
+        self,
+        request: directory_pb2.ScoreEnginesRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> directory_pb2.ScoreEnginesResponse:
+        """``ScoreEngines``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "ScoreEngines", request, directory_pb2.ScoreEnginesResponse, timeout, wait_for_ready
         )
 
 

@@ -5,9 +5,21 @@ See docs/coordinator.md, "Settings".
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
-from kvmesh.common.config import ConfigError, check_creatable, require_module, setting
+from kvmesh.common.config import (
+    ConfigError,
+    check_creatable,
+    read_text_file,
+    require_module,
+    setting,
+)
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.coordinator.core.engines import EngineSpec, parse_engine_specs
+from kvmesh.coordinator.core.scoring import TierWeights
 from kvmesh.rpc.server import ServerSettings
 
 DEFAULT_PORT = 8300
@@ -49,6 +61,28 @@ class CoordinatorConfig(ServerSettings):
         "", "NATS server whose JetStream stream nodes publish cache events to ('' = off)"
     )
     nats_stream: str = setting("KVMESH_EVENTS", "JetStream stream of cache events")
+    engine_events: str = setting(
+        "",
+        "vLLM engines whose KV events to follow: "
+        "'ID=tcp://HOST:PORT,replay=tcp://HOST:PORT,model=NAME,node=INSTANCE;ID2=...' "
+        "(docs/routing.md)",
+    )
+    engine_events_file: str = setting(
+        "", "JSON file of engines to follow: a list of EngineSpec objects ('' = none)"
+    )
+    score_weights: str = setting(
+        "engine=1.0,local_l1=0.8,peer_l1=0.6,l2=0.4",
+        "weight of a matched token per tier in ScoreEngines",
+    )
+    publish_events_endpoint: str = setting(
+        "", "ZMQ PUB endpoint re-publishing kvmesh's tiers as vLLM KV events ('' = off)"
+    )
+    publish_events_replay_endpoint: str = setting(
+        "", "ZMQ ROUTER endpoint answering replay requests for those events ('' = none)"
+    )
+    publish_events_topic: str = setting(
+        "kvmesh", "topic prefix of re-published events (topic = PREFIX@INSTANCE@MODEL)"
+    )
 
     def validate(self) -> None:
         """Raise ConfigError on unusable settings."""
@@ -78,6 +112,62 @@ class CoordinatorConfig(ServerSettings):
             raise ConfigError("nats_stream must be a JetStream stream name (no '.', '*', '>', ' ')")
         if self.nats_url:
             require_module("nats")
+        try:
+            self.engine_specs()
+            self.tier_weights()
+        except InvalidArgument as exc:
+            raise ConfigError(str(exc)) from exc
+        if self.publish_events_replay_endpoint and not self.publish_events_endpoint:
+            raise ConfigError("publish_events_replay_endpoint needs publish_events_endpoint")
         for name in ("checkpoint_path", "metadata_path"):
             if getattr(self, name):
                 check_creatable(name, getattr(self, name))
+
+    def engine_specs(self) -> list[EngineSpec]:
+        """Engines named by ``engine_events`` and ``engine_events_file`` (InvalidArgument)."""
+        specs = parse_engine_specs(self.engine_events)
+        if self.engine_events_file:
+            text = read_text_file(Path(self.engine_events_file), "engine_events_file")
+            try:
+                items = json.loads(text)
+            except ValueError as exc:
+                raise InvalidArgument(
+                    f"engine_events_file {self.engine_events_file}: not JSON ({exc})",
+                    field="engine_events_file",
+                ) from exc
+            if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+                raise InvalidArgument(
+                    "engine_events_file must hold a JSON list of objects",
+                    field="engine_events_file",
+                )
+            for item in items:
+                try:
+                    specs.append(EngineSpec(**item))
+                except TypeError as exc:
+                    raise InvalidArgument(
+                        f"engine_events_file: {exc}", field="engine_events_file"
+                    ) from exc
+        ids = [s.engine_id for s in specs]
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("an engine id is named twice", field="engine_events")
+        return specs
+
+    def tier_weights(self) -> tuple[float, float, float, float]:
+        """``score_weights`` as (engine, local_l1, peer_l1, l2)."""
+        values = dataclasses.asdict(TierWeights())
+        names = tuple(values)
+        for part in filter(None, (p.strip() for p in self.score_weights.split(","))):
+            name, _, text = part.partition("=")
+            if name not in values:
+                raise InvalidArgument(
+                    f"score_weights: unknown tier {name!r} (known: {', '.join(names)})",
+                    field="score_weights",
+                )
+            try:
+                value = float(text)
+            except ValueError:
+                raise InvalidArgument(
+                    f"score_weights: {part!r} is not TIER=NUMBER", field="score_weights"
+                ) from None
+            values[name] = value
+        return dataclasses.astuple(TierWeights(**values))

@@ -207,7 +207,12 @@ class Server:
         on_bound = getattr(self.app, "on_bound", None)
         if callable(on_bound):
             on_bound(self.address, self.metrics.address if self.metrics else "")
-        await self.app.start()
+        try:
+            await self.app.start()
+        except BaseException:
+            # A start that fails (an endpoint it cannot bind) stops what did start.
+            await self.stop(grace=0)
+            raise
         watch = getattr(self.app, "watch_health", None)
         if callable(watch):
             # The app reports services it cannot serve (a gateway whose storage is down).

@@ -247,6 +247,26 @@ ROWS = [
         ["checkpoint_path /proc/kvmesh-nope/cp.bin", "cannot create it"],
     ),
     Row(
+        "coordinator-engine-events-without-model",
+        ["coordinator", "--port", "0", "--engine-events", "e1=tcp://127.0.0.1:5557"],
+        ["engine 'e1'", "model=NAME is required"],
+    ),
+    Row(
+        "coordinator-engine-events-bad-endpoint",
+        ["coordinator", "--port", "0", "--engine-events", "e1=http://h:1,model=m"],
+        ["endpoint 'http://h:1' is not a ZMQ endpoint"],
+    ),
+    Row(
+        "coordinator-score-weights-negative",
+        ["coordinator", "--port", "0", "--score-weights", "l2=-1"],
+        ["weight l2 must be a finite number >= 0"],
+    ),
+    Row(
+        "coordinator-publish-endpoint-in-use",
+        ["coordinator", "--port", "0", "--publish-events-endpoint", "tcp://256.0.0.1:5"],
+        ["tcp://256.0.0.1:5"],
+    ),
+    Row(
         "gateway-socket-dir-missing",
         ["gateway", "--unix-socket", "/nonexistent-kvmesh/g.sock"],
         ["cannot listen on unix:/nonexistent-kvmesh/g.sock", "no directory /nonexistent-kvmesh"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvmesh.api.common.v1 import common_pb2
+from kvmesh.common.keys import salt_with_lora
 
 if TYPE_CHECKING:
     import torch
@@ -17,11 +18,10 @@ if TYPE_CHECKING:
 
 def cache_salt(request: VLLMRequest) -> str:
     """The request's salt, with its LoRA adapter: different adapters never share KV."""
-    salt = request.cache_salt or ""
     lora = request.lora_request
-    if lora is not None:
-        salt = f"{salt}\x1flora:{lora.lora_name}:{lora.lora_int_id}"
-    return salt
+    if lora is None:
+        return request.cache_salt or ""
+    return salt_with_lora(request.cache_salt or "", lora.lora_name, lora.lora_int_id)
 
 
 #: vLLM's CPU attention ISA → the KV layout it stores (kvmesh.kernels.vllm_cpu).

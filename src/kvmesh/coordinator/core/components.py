@@ -13,6 +13,8 @@ Wiring (fixed, no plug-in discovery):
   3. ``FleetEvictionController`` — L2 LRU; on DELETE it asks whether any L2
      copy remains, which needs the directory and usage already updated.
 
+* ``Engines`` (vLLM engines' own caches, fed by the coordinator's event
+  subscriber, read by scoring) is not a consumer either.
 * ``InstanceRegistry`` is not a consumer. Deregistration and heartbeat
   expiry both call ``EventGate.drop_instance`` (fence L1 everywhere, forget
   the cursor) **and** ``ServerConfigRegistry.forget``, and tell the
@@ -39,6 +41,7 @@ from .broadcaster import CacheEventBroadcaster
 from .capacity import ServerConfigRegistry
 from .commands import CommandLedger
 from .directory import KeyDirectory
+from .engines import Engines
 from .eviction import DeleteDispatcher, FleetEvictionController
 from .gate import EventGate
 from .keyspace import KeySpaces
@@ -99,6 +102,8 @@ class CoreComponents:
         self.broadcaster.register(self.capacity)
         self.broadcaster.register(self.eviction)
         self.quiesce = QuiesceLock()
+        # Engines' own caches, from their vLLM KV events (not a broadcaster consumer).
+        self.engines = Engines(s.chunk_size)
         self.commands = CommandLedger(wall_clock=wall_clock)
         self.resync = ResyncPlanner(
             dispatcher=dispatcher if isinstance(dispatcher, ResyncDispatcher) else None,

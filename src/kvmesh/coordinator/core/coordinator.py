@@ -46,9 +46,9 @@ import numpy as np
 
 from kvmesh.common.errors import NotFound
 from kvmesh.common.events import CacheEventBatch, IngestResult, Tier, validate_batch
-from kvmesh.common.keys import ObjectKey
+from kvmesh.common.keys import ObjectKey, salt_with_lora
 
-from . import deletes, reports, tokens
+from . import deletes, reports, scoring, tokens
 from .components import CoreComponents
 from .directory import DEFAULT_LIST_LIMIT
 from .eviction import DeleteDispatcher
@@ -225,6 +225,33 @@ class Coordinator(CoreComponents):
             cache_salt,
             token_ids,
             with_tokens=with_tokens,
+        )
+
+    def score_engines(
+        self,
+        *,
+        model_name: str,
+        token_ids: Sequence[int] | np.ndarray = (),
+        chunk_hashes: Sequence[bytes] = (),
+        cache_salt: str = "",
+        lora_name: str = "",
+        lora_id: int = 0,
+        world_size: int = 1,
+        engine_ids: Sequence[str] = (),
+        weights: scoring.TierWeights | None = None,
+    ) -> scoring.ScoreResult:
+        """Per engine, the prompt's prefix it could use, by tier (docs/routing.md)."""
+        hashes = scoring.prompt_hashes(self.hasher, token_ids, chunk_hashes)
+        return scoring.score_engines(
+            self.engines,
+            self.directory,
+            hashes,
+            chunk_size=self.settings.chunk_size,
+            model_name=model_name,
+            cache_salt=salt_with_lora(cache_salt, lora_name, lora_id),
+            world_size=world_size,
+            engine_ids=engine_ids,
+            weights=weights or scoring.TierWeights(*self.settings.score_weights),
         )
 
     def list_keys(

@@ -56,6 +56,8 @@ class CoordinatorSettings:
     fence_sweep_interval: float = 0.05
     resync_min_interval: float = 30.0
     resync_retry_interval: float = 1.0
+    #: Weights of a matched token for engine scores: engine, local L1, peer L1, L2.
+    score_weights: tuple[float, float, float, float] = (1.0, 0.8, 0.6, 0.4)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -82,6 +84,12 @@ class CoordinatorSettings:
         _check(self.fence_sweep_interval >= 0, "fence_sweep_interval", "must be >= 0")
         _check(self.resync_min_interval >= 0, "resync_min_interval", "must be >= 0")
         _check(self.resync_retry_interval >= 0, "resync_retry_interval", "must be >= 0")
+        _check(
+            len(self.score_weights) == 4
+            and all(math.isfinite(w) and w >= 0 for w in self.score_weights),
+            "score_weights",
+            "must be four finite numbers >= 0",
+        )
 
 
 def _check(ok: bool, name: str, rule: str) -> None:

@@ -30,6 +30,14 @@ MAX_TOKEN_IDS = 1_000_000
 MAX_WORLD_SIZE = 255
 
 
+def validate_world_size(world_size: int) -> None:
+    """InvalidArgument unless ``world_size`` is in 1..MAX_WORLD_SIZE."""
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise InvalidArgument(
+            f"world_size must be in [1, {MAX_WORLD_SIZE}], got {world_size}", field="world_size"
+        )
+
+
 def resolve_token_keys(
     hasher: TokenHasher,
     model_name: str,
@@ -44,10 +52,7 @@ def resolve_token_keys(
     """
     validate_model_name(model_name)
     validate_cache_salt(cache_salt)
-    if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise InvalidArgument(
-            f"world_size must be in [1, {MAX_WORLD_SIZE}], got {world_size}", field="world_size"
-        )
+    validate_world_size(world_size)
     if len(token_ids) > MAX_TOKEN_IDS:
         raise InvalidArgument(
             f"at most {MAX_TOKEN_IDS} token ids per request, got {len(token_ids)}",

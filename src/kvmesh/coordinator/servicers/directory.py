@@ -8,6 +8,7 @@ from kvmesh.api.coordinator.v1 import directory_pb2, directory_pb2_grpc
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.coordinator import wire
 from kvmesh.coordinator.core.coordinator import Coordinator
+from kvmesh.coordinator.core.scoring import ScoreResult, TierWeights
 
 
 class DirectoryServicer(directory_pb2_grpc.DirectoryServiceServicer):
@@ -80,3 +81,58 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServiceServicer):
         return directory_pb2.ListIngestCursorsResponse(
             cursors=[wire.ingest_cursor(c) for _, c in sorted(cursors.items())]
         )
+
+    async def ScoreEngines(
+        self, request: directory_pb2.ScoreEnginesRequest, context: Any
+    ) -> directory_pb2.ScoreEnginesResponse:
+        weights = None
+        if request.HasField("weights"):
+            base = TierWeights(*self.core.settings.score_weights)
+            w = request.weights
+            weights = TierWeights(
+                engine=w.engine if w.HasField("engine") else base.engine,
+                local_l1=w.local_l1 if w.HasField("local_l1") else base.local_l1,
+                peer_l1=w.peer_l1 if w.HasField("peer_l1") else base.peer_l1,
+                l2=w.l2 if w.HasField("l2") else base.l2,
+            )
+        result = self.core.score_engines(
+            model_name=request.model_name,
+            token_ids=request.token_ids,
+            chunk_hashes=request.chunk_hashes,
+            cache_salt=request.cache_salt,
+            lora_name=request.lora_name,
+            lora_id=request.lora_id,
+            world_size=request.world_size or 1,
+            engine_ids=request.engine_ids,
+            weights=weights,
+        )
+        return _score_response(result, weights or TierWeights(*self.core.settings.score_weights))
+
+
+def _score_response(
+    result: ScoreResult, weights: TierWeights
+) -> directory_pb2.ScoreEnginesResponse:
+    return directory_pb2.ScoreEnginesResponse(
+        chunks=result.chunks,
+        chunk_size=result.chunk_size,
+        scores=[
+            directory_pb2.EngineScore(
+                engine_id=s.engine_id,
+                engine_tokens=s.engine_tokens,
+                local_l1_tokens=s.local_l1_tokens,
+                peer_l1_tokens=s.peer_l1_tokens,
+                l2_tokens=s.l2_tokens,
+                prefix_tokens=s.prefix_tokens,
+                score=s.score,
+                known=s.known,
+                synced=s.synced,
+            )
+            for s in result.scores
+        ],
+        weights=directory_pb2.TierWeights(
+            engine=weights.engine,
+            local_l1=weights.local_l1,
+            peer_l1=weights.peer_l1,
+            l2=weights.l2,
+        ),
+    )

@@ -400,3 +400,185 @@ class ListIngestCursorsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListIngestCursorsResponse: _TypeAlias = ListIngestCursorsResponse  # noqa: Y015
+
+@_typing.final
+class ScoreEnginesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    CHUNK_HASHES_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_ID_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    ENGINE_IDS_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FIELD_NUMBER: _builtins.int
+    model_name: _builtins.str
+    cache_salt: _builtins.str
+    lora_name: _builtins.str
+    """The LoRA adapter, as vLLM names it ("" = none); it is part of the key."""
+    lora_id: _builtins.int
+    world_size: _builtins.int
+    """kv ranks a kvmesh chunk must be held for; 0 is read as 1."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The prompt from position 0; only complete chunks count."""
+
+    @_builtins.property
+    def chunk_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Or the prompt's chunk hashes (kvmesh's chained blake3, 32 bytes each)."""
+
+    @_builtins.property
+    def engine_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Candidate engines ("" entries are refused); empty = every followed engine."""
+
+    @_builtins.property
+    def weights(self) -> Global___TierWeights:
+        """Overrides of the coordinator's tier weights, for this request."""
+
+    def __init__(
+        self,
+        *,
+        model_name: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        chunk_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        cache_salt: _builtins.str = ...,
+        lora_name: _builtins.str = ...,
+        lora_id: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        engine_ids: _abc.Iterable[_builtins.str] | None = ...,
+        weights: Global___TierWeights | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["weights", b"weights"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chunk_hashes", b"chunk_hashes", "engine_ids", b"engine_ids", "lora_id", b"lora_id", "lora_name", b"lora_name", "model_name", b"model_name", "token_ids", b"token_ids", "weights", b"weights", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScoreEnginesRequest: _TypeAlias = ScoreEnginesRequest  # noqa: Y015
+
+@_typing.final
+class TierWeights(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    LOCAL_L1_FIELD_NUMBER: _builtins.int
+    PEER_L1_FIELD_NUMBER: _builtins.int
+    L2_FIELD_NUMBER: _builtins.int
+    engine: _builtins.float
+    local_l1: _builtins.float
+    peer_l1: _builtins.float
+    l2: _builtins.float
+    def __init__(
+        self,
+        *,
+        engine: _builtins.float | None = ...,
+        local_l1: _builtins.float | None = ...,
+        peer_l1: _builtins.float | None = ...,
+        l2: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_engine", b"_engine", "_l2", b"_l2", "_local_l1", b"_local_l1", "_peer_l1", b"_peer_l1", "engine", b"engine", "l2", b"l2", "local_l1", b"local_l1", "peer_l1", b"peer_l1"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_engine", b"_engine", "_l2", b"_l2", "_local_l1", b"_local_l1", "_peer_l1", b"_peer_l1", "engine", b"engine", "l2", b"l2", "local_l1", b"local_l1", "peer_l1", b"peer_l1"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__engine: _TypeAlias = _typing.Literal["engine"]  # noqa: Y015
+    _WhichOneofArgType__engine: _TypeAlias = _typing.Literal["_engine", b"_engine"]  # noqa: Y015
+    _WhichOneofReturnType__l2: _TypeAlias = _typing.Literal["l2"]  # noqa: Y015
+    _WhichOneofArgType__l2: _TypeAlias = _typing.Literal["_l2", b"_l2"]  # noqa: Y015
+    _WhichOneofReturnType__local_l1: _TypeAlias = _typing.Literal["local_l1"]  # noqa: Y015
+    _WhichOneofArgType__local_l1: _TypeAlias = _typing.Literal["_local_l1", b"_local_l1"]  # noqa: Y015
+    _WhichOneofReturnType__peer_l1: _TypeAlias = _typing.Literal["peer_l1"]  # noqa: Y015
+    _WhichOneofArgType__peer_l1: _TypeAlias = _typing.Literal["_peer_l1", b"_peer_l1"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__engine) -> _WhichOneofReturnType__engine | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__l2) -> _WhichOneofReturnType__l2 | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__local_l1) -> _WhichOneofReturnType__local_l1 | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__peer_l1) -> _WhichOneofReturnType__peer_l1 | None: ...
+
+Global___TierWeights: _TypeAlias = TierWeights  # noqa: Y015
+
+@_typing.final
+class EngineScore(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    ENGINE_TOKENS_FIELD_NUMBER: _builtins.int
+    LOCAL_L1_TOKENS_FIELD_NUMBER: _builtins.int
+    PEER_L1_TOKENS_FIELD_NUMBER: _builtins.int
+    L2_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
+    SCORE_FIELD_NUMBER: _builtins.int
+    KNOWN_FIELD_NUMBER: _builtins.int
+    SYNCED_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    engine_tokens: _builtins.int
+    """Tokens of the matched prefix, by where each chunk comes from (a chunk
+    counts once, in the best tier it is in: engine, local L1, peer L1, L2).
+    """
+    local_l1_tokens: _builtins.int
+    peer_l1_tokens: _builtins.int
+    l2_tokens: _builtins.int
+    prefix_tokens: _builtins.int
+    """Sum of the four."""
+    score: _builtins.float
+    known: _builtins.bool
+    """False for a named engine the coordinator does not follow."""
+    synced: _builtins.bool
+    """False while one of its streams repairs a gap."""
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        engine_tokens: _builtins.int = ...,
+        local_l1_tokens: _builtins.int = ...,
+        peer_l1_tokens: _builtins.int = ...,
+        l2_tokens: _builtins.int = ...,
+        prefix_tokens: _builtins.int = ...,
+        score: _builtins.float = ...,
+        known: _builtins.bool = ...,
+        synced: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "engine_tokens", b"engine_tokens", "known", b"known", "l2_tokens", b"l2_tokens", "local_l1_tokens", b"local_l1_tokens", "peer_l1_tokens", b"peer_l1_tokens", "prefix_tokens", b"prefix_tokens", "score", b"score", "synced", b"synced"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineScore: _TypeAlias = EngineScore  # noqa: Y015
+
+@_typing.final
+class ScoreEnginesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    CHUNK_SIZE_FIELD_NUMBER: _builtins.int
+    SCORES_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FIELD_NUMBER: _builtins.int
+    chunks: _builtins.int
+    """Complete chunks in the prompt, and the fleet's chunk size."""
+    chunk_size: _builtins.int
+    @_builtins.property
+    def scores(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineScore]:
+        """Best first (score, then prefix_tokens, then engine_id)."""
+
+    @_builtins.property
+    def weights(self) -> Global___TierWeights: ...
+    def __init__(
+        self,
+        *,
+        chunks: _builtins.int = ...,
+        chunk_size: _builtins.int = ...,
+        scores: _abc.Iterable[Global___EngineScore] | None = ...,
+        weights: Global___TierWeights | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["weights", b"weights"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size", b"chunk_size", "chunks", b"chunks", "scores", b"scores", "weights", b"weights"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScoreEnginesResponse: _TypeAlias = ScoreEnginesResponse  # noqa: Y015

@@ -54,6 +54,11 @@ class DirectoryServiceStub:
                 request_serializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ListIngestCursorsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ListIngestCursorsResponse.FromString,
                 _registered_method=True)
+        self.ScoreEngines = channel.unary_unary(
+                '/kvmesh.coordinator.v1.DirectoryService/ScoreEngines',
+                request_serializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ScoreEnginesRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ScoreEnginesResponse.FromString,
+                _registered_method=True)
 
 
 class DirectoryServiceServicer:
@@ -97,6 +102,22 @@ class DirectoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreEngines(self, request, context):
+        """Which engine should serve a prompt: per engine, the longest prefix of the
+        prompt's complete chunks it could use, split by where each chunk would
+        come from (the engine's own KV cache, from its vLLM KV events; kvmesh L1
+        on the engine's node; L1 on another node, by P2P; L2), and a score: the
+        sum of matched tokens times the tier's weight. Engines are those
+        followed by EngineService (all of them when none are named). Errors:
+        INVALID_ARGUMENT (neither or both of token_ids and chunk_hashes, a bad
+        model name or salt, a chunk hash that is not 32 bytes, a negative
+        weight, more than 1 000 000 tokens, 100 000 chunk hashes or 1 024
+        engines). Deadline: 1 s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DirectoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -119,6 +140,11 @@ def add_DirectoryServiceServicer_to_server(servicer, server):
                     servicer.ListIngestCursors,
                     request_deserializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ListIngestCursorsRequest.FromString,
                     response_serializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ListIngestCursorsResponse.SerializeToString,
+            ),
+            'ScoreEngines': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreEngines,
+                    request_deserializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ScoreEnginesRequest.FromString,
+                    response_serializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ScoreEnginesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -229,6 +255,33 @@ class DirectoryService:
             '/kvmesh.coordinator.v1.DirectoryService/ListIngestCursors',
             kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ListIngestCursorsRequest.SerializeToString,
             kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ListIngestCursorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreEngines(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.coordinator.v1.DirectoryService/ScoreEngines',
+            kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ScoreEnginesRequest.SerializeToString,
+            kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ScoreEnginesResponse.FromString,
             options,
             channel_credentials,
             insecure,

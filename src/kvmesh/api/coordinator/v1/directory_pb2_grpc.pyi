@@ -54,6 +54,18 @@ class DirectoryServiceStub:
     gap flag and batch counters (LMCache has no endpoint for these).
     Deadline: 2 s.
     """
+    ScoreEngines: _grpc.UnaryUnaryMultiCallable[_directory_pb2.ScoreEnginesRequest, _directory_pb2.ScoreEnginesResponse]
+    """Which engine should serve a prompt: per engine, the longest prefix of the
+    prompt's complete chunks it could use, split by where each chunk would
+    come from (the engine's own KV cache, from its vLLM KV events; kvmesh L1
+    on the engine's node; L1 on another node, by P2P; L2), and a score: the
+    sum of matched tokens times the tier's weight. Engines are those
+    followed by EngineService (all of them when none are named). Errors:
+    INVALID_ARGUMENT (neither or both of token_ids and chunk_hashes, a bad
+    model name or salt, a chunk hash that is not 32 bytes, a negative
+    weight, more than 1 000 000 tokens, 100 000 chunk hashes or 1 024
+    engines). Deadline: 1 s.
+    """
 
 @_typing.type_check_only
 class DirectoryServiceAsyncStub(DirectoryServiceStub):
@@ -78,6 +90,18 @@ class DirectoryServiceAsyncStub(DirectoryServiceStub):
     """The ingest gate's per-emitter cursors: incarnation, last seq, the sticky
     gap flag and batch counters (LMCache has no endpoint for these).
     Deadline: 2 s.
+    """
+    ScoreEngines: _aio.UnaryUnaryMultiCallable[_directory_pb2.ScoreEnginesRequest, _directory_pb2.ScoreEnginesResponse]  # type: ignore[assignment]
+    """Which engine should serve a prompt: per engine, the longest prefix of the
+    prompt's complete chunks it could use, split by where each chunk would
+    come from (the engine's own KV cache, from its vLLM KV events; kvmesh L1
+    on the engine's node; L1 on another node, by P2P; L2), and a score: the
+    sum of matched tokens times the tier's weight. Engines are those
+    followed by EngineService (all of them when none are named). Errors:
+    INVALID_ARGUMENT (neither or both of token_ids and chunk_hashes, a bad
+    model name or salt, a chunk hash that is not 32 bytes, a negative
+    weight, more than 1 000 000 tokens, 100 000 chunk hashes or 1 024
+    engines). Deadline: 1 s.
     """
 
 class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -124,6 +148,24 @@ class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
         """The ingest gate's per-emitter cursors: incarnation, last seq, the sticky
         gap flag and batch counters (LMCache has no endpoint for these).
         Deadline: 2 s.
+        """
+
+    @_abc_1.abstractmethod
+    def ScoreEngines(
+        self,
+        request: _directory_pb2.ScoreEnginesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_directory_pb2.ScoreEnginesResponse, _abc.Awaitable[_directory_pb2.ScoreEnginesResponse]]:
+        """Which engine should serve a prompt: per engine, the longest prefix of the
+        prompt's complete chunks it could use, split by where each chunk would
+        come from (the engine's own KV cache, from its vLLM KV events; kvmesh L1
+        on the engine's node; L1 on another node, by P2P; L2), and a score: the
+        sum of matched tokens times the tier's weight. Engines are those
+        followed by EngineService (all of them when none are named). Errors:
+        INVALID_ARGUMENT (neither or both of token_ids and chunk_hashes, a bad
+        model name or salt, a chunk hash that is not 32 bytes, a negative
+        weight, more than 1 000 000 tokens, 100 000 chunk hashes or 1 024
+        engines). Deadline: 1 s.
         """
 
 def add_DirectoryServiceServicer_to_server(servicer: DirectoryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

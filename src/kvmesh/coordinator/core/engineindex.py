@@ -1,0 +1,303 @@
+"""Which kvmesh chunks each engine's own KV cache holds, from its vLLM KV events.
+
+An engine reports blocks of ``block_size`` tokens, chained by parent hash,
+with their token ids (docs/routing.md). The index keeps each stream's block
+tree and turns it into kvmesh keys: a chunk of ``chunk_size`` tokens is
+hashed with kvmesh's chained blake3 (the same as the gateway's) from the
+tokens of the blocks that cover it, so an engine's blocks and kvmesh's
+chunks of one prefix get the same key, whatever hash seed the engine uses.
+
+A chunk is *held* while every block covering it is present. Blocks remember
+the chunk hashes ending inside them even after an ancestor goes (a fact about
+the tokens), so a re-stored ancestor does not need its descendants re-sent.
+
+Streams are keyed by ``(engine_id, data_parallel_rank)``. Sequence handling
+(incarnations, gaps, replays) belongs to the caller; the index only offers
+:meth:`EngineIndex.reset_stream` for it. Thread safety: one lock around
+every method; scoring reads take it too.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import blake3
+
+from kvmesh.common.hashing import NONE_HASH, tokens_to_be_u32
+from kvmesh.common.keys import salt_with_lora
+
+from .engineevents import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EngineEvent
+from .engineevents import chain_salt as event_chain_salt
+
+#: The medium a BlockStored/BlockRemoved without one is filed under.
+DEFAULT_MEDIUM = "GPU"
+
+#: A held chunk inside one stream: (cache salt with LoRA, kvmesh chunk hash).
+ChunkKey = tuple[str, bytes]
+
+
+@dataclass(slots=True)
+class _Block:
+    parent: BlockHash | None
+    #: Token position just past this block.
+    end: int
+    #: This block's tokens as big-endian uint32 (the bytes kvmesh hashes).
+    raw: bytes
+    #: The chain's salt (with LoRA); None when the chain cannot be matched.
+    salt: str | None
+    media: set[str]
+    #: (boundary, chunk hash) of every chunk ending inside this block.
+    chunks: list[tuple[int, bytes]] = field(default_factory=list)
+    #: Boundaries of those chunks that are held now.
+    held: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamCounts:
+    """What one stream holds now."""
+
+    blocks: int
+    chunks: int
+
+
+class _Stream:
+    __slots__ = ("blocks", "children", "chunks")
+
+    def __init__(self) -> None:
+        self.blocks: dict[BlockHash, _Block] = {}
+        self.children: dict[BlockHash, set[BlockHash]] = {}
+        self.chunks: dict[ChunkKey, int] = {}
+
+
+class EngineIndex:
+    """Per engine stream: its block tree and the kvmesh chunks it holds."""
+
+    def __init__(self, chunk_size: int) -> None:
+        if chunk_size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        self.chunk_size = chunk_size
+        self._lock = threading.Lock()
+        self._streams: dict[tuple[str, int], _Stream] = {}
+        #: Events skipped because the index cannot use them (kept for status).
+        self.skipped_events = 0
+
+    # -- streams -----------------------------------------------------------
+
+    def reset_stream(self, engine_id: str, rank: int) -> None:
+        """Forget everything a stream reported (a restart, a clear, an unrepaired gap)."""
+        with self._lock:
+            self._streams[(engine_id, rank)] = _Stream()
+
+    def drop_engine(self, engine_id: str) -> None:
+        """Forget every stream of an engine."""
+        with self._lock:
+            for sid in [s for s in self._streams if s[0] == engine_id]:
+                del self._streams[sid]
+
+    def counts(self, engine_id: str, rank: int) -> StreamCounts:
+        """Blocks and held chunks of one stream (zeros when unknown)."""
+        with self._lock:
+            stream = self._streams.get((engine_id, rank))
+            if stream is None:
+                return StreamCounts(0, 0)
+            return StreamCounts(len(stream.blocks), len(stream.chunks))
+
+    # -- events ------------------------------------------------------------
+
+    def apply(self, engine_id: str, rank: int, events: Iterable[EngineEvent]) -> None:
+        """Apply one batch's events to a stream, in order."""
+        with self._lock:
+            stream = self._streams.setdefault((engine_id, rank), _Stream())
+            for event in events:
+                if isinstance(event, BlockStored):
+                    self._stored(stream, event)
+                elif isinstance(event, BlockRemoved):
+                    self._removed(stream, event)
+                elif isinstance(event, AllBlocksCleared):
+                    stream.blocks.clear()
+                    stream.children.clear()
+                    stream.chunks.clear()
+
+    def _stored(self, stream: _Stream, event: BlockStored) -> None:
+        bs = event.block_size
+        if event.group_idx not in (None, 0) or len(event.token_ids) != bs * len(event.block_hashes):
+            # Another KV cache group (hybrid models), or tokens that do not cover the blocks.
+            self.skipped_events += 1
+            return
+        medium = event.medium or DEFAULT_MEDIUM
+        parent = event.parent
+        salt: str | None
+        if parent is None:
+            end = 0
+            salt = event_chain_salt(event, 0)
+            if salt is not None:
+                salt = salt_with_lora(salt, event.lora_name, event.lora_id)
+        else:
+            above = stream.blocks.get(parent)
+            if above is None:
+                # The parent was never seen (or is gone): this block's position is unknown.
+                self.skipped_events += 1
+                return
+            end, salt = above.end, above.salt
+        raw = tokens_to_be_u32(event.token_ids)
+        step = bs * 4
+        for i, block_hash in enumerate(event.block_hashes):
+            end += bs
+            if (i > 0 or event.parent is not None) and not _plain_extra(event, i):
+                salt = None  # multimodal or embedded input: tokens alone do not name it
+            block = stream.blocks.get(block_hash)
+            if block is None:
+                block = _Block(parent, end, raw[i * step : (i + 1) * step], salt, {medium})
+                stream.blocks[block_hash] = block
+                if parent is not None:
+                    stream.children.setdefault(parent, set()).add(block_hash)
+                if salt is not None:
+                    self._complete_chunks(stream, block)
+                    self._rehold_below(stream, block_hash, block)
+            else:
+                block.media.add(medium)
+            parent = block_hash
+
+    def _complete_chunks(self, stream: _Stream, block: _Block) -> None:
+        """Hash (once) and hold every chunk that ends inside ``block`` and is covered."""
+        c = self.chunk_size
+        if not block.chunks:
+            first = (_start(block) // c + 1) * c
+            for boundary in range(first, block.end + 1, c):
+                found = self._chunk_hash(stream, block, boundary)
+                if found is None:
+                    break
+                block.chunks.append((boundary, found))
+        for boundary, chunk_hash in block.chunks:
+            if boundary not in block.held and self._covered(stream, block, boundary):
+                block.held.add(boundary)
+                key = (block.salt or "", chunk_hash)
+                stream.chunks[key] = stream.chunks.get(key, 0) + 1
+
+    def _rehold_below(self, stream: _Stream, block_hash: BlockHash, block: _Block) -> None:
+        """A block came (back): descendants whose chunks needed it may be whole again."""
+        reach = block.end + self.chunk_size
+        frontier = list(stream.children.get(block_hash, ()))
+        while frontier:
+            child_hash = frontier.pop()
+            child = stream.blocks.get(child_hash)
+            if child is None or _start(child) >= reach:
+                continue
+            self._complete_chunks(stream, child)
+            frontier.extend(stream.children.get(child_hash, ()))
+
+    def _chunk_hash(self, stream: _Stream, block: _Block, boundary: int) -> bytes | None:
+        """kvmesh's hash of the chunk ending at ``boundary``, from the chain above ``block``.
+
+        None when a block on the way, or the previous chunk's hash, is unknown.
+        """
+        lo = boundary - self.chunk_size
+        pieces: list[bytes] = []
+        node = block
+        while True:
+            start = _start(node)
+            a, b = max(lo, start) - start, min(boundary, node.end) - start
+            if b > a:
+                pieces.append(node.raw[a * 4 : b * 4])
+            if start <= lo:
+                break
+            above = stream.blocks.get(node.parent) if node.parent is not None else None
+            if above is None:
+                return None
+            node = above
+        # ``node`` covers position ``lo``: the previous chunk ends inside it, or
+        # exactly at its start (then inside its parent).
+        if lo == 0:
+            prev: bytes | None = NONE_HASH
+        else:
+            holder: _Block | None = node
+            if _start(node) == lo:
+                holder = stream.blocks.get(node.parent) if node.parent is not None else None
+            prev = (
+                None if holder is None else next((h for at, h in holder.chunks if at == lo), None)
+            )
+        if prev is None:
+            return None
+        return blake3.blake3(prev + b"".join(reversed(pieces))).digest()
+
+    def _covered(self, stream: _Stream, block: _Block, boundary: int) -> bool:
+        """Whether every block covering the chunk that ends at ``boundary`` is present."""
+        lo = boundary - self.chunk_size
+        node = block
+        while _start(node) > lo:
+            above = stream.blocks.get(node.parent) if node.parent is not None else None
+            if above is None:
+                return False
+            node = above
+        return True
+
+    def _removed(self, stream: _Stream, event: BlockRemoved) -> None:
+        if event.group_idx not in (None, 0):
+            return
+        medium = event.medium or DEFAULT_MEDIUM
+        for block_hash in event.block_hashes:
+            block = stream.blocks.get(block_hash)
+            if block is None:
+                continue
+            block.media.discard(medium)
+            if block.media:
+                continue
+            self._release(stream, block_hash, block)
+
+    def _release(self, stream: _Stream, block_hash: BlockHash, block: _Block) -> None:
+        """Drop a block: un-hold every chunk that needed it, here and below."""
+        c = self.chunk_size
+        self._unhold(stream, block, lambda boundary: True)
+        # Descendants whose chunks reach back into this block.
+        frontier = list(stream.children.get(block_hash, ()))
+        while frontier:
+            child_hash = frontier.pop()
+            child = stream.blocks.get(child_hash)
+            if child is None or _start(child) >= block.end + c:
+                continue
+            self._unhold(stream, child, lambda boundary: boundary - c < block.end)
+            frontier.extend(stream.children.get(child_hash, ()))
+        del stream.blocks[block_hash]
+        if block.parent is not None:
+            siblings = stream.children.get(block.parent)
+            if siblings is not None:
+                siblings.discard(block_hash)
+                if not siblings:
+                    del stream.children[block.parent]
+
+    @staticmethod
+    def _unhold(stream: _Stream, block: _Block, which: Callable[[int], bool]) -> None:
+        for boundary, chunk_hash in block.chunks:
+            if boundary in block.held and which(boundary):
+                block.held.discard(boundary)
+                key = (block.salt or "", chunk_hash)
+                left = stream.chunks.get(key, 0) - 1
+                if left > 0:
+                    stream.chunks[key] = left
+                else:
+                    stream.chunks.pop(key, None)
+
+    # -- reads -------------------------------------------------------------
+
+    def held_prefix(
+        self, engine_id: str, ranks: Iterable[int], salt: str, chunk_hashes: list[bytes]
+    ) -> list[bool]:
+        """Per chunk of a prompt: whether any of the engine's streams holds it."""
+        with self._lock:
+            streams = [s for r in ranks if (s := self._streams.get((engine_id, r))) is not None]
+            return [any((salt, h) in s.chunks for s in streams) for h in chunk_hashes]
+
+
+def _plain_extra(event: BlockStored, index: int) -> bool:
+    """Whether block ``index``'s extra keys are only its LoRA name and salt (no multimodal)."""
+    if event.extra_keys is None or index >= len(event.extra_keys):
+        return True
+    keys = event.extra_keys[index]
+    return keys is None or all(isinstance(k, str) for k in keys)
+
+
+def _start(block: _Block) -> int:
+    """Token position of a block's first token."""
+    return block.end - len(block.raw) // 4
