@@ -83,7 +83,9 @@ class TokenHasher:
             n_chunks = min(n_chunks, max_chunks)
         if n_chunks == 0:
             return []
-        raw = tokens_to_be_u32(tokens[: n_chunks * self.chunk_size])
+        # As an array first: slicing a Protobuf repeated field (or a list) copies
+        # it into Python ints, which costs more than hashing it.
+        raw = tokens_to_be_u32(np.asarray(tokens)[: n_chunks * self.chunk_size])
         step = self.chunk_size * 4
         hashes: list[bytes] = []
         prev = prefix_hash

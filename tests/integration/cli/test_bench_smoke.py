@@ -80,3 +80,18 @@ def test_bench_datapath_reports_the_same_run_copy_limit(shm_dir: Path) -> None:
     assert result["chunk_bytes"] == 2 * 2 * 16 * 1 * 8 * 2  # K and V, layers, tokens, heads, dim
     assert result["chunks"] == 2
     assert result["parameters"]["block_size"] == 16
+
+
+def test_bench_score_scores_the_engine_that_holds_the_prompt_while_events_flow() -> None:
+    result = bench_json(
+        "score", "--engines", "4", "--prompts", "2", "--calls", "50", "--prompt-tokens", "2048",
+        "--shared-tokens", "512", "--rate", "20",
+    )  # fmt: skip
+    for key in ("score_p50_ms", "score_p99_ms", "empty_rpc", "in_process", "score_by_hashes"):
+        assert key in result
+    assert result["answers_correct"]
+    assert result["top_engine"] == "engine-02"
+    assert result["top_engine_matched_tokens"] == 2048
+    assert result["chunks"] == 8
+    assert result["applied_batches_per_s"] > 0
+    assert 0 < result["score_p50_ms"] <= result["score_max_ms"]

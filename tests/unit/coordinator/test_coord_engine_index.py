@@ -45,9 +45,12 @@ def _stored(
     )
 
 
-def _held(index: EngineIndex, tokens: list[int], salt: str = "") -> list[bool]:
+def _held(
+    index: EngineIndex, tokens: list[int], salt: str = "", ranks: tuple[int, ...] = (0,)
+) -> list[bool]:
+    """Per chunk of ``tokens``: whether the engine holds it (each chunk asked alone)."""
     hashes = TokenHasher(CHUNK).hash_chunks(tokens)
-    return index.held_prefix("e", [0], salt, hashes)
+    return [index.leading_held("e", ranks, salt, [h]) == 1 for h in hashes]
 
 
 def _tokens(n: int, seed: int = 0) -> list[int]:
@@ -88,6 +91,9 @@ def test_removing_a_middle_block_unholds_its_chunk_and_a_restore_brings_it_back(
     index.apply("e", 0, [BlockRemoved(tuple(reversed(hashes[8:])))])
     assert _held(index, tokens) == [True, True, False, False]
     assert index.counts("e", 0).blocks == 8
+    # Only a leading run counts for a prompt.
+    index.apply("e", 0, [BlockRemoved((hashes[2],))])
+    assert index.leading_held("e", [0], "", TokenHasher(CHUNK).hash_chunks(tokens)) == 0
 
 
 def test_media_are_tracked_apart() -> None:
@@ -162,10 +168,7 @@ def test_clear_and_reset_forget_everything() -> None:
     index.reset_stream("e", 0)
     assert index.counts("e", 0).blocks == 0
     index.apply("e", 1, [_stored(tokens, 16)])
-    assert index.held_prefix("e", [0, 1], "", TokenHasher(CHUNK).hash_chunks(tokens)) == [
-        True,
-        True,
-    ]
+    assert _held(index, tokens, ranks=(0, 1)) == [True, True]
     index.drop_engine("e")
     assert index.counts("e", 1).blocks == 0
 

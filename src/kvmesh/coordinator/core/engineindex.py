@@ -20,7 +20,7 @@ every method; scoring reads take it too.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import blake3
@@ -281,13 +281,29 @@ class EngineIndex:
 
     # -- reads -------------------------------------------------------------
 
-    def held_prefix(
-        self, engine_id: str, ranks: Iterable[int], salt: str, chunk_hashes: list[bytes]
-    ) -> list[bool]:
-        """Per chunk of a prompt: whether any of the engine's streams holds it."""
+    def leading_held(
+        self, engine_id: str, ranks: Iterable[int], salt: str, chunk_hashes: Sequence[bytes]
+    ) -> int:
+        """How many leading chunks of a prompt any of the engine's streams holds.
+
+        Only a leading run counts: vLLM's prefix cache stops at its first miss.
+        """
         with self._lock:
-            streams = [s for r in ranks if (s := self._streams.get((engine_id, r))) is not None]
-            return [any((salt, h) in s.chunks for s in streams) for h in chunk_hashes]
+            held = [s.chunks for r in ranks if (s := self._streams.get((engine_id, r))) is not None]
+            count = 0
+            if len(held) == 1:
+                chunks = held[0]
+                for h in chunk_hashes:
+                    if (salt, h) not in chunks:
+                        break
+                    count += 1
+                return count
+            for h in chunk_hashes:
+                key = (salt, h)
+                if not any(key in chunks for chunks in held):
+                    break
+                count += 1
+            return count
 
 
 def _plain_extra(event: BlockStored, index: int) -> bool:

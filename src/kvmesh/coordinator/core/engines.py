@@ -156,7 +156,15 @@ class Engines:
 
     def synced(self, engine_id: str) -> bool:
         """Whether no stream of the engine is repairing a gap."""
-        return all(st.synced for st in self.states(engine_id))
+        with self._lock:
+            spec = self._specs.get(engine_id)
+            if spec is None:
+                return False
+            states = self._states
+            return all(
+                (st := states.get((engine_id, r))) is None or st.synced
+                for r in range(spec.data_parallel_size)
+            )
 
 
 def parse_engine_specs(text: str) -> list[EngineSpec]:

@@ -27,7 +27,7 @@ from kvmesh.common.hashing import TokenHasher
 from kvmesh.common.keys import ObjectKey, validate_cache_salt, validate_model_name, worker_kv_rank
 
 from .directory import KeyDirectory
-from .engines import Engines
+from .engines import Engines, EngineSpec
 from .tokens import MAX_TOKEN_IDS, validate_world_size
 
 MAX_CHUNK_HASHES = 100_000
@@ -76,12 +76,8 @@ class ScoreResult:
     scores: tuple[EngineScore, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class _KvmeshHolders:
-    """Per chunk: nodes holding it in L1 for every rank, and whether L2 does."""
-
-    l1: list[frozenset[str]]
-    l2: list[bool]
+#: Chunks looked up in the directory at a time (the walk usually stops early).
+_LOOKUP_SLICE = 8
 
 
 def prompt_hashes(
@@ -135,69 +131,93 @@ def score_engines(
         raise InvalidArgument(f"at most {MAX_ENGINES} engines", field="engine_ids")
     if any(not e for e in engine_ids):
         raise InvalidArgument("an engine id is empty", field="engine_ids")
-    holders = _kvmesh_holders(directory, hashes, model_name, cache_salt, world_size)
     names = list(dict.fromkeys(engine_ids)) or [s.engine_id for s in engines.specs()]
+    specs = {name: engines.spec(name) for name in names}
+    leads = {
+        name: engines.index.leading_held(name, range(spec.data_parallel_size), cache_salt, hashes)
+        if spec is not None and spec.model_name == model_name
+        else 0
+        for name, spec in specs.items()
+    }
+    holders = _KvmeshHolders(directory, hashes, model_name, cache_salt, world_size)
     scores = [
-        _score_one(engines, holders, hashes, name, chunk_size, model_name, cache_salt, weights)
+        _score_one(engines, specs[name], name, leads[name], holders, chunk_size, weights)
         for name in names
     ]
     scores.sort(key=lambda s: (-s.score, -s.prefix_tokens, s.engine_id))
     return ScoreResult(len(hashes), chunk_size, tuple(scores))
 
 
-def _kvmesh_holders(
-    directory: KeyDirectory, hashes: list[bytes], model: str, salt: str, world_size: int
-) -> _KvmeshHolders:
-    ranks = [worker_kv_rank(world_size, r) for r in range(world_size)]
-    keys = [ObjectKey(h, model, rank, 0, salt) for h in hashes for rank in ranks]
-    groups = directory.get_keys_across_object_groups(keys)
-    infos = directory.lookup([k for ks in groups for k in ks], with_tokens=False)
-    l1: list[frozenset[str]] = []
-    l2: list[bool] = []
-    pos = 0
-    for chunk in range(len(hashes)):
-        nodes: set[str] | None = None
-        in_l2 = True
-        for key_groups in groups[chunk * len(ranks) : (chunk + 1) * len(ranks)]:
-            placements = [p for info in infos[pos : pos + len(key_groups)] for p in info.placements]
-            pos += len(key_groups)
-            rank_nodes = {p.instance_id for p in placements if p.tier == Tier.L1}
-            nodes = rank_nodes if nodes is None else nodes & rank_nodes
-            in_l2 = in_l2 and any(p.tier == Tier.L2 for p in placements)
-        l1.append(frozenset(nodes or ()))
-        l2.append(in_l2)
-    return _KvmeshHolders(l1, l2)
+class _KvmeshHolders:
+    """Where kvmesh holds each chunk of the prompt, looked up a slice at a time on demand.
+
+    Per chunk: the nodes holding it in L1 for every kv rank (any object
+    group), and whether L2 holds every rank. Engines walk from the end of
+    their own prefix, so only the slices some walk reaches are looked up.
+    """
+
+    def __init__(
+        self, directory: KeyDirectory, hashes: list[bytes], model: str, salt: str, world_size: int
+    ) -> None:
+        self.directory = directory
+        self.hashes = hashes
+        self.model = model
+        self.salt = salt
+        self.ranks = [worker_kv_rank(world_size, r) for r in range(world_size)]
+        self._l1: dict[int, frozenset[str]] = {}
+        self._l2: dict[int, bool] = {}
+
+    def tier(self, chunk: int, instance_id: str) -> int:
+        """1 local L1, 2 peer L1, 3 L2, 0 none (also past the prompt's end)."""
+        if chunk >= len(self.hashes):
+            return 0
+        if chunk not in self._l1:
+            self._look_up(chunk - chunk % _LOOKUP_SLICE)
+        nodes = self._l1[chunk]
+        if instance_id and instance_id in nodes:
+            return 1
+        if nodes:
+            return 2
+        return 3 if self._l2[chunk] else 0
+
+    def _look_up(self, first: int) -> None:
+        part = self.hashes[first : first + _LOOKUP_SLICE]
+        ranks = self.ranks
+        keys = [ObjectKey(h, self.model, rank, 0, self.salt) for h in part for rank in ranks]
+        groups = self.directory.get_keys_across_object_groups(keys)
+        infos = self.directory.lookup([k for ks in groups for k in ks], with_tokens=False)
+        pos = 0
+        for i in range(len(part)):
+            nodes: set[str] | None = None
+            in_l2 = True
+            for key_groups in groups[i * len(ranks) : (i + 1) * len(ranks)]:
+                placements = [
+                    p for info in infos[pos : pos + len(key_groups)] for p in info.placements
+                ]
+                pos += len(key_groups)
+                rank_nodes = {p.instance_id for p in placements if p.tier == Tier.L1}
+                nodes = rank_nodes if nodes is None else nodes & rank_nodes
+                in_l2 = in_l2 and any(p.tier == Tier.L2 for p in placements)
+            self._l1[first + i] = frozenset(nodes or ())
+            self._l2[first + i] = in_l2
 
 
 def _score_one(
     engines: Engines,
-    holders: _KvmeshHolders,
-    hashes: list[bytes],
+    spec: EngineSpec | None,
     engine_id: str,
+    lead: int,
+    holders: _KvmeshHolders,
     chunk_size: int,
-    model_name: str,
-    salt: str,
     weights: TierWeights,
 ) -> EngineScore:
-    spec = engines.spec(engine_id)
     if spec is None:
         return EngineScore(engine_id, known=False, synced=False)
-    if spec.model_name == model_name:
-        held = engines.index.held_prefix(engine_id, range(spec.data_parallel_size), salt, hashes)
-    else:
-        held = [False] * len(hashes)
-    tokens = [0, 0, 0, 0]
-    for i in range(len(hashes)):
-        if held[i]:
-            tokens[0] += chunk_size
-        elif spec.instance_id and spec.instance_id in holders.l1[i]:
-            tokens[1] += chunk_size
-        elif holders.l1[i]:
-            tokens[2] += chunk_size
-        elif holders.l2[i]:
-            tokens[3] += chunk_size
-        else:
-            break
+    tokens = [lead * chunk_size, 0, 0, 0]
+    chunk = lead
+    while tier := holders.tier(chunk, spec.instance_id):
+        tokens[tier] += chunk_size
+        chunk += 1
     score = (
         tokens[0] * weights.engine
         + tokens[1] * weights.local_l1

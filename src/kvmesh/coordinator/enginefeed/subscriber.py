@@ -56,6 +56,8 @@ class EngineFeed:
         self._ctx: zmq.asyncio.Context | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
+        #: Held by the stream applying a frame (see StreamFollower.run).
+        self._turn = asyncio.Lock()
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -84,7 +86,9 @@ class EngineFeed:
         if spec is None or self._ctx is None:
             return
         for rank in range(spec.data_parallel_size):
-            follower = StreamFollower(self._ctx, self.engines, spec, rank, self.replay_timeout)
+            follower = StreamFollower(
+                self._ctx, self.engines, spec, rank, self.replay_timeout, self._turn
+            )
             self._tasks[(engine_id, rank)] = asyncio.create_task(
                 follower.run(), name=f"kv-events-{engine_id}-{rank}"
             )
@@ -100,8 +104,10 @@ class StreamFollower:
         spec: EngineSpec,
         rank: int,
         replay_timeout: float,
+        turn: asyncio.Lock,
     ) -> None:
         self.ctx = ctx
+        self.turn = turn
         self.engines = engines
         self.spec = spec
         self.rank = rank
@@ -112,6 +118,8 @@ class StreamFollower:
         #: Payload hashes of batches the last replay applied: the same batches
         #: may still be waiting in the SUB socket, and are not a restart.
         self._replayed: dict[int, int] = {}
+        #: Frames and reconnects are handled one at a time.
+        self._lock = asyncio.Lock()
         self.counts = {"incarnations": 0, "gaps": 0, "replays": 0, "batches": 0, "malformed": 0}
 
     async def run(self) -> None:
@@ -122,23 +130,20 @@ class StreamFollower:
         sub.setsockopt(zmq.SUBSCRIBE, self.spec.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        lost_connection = False
+        # The socket's reconnects are watched apart: one asyncio.Poller call per
+        # frame would cost more than applying the frame.
+        watcher = asyncio.create_task(self._watch(monitor))
         try:
-            await self._bootstrap()
+            async with self._lock:
+                await self._bootstrap()
             while True:
-                ready = dict(await poller.poll())
-                if monitor in ready:
-                    event = parse_monitor_message(await monitor.recv_multipart())
-                    if event["event"] == zmq.EVENT_DISCONNECTED:
-                        lost_connection = True
-                    elif event["event"] == zmq.EVENT_CONNECTED and lost_connection:
-                        lost_connection = False
-                        await self._restarted("the event socket reconnected")
-                if sub in ready:
-                    await self._live(await sub.recv_multipart())
+                frames = await sub.recv_multipart()
+                # One frame of one stream per turn of the event loop: a backlog
+                # (received without waiting) must not hold RPCs back.
+                async with self.turn:
+                    async with self._lock:
+                        await self._live(frames)
+                    await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -147,10 +152,25 @@ class StreamFollower:
             )
             raise
         finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
             with contextlib.suppress(Exception):
                 sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """A reconnect of the event socket (the engine went away and came back) is a restart."""
+        lost_connection = False
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                lost_connection = True
+            elif event["event"] == zmq.EVENT_CONNECTED and lost_connection:
+                lost_connection = False
+                async with self._lock:
+                    await self._restarted("the event socket reconnected")
 
     async def _bootstrap(self) -> None:
         """Learn what the engine published before we subscribed (its replay buffer)."""
