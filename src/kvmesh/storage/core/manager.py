@@ -24,7 +24,8 @@ from typing import Any
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.core.controllers.l2tier import L2Tier
+from kvmesh.storage.core.controllers.l2index import L2Indexer
+from kvmesh.storage.core.controllers.l2tier import L2Tier, make_tiers
 from kvmesh.storage.core.controllers.prefetch import (
     PrefetchController,
     PrefetchResult,
@@ -124,7 +125,13 @@ class StorageManager:
             self.l1 = L1Manager(
                 self.pool, read_ttl_s=opts.read_ttl_s, write_ttl_s=opts.write_ttl_s, clock=clock
             )
-            self.tiers = _make_tiers(l2_adapters, event_sink, opts, clock)
+            self.tiers = make_tiers(
+                l2_adapters,
+                event_sink,
+                backoff_s=opts.l2_backoff_s,
+                max_backoff_s=opts.l2_max_backoff_s,
+                clock=clock,
+            )
             self.pins = PinTable()
             self.quotas = QuotaManager(opts.default_quota)
             self.eviction = EvictionController(
@@ -165,20 +172,17 @@ class StorageManager:
         self.l1.add_listener(self.store)
         self.l1.set_reclaim(self._reclaim)
 
-        self._index_done = threading.Event()
-        self._closing = threading.Event()
-        self._index_thread: threading.Thread | None = None
+        self._indexer = L2Indexer(
+            self.tiers,
+            index_contents=opts.index_l2_at_start,
+            backoff_s=opts.l2_backoff_s,
+            on_progress=self.publish_capacity,
+        )
         self.publish_capacity()
         self.store.start()
         if opts.background_threads:
             self.eviction.start()
-        if self.tiers:
-            self._index_thread = threading.Thread(
-                target=self._index_l2, name="kvmesh-l2-index", daemon=True
-            )
-            self._index_thread.start()
-        else:
-            self._index_done.set()
+        self._indexer.start()
 
     @property
     def event_sink(self) -> EventSink | None:
@@ -375,7 +379,7 @@ class StorageManager:
                 "write_ttl_s": self.l1.write_ttl_s,
             },
             "l2": [tier.stats() for tier in self.tiers],
-            "l2_index_complete": self._index_done.is_set(),
+            "l2_index_complete": self._indexer.wait(0),
             "store": self.store.stats(),
             "prefetch": self.prefetch.stats(),
             "eviction": self.eviction.stats(),
@@ -409,7 +413,7 @@ class StorageManager:
 
     def wait_l2_index(self, timeout: float) -> bool:
         """Wait until every adapter has been indexed at start (or failed to be)."""
-        return self._index_done.wait(timeout)
+        return self._indexer.wait(timeout)
 
     def publish_capacity(self) -> None:
         """Declare L1 and L2 capacities to the event sink (again after a re-registration)."""
@@ -441,14 +445,12 @@ class StorageManager:
             if self._closed:
                 return
             self._closed = True
-        self._closing.set()
         self.prefetch.close()
         if not self.store.flush(self.options.close_flush_timeout_s):
             logger.warning("L2 write-through not finished at close; remaining keys are dropped")
         self.store.close()
         self.eviction.close()
-        if self._index_thread is not None:
-            self._index_thread.join(self.options.close_flush_timeout_s)
+        self._indexer.close(self.options.close_flush_timeout_s)
         for tier in self.tiers:
             tier.close()
         self.pool.close()
@@ -495,70 +497,6 @@ class StorageManager:
             return
         if not self.eviction.reclaim(sizes):
             logger.debug("L1 reclaim could not make room for %d objects", len(sizes))
-
-    def _index_l2(self) -> None:
-        """Learn each adapter's capacity and contents; retry the ones that are down.
-
-        ``wait_l2_index`` returns after the first pass; adapters that failed are
-        retried every backoff period until they answer or the node closes, so an
-        adapter that comes back later is still indexed and announced.
-        """
-        pending = list(self.tiers)
-        first_pass = True
-        try:
-            while pending and not self._closing.is_set():
-                progressed = False
-                for tier in list(pending):
-                    if self._closing.is_set():
-                        return
-                    if not tier.available():
-                        continue
-                    try:
-                        tier.refresh_capacity()
-                        if self.options.index_l2_at_start:
-                            tier.rebuild_index()
-                    except L2Unavailable as exc:
-                        logger.warning("could not index L2 %s at start: %s", tier.name, exc)
-                        tier.index_state = "failed"
-                        continue
-                    pending.remove(tier)
-                    progressed = True
-                if progressed:
-                    self.publish_capacity()
-                if first_pass:
-                    first_pass = False
-                    self._index_done.set()
-                if pending:
-                    self._closing.wait(self.options.l2_backoff_s)
-        except Exception:
-            logger.exception("L2 start-up indexing failed")
-        finally:
-            self._index_done.set()
-
-
-def _make_tiers(
-    adapters: Sequence[L2Adapter],
-    sink: EventSink | None,
-    opts: StorageOptions,
-    clock: Callable[[], float],
-) -> list[L2Tier]:
-    tiers: list[L2Tier] = []
-    seen: dict[str, int] = {}
-    for adapter in adapters:
-        n = seen.get(adapter.backend, 0) + 1
-        seen[adapter.backend] = n
-        name = adapter.backend if n == 1 else f"{adapter.backend}#{n}"
-        tiers.append(
-            L2Tier(
-                adapter,
-                name=name,
-                sink=sink,
-                backoff_s=opts.l2_backoff_s,
-                max_backoff_s=opts.l2_max_backoff_s,
-                clock=clock,
-            )
-        )
-    return tiers
 
 
 def _on_event_loop() -> bool:

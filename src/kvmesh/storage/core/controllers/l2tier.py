@@ -301,3 +301,31 @@ def _checked(result: Sequence[bool], expected: int) -> list[bool]:
     if len(out) != expected:
         raise L2Unavailable(f"adapter returned {len(out)} results for {expected} keys")
     return out
+
+
+def make_tiers(
+    adapters: Sequence[L2Adapter],
+    sink: EventSink | None,
+    *,
+    backoff_s: float,
+    max_backoff_s: float,
+    clock: Callable[[], float],
+) -> list[L2Tier]:
+    """One tier per adapter, named after its backend (``disk``, ``disk#2``, ...)."""
+    tiers: list[L2Tier] = []
+    seen: dict[str, int] = {}
+    for adapter in adapters:
+        n = seen.get(adapter.backend, 0) + 1
+        seen[adapter.backend] = n
+        name = adapter.backend if n == 1 else f"{adapter.backend}#{n}"
+        tiers.append(
+            L2Tier(
+                adapter,
+                name=name,
+                sink=sink,
+                backoff_s=backoff_s,
+                max_backoff_s=max_backoff_s,
+                clock=clock,
+            )
+        )
+    return tiers
