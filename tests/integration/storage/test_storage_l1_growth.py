@@ -117,6 +117,10 @@ def test_a_store_that_needs_room_grows_off_the_event_loop(
         f"{len(inside)} lookups answered during a {1e3 * (end - start):.0f} ms growth"
     )
     assert pool.would_fit([4 * MIB])
+    # The store's wait is measured and exported (what ``kvmesh bench serve`` reports).
+    assert manager.growth_waits == 1
+    assert 0 < manager.growth_wait_max_s <= end - start + 1.0
+    assert manager.status()["l1"]["growth_wait_max_s"] == manager.growth_wait_max_s
     pool.free(taken)
 
 

@@ -109,7 +109,11 @@ class StorageManager:
         self._closed = False
         self._close_lock = threading.Lock()
         #: Reservations on an event loop that left a growth to the background grower.
+        #: Reservations on an event loop that asked the grower for a segment instead
+        #: of growing there; and the store calls that waited for a growth (make_room).
         self.loop_growths_deferred = 0
+        self.growth_waits = 0
+        self.growth_wait_max_s = 0.0
         self.pool = L1Pool(
             instance_id,
             l1_capacity_bytes,
@@ -377,6 +381,9 @@ class StorageManager:
                 "usage_ratio": pool["used_bytes"] / capacity if capacity else 0.0,
                 "read_ttl_s": self.l1.read_ttl_s,
                 "write_ttl_s": self.l1.write_ttl_s,
+                "growth_waits": self.growth_waits,
+                "growth_wait_max_s": self.growth_wait_max_s,
+                "loop_growths_deferred": self.loop_growths_deferred,
             },
             "l2": [tier.stats() for tier in self.tiers],
             "l2_index_complete": self._indexer.wait(0),
@@ -478,7 +485,11 @@ class StorageManager:
             return  # the reservation refuses these sizes itself
         if self.pool.would_fit(sizes) or not self.pool.can_grow():
             return
+        started = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(None, self.pool.grow_for, sizes)
+        waited = time.monotonic() - started
+        self.growth_waits += 1
+        self.growth_wait_max_s = max(self.growth_wait_max_s, waited)
 
     def _reclaim(self, sizes: Sequence[int]) -> None:
         """Allocation failed: grow the pool if it may, else evict until the sizes fit.
