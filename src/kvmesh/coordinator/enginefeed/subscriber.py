@@ -138,12 +138,8 @@ class StreamFollower:
                 await self._bootstrap()
             while True:
                 frames = await sub.recv_multipart()
-                # One frame of one stream per turn of the event loop: a backlog
-                # (received without waiting) must not hold RPCs back.
-                async with self.turn:
-                    async with self._lock:
-                        await self._live(frames)
-                    await asyncio.sleep(0)
+                async with self._lock:
+                    await self._live(frames)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -210,7 +206,7 @@ class StreamFollower:
         if seq > self.last + 1:
             await self._gap(seq)
         if seq == self.last + 1 or self.last < 0:
-            self._apply(seq, frames[2])
+            await self._apply(seq, frames[2])
         self._report()
 
     async def _gap(self, seq: int) -> None:
@@ -272,7 +268,7 @@ class StreamFollower:
                 if self.last >= 0 and seq != self.last + 1:
                     whole = False
                     self._reset()
-                self._apply(seq, frames[3])
+                await self._apply(seq, frames[3])
                 self._replayed[seq] = hash(frames[3])
         finally:
             dealer.close(linger=0)
@@ -280,7 +276,17 @@ class StreamFollower:
         self._report()
         return whole
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    async def _apply(self, seq: int, payload: bytes) -> None:
+        """Apply one batch, one frame of one stream per turn of the event loop.
+
+        Frames already waiting are received without a pause; without the turn,
+        a backlog (sixteen engines replaying at once) would hold every RPC back.
+        """
+        async with self.turn:
+            self._apply_now(seq, payload)
+            await asyncio.sleep(0)
+
+    def _apply_now(self, seq: int, payload: bytes) -> None:
         self.last = seq
         try:
             batch = decode_batch(payload)
