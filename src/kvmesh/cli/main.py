@@ -130,6 +130,10 @@ BENCHES = {
         "gateway lookup p50/p99 of a 32-chunk prefix in L1, empty RTT",
     ),
     "p2p": ("kvmesh.bench.p2p", "node B fetching node A's 32 MiB chunks over P2P vs loopback TCP"),
+    "route": (
+        "kvmesh.bench.route",
+        "routing by the coordinator's ScoreEngines vs round robin vs an oracle, through real vLLM",
+    ),
     "score": (
         "kvmesh.bench.score",
         "ScoreEngines p50/p99 for an 8000-token prompt over 16 engines while their events flow",

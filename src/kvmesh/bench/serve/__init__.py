@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
 import random
@@ -40,7 +39,14 @@ import numpy as np
 
 from kvmesh.bench.common import Progress
 from kvmesh.bench.serve.client import Answer, run_round, stream_completion
-from kvmesh.bench.serve.servers import Node, Server, metrics, start_node, start_vllm
+from kvmesh.bench.serve.servers import (
+    Node,
+    Server,
+    metrics,
+    model_shape,
+    start_node,
+    start_vllm,
+)
 from kvmesh.common.hashing import TokenHasher
 from kvmesh.common.model_store import resolve as resolve_model
 from kvmesh.engine.vllm.model import make_tiny_model
@@ -85,22 +91,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "vLLM's OpenMP threads spin, so a process sharing their cores stalls every step)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of documents and questions")
-
-
-def _model_shape(model: Path) -> dict[str, int]:
-    config = json.loads((model / "config.json").read_text())
-    heads = int(config["num_attention_heads"])
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    layers = int(config["num_hidden_layers"])
-    # bf16 KV: K and V, every layer.
-    return {
-        "layers": layers,
-        "kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * 2,
-        "context": int(config.get("max_position_embeddings") or 16384),
-    }
 
 
 def _workload(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
@@ -288,7 +278,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         work = Path(tmp)
         progress.phase("making the model's folder")
         model = resolve_model(args.model) if args.model else make_tiny_model(work / "model")
-        shape = _model_shape(model)
+        shape = model_shape(model)
         warmup, queries = _workload(args)
         rounds = {"warmup": warmup, "query": queries}
         unique_bytes = _unique_chunks(warmup + queries) * shape["kv_bytes_per_token"] * CHUNK

@@ -9,6 +9,7 @@ benchmark reports.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,23 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def model_shape(model: Path) -> dict[str, int]:
+    """A model directory's KV shape: layers, kv heads, head size, bf16 KV bytes per token."""
+    config = json.loads((model / "config.json").read_text())
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    layers = int(config["num_hidden_layers"])
+    # bf16 KV: K and V, every layer.
+    return {
+        "layers": layers,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * 2,
+        "context": int(config.get("max_position_embeddings") or 16384),
+    }
+
+
 @dataclass
 class Process:
     """A started process, its log, and how to reach it."""
@@ -61,25 +80,47 @@ class Process:
         except OSError:
             return ""
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 60.0) -> None:
+        """SIGTERM to its process group; SIGKILL if it is still running after ``grace_s``."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(60)
+                self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
 
-def _spawn(name: str, argv: list[str], log: Path, env: dict[str, str]) -> Process:
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the thread that started it dies (Linux)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def spawn(name: str, argv: list[str], log: Path, env: dict[str, str]) -> Process:
+    """Start ``argv`` in its own session (so :meth:`Process.stop` ends its children too).
+
+    The process is sent SIGTERM should the benchmark die without stopping it
+    (killed, or a crash), so no server outlives the run.
+    """
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 (prctl only: no lock is taken)
         )
     return Process(name, proc, log)
 
 
-def _wait(check: object, process: Process, timeout: float, what: str) -> None:
+def wait_ready(check: object, process: Process, timeout: float, what: str) -> None:
+    """Wait until ``check()`` is true; raise with the log's tail if the process exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not process.alive():
@@ -105,8 +146,11 @@ class Node:
         return cpu_seconds(self.process.proc.pid)
 
 
-def start_node(work: Path, l1_size: str, chunk_size: int) -> Node:
-    """``kvmesh node`` with a lane in ``work``, no coordinator, L2 on local disk."""
+def start_node(work: Path, l1_size: str, chunk_size: int, extra_args: Sequence[str] = ()) -> Node:
+    """``kvmesh node`` with a lane in ``work``, no coordinator, L2 on local disk.
+
+    ``extra_args``: more ``kvmesh node`` options (they override the ones above).
+    """
     lane = work / "node.lane"
     ready = work / "node-ready.json"
     metrics_port = free_port()
@@ -114,10 +158,14 @@ def start_node(work: Path, l1_size: str, chunk_size: int) -> Node:
         sys.executable, "-m", "kvmesh.cli", "node", "--port", "0",
         "--lane-socket", str(lane), "--l1-size-bytes", l1_size,
         "--chunk-size", str(chunk_size), "--data-dir", str(work / "node-data"),
-        "--metrics-port", str(metrics_port), "--ready-file", str(ready),
+        "--metrics-port", str(metrics_port), "--ready-file", str(ready), *extra_args,
     ]  # fmt: skip
-    process = _spawn("kvmesh node", argv, work / "node.log", dict(os.environ))
-    _wait(ready.exists, process, 60, "kvmesh node")
+    process = spawn("kvmesh node", argv, work / "node.log", dict(os.environ))
+    try:
+        wait_ready(ready.exists, process, 60, "kvmesh node")
+    except BaseException:
+        process.stop()
+        raise
     endpoints = json.loads(ready.read_text())
     return Node(process, f"lane:{lane}", f"http://{endpoints['metrics']}/metrics")
 
@@ -141,6 +189,58 @@ class Server:
             return False
 
 
+#: Seconds a process stopped before it serves has to end before it is killed.
+STARTING_GRACE_S = 10.0
+
+
+def launch_vllm(
+    work: Path,
+    name: str,
+    model: Path,
+    *,
+    kv_blocks: int,
+    kv_cache_gib: int,
+    block_size: int,
+    max_model_len: int,
+    gateway: str | None,
+    omp_bind: str,
+    extra_args: Sequence[str] = (),
+) -> Server:
+    """Start vLLM's OpenAI server, not waiting for it to serve (:func:`start_vllm` waits).
+
+    Its KV cache has ``kv_blocks`` blocks, kvmesh's connector is on if
+    ``gateway``, and ``extra_args`` are more options of vLLM's server.
+    """
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", "bench",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--enforce-eager", "--max-model-len", str(max_model_len),
+        "--block-size", str(block_size), "--num-gpu-blocks-override", str(kv_blocks),
+        "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if gateway:
+        argv += ["--kv-transfer-config", json.dumps(transfer_config(gateway))]
+    argv += extra_args
+    env = {**os.environ, **engine_env(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": omp_bind}
+    process = spawn(f"vLLM ({name})", argv, work / f"vllm-{name}.log", env)
+    return Server(process, port)
+
+
+def wait_serving(server: Server, timeout: float = 600.0) -> None:
+    """Wait until vLLM's server answers its health check; stop it if it never does.
+
+    A vLLM stopped while it starts may hang in its shutdown: it has
+    :data:`STARTING_GRACE_S` before it is killed.
+    """
+    try:
+        wait_ready(server.healthy, server.process, timeout, server.process.name)
+    except BaseException:
+        server.process.stop(STARTING_GRACE_S)
+        raise
+
+
 def start_vllm(
     work: Path,
     name: str,
@@ -155,19 +255,16 @@ def start_vllm(
     startup_timeout_s: float = 600.0,
 ) -> Server:
     """vLLM's OpenAI server with a KV cache of ``kv_blocks`` blocks (and kvmesh if ``gateway``)."""
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--served-model-name", "bench",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--enforce-eager", "--max-model-len", str(max_model_len),
-        "--block-size", str(block_size), "--num-gpu-blocks-override", str(kv_blocks),
-        "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-    ]  # fmt: skip
-    if gateway:
-        argv += ["--kv-transfer-config", json.dumps(transfer_config(gateway))]
-    env = {**os.environ, **engine_env(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": omp_bind}
-    process = _spawn(f"vLLM ({name})", argv, work / f"vllm-{name}.log", env)
-    server = Server(process, port)
-    _wait(server.healthy, process, startup_timeout_s, f"vLLM ({name})")
+    server = launch_vllm(
+        work,
+        name,
+        model,
+        kv_blocks=kv_blocks,
+        kv_cache_gib=kv_cache_gib,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        gateway=gateway,
+        omp_bind=omp_bind,
+    )
+    wait_serving(server, startup_timeout_s)
     return server

@@ -1,0 +1,5 @@
+"""``python -m kvmesh.bench.route [--json]``."""
+
+from . import main
+
+main()
