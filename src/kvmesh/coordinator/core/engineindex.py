@@ -15,13 +15,19 @@ Streams are keyed by ``(engine_id, data_parallel_rank)``. Sequence handling
 (incarnations, gaps, replays) belongs to the caller; the index only offers
 :meth:`EngineIndex.reset_stream` for it. Thread safety: one lock around
 every method; scoring reads take it too.
+
+Every record is a tuple of atomic values (ints, bytes, str, None) and every
+table a dict of them, so CPython's cyclic GC untracks them all: sixteen
+engines' worth of blocks add nothing to a full collection (as mutable
+per-block objects they made one take over 100 ms).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import blake3
 
@@ -38,8 +44,7 @@ DEFAULT_MEDIUM = "GPU"
 ChunkKey = tuple[str, bytes]
 
 
-@dataclass(slots=True)
-class _Block:
+class _Block(NamedTuple):
     parent: BlockHash | None
     #: Token position just past this block.
     end: int
@@ -47,11 +52,12 @@ class _Block:
     raw: bytes
     #: The chain's salt (with LoRA); None when the chain cannot be matched.
     salt: str | None
-    media: set[str]
+    #: The media holding it, one bit each (EngineIndex._medium_bit).
+    media: int
     #: (boundary, chunk hash) of every chunk ending inside this block.
-    chunks: list[tuple[int, bytes]] = field(default_factory=list)
-    #: Boundaries of those chunks that are held now.
-    held: set[int] = field(default_factory=set)
+    chunks: tuple[tuple[int, bytes], ...] = ()
+    #: Bit i set: ``chunks[i]`` is held now.
+    held: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +73,7 @@ class _Stream:
 
     def __init__(self) -> None:
         self.blocks: dict[BlockHash, _Block] = {}
-        self.children: dict[BlockHash, set[BlockHash]] = {}
+        self.children: dict[BlockHash, tuple[BlockHash, ...]] = {}
         self.chunks: dict[ChunkKey, int] = {}
 
 
@@ -82,6 +88,18 @@ class EngineIndex:
         self._streams: dict[tuple[str, int], _Stream] = {}
         #: Events skipped because the index cannot use them (kept for status).
         self.skipped_events = 0
+        self._media: dict[str, int] = {}
+
+    def _medium_bit(self, medium: str | None) -> int:
+        name = medium or DEFAULT_MEDIUM
+        bit = self._media.get(name)
+        if bit is None:
+            if len(self._media) >= 62:
+                name = "(other)"  # an engine naming more media than that: lumped together
+                bit = self._media.setdefault(name, 1 << len(self._media))
+            else:
+                bit = self._media[name] = 1 << len(self._media)
+        return bit
 
     # -- streams -----------------------------------------------------------
 
@@ -126,7 +144,7 @@ class EngineIndex:
             # Another KV cache group (hybrid models), or tokens that do not cover the blocks.
             self.skipped_events += 1
             return
-        medium = event.medium or DEFAULT_MEDIUM
+        medium = self._medium_bit(event.medium)
         parent = event.parent
         salt: str | None
         if parent is None:
@@ -149,32 +167,38 @@ class EngineIndex:
                 salt = None  # multimodal or embedded input: tokens alone do not name it
             block = stream.blocks.get(block_hash)
             if block is None:
-                block = _Block(parent, end, raw[i * step : (i + 1) * step], salt, {medium})
+                block = _Block(parent, end, raw[i * step : (i + 1) * step], salt, medium)
                 stream.blocks[block_hash] = block
                 if parent is not None:
-                    stream.children.setdefault(parent, set()).add(block_hash)
+                    stream.children[parent] = (*stream.children.get(parent, ()), block_hash)
                 if salt is not None:
-                    self._complete_chunks(stream, block)
+                    self._complete_chunks(stream, block_hash)
                     self._rehold_below(stream, block_hash, block)
             else:
-                block.media.add(medium)
+                stream.blocks[block_hash] = block._replace(media=block.media | medium)
             parent = block_hash
 
-    def _complete_chunks(self, stream: _Stream, block: _Block) -> None:
-        """Hash (once) and hold every chunk that ends inside ``block`` and is covered."""
+    def _complete_chunks(self, stream: _Stream, block_hash: BlockHash) -> None:
+        """Hash (once) and hold every chunk that ends inside a block and is covered."""
+        block = stream.blocks[block_hash]
         c = self.chunk_size
         if not block.chunks:
             first = (_start(block) // c + 1) * c
             for boundary in range(first, block.end + 1, c):
-                found = self._chunk_hash(stream, block, boundary)
-                if found is None:
+                # The next chunk's hash chains from this one: keep the block current.
+                chunk_hash = self._chunk_hash(stream, block, boundary)
+                if chunk_hash is None:
                     break
-                block.chunks.append((boundary, found))
-        for boundary, chunk_hash in block.chunks:
-            if boundary not in block.held and self._covered(stream, block, boundary):
-                block.held.add(boundary)
+                block = block._replace(chunks=(*block.chunks, (boundary, chunk_hash)))
+            if not block.chunks:
+                return
+        held = block.held
+        for i, (boundary, chunk_hash) in enumerate(block.chunks):
+            if not held & (1 << i) and self._covered(stream, block, boundary):
+                held |= 1 << i
                 key = (block.salt or "", chunk_hash)
                 stream.chunks[key] = stream.chunks.get(key, 0) + 1
+        stream.blocks[block_hash] = block._replace(held=held)
 
     def _rehold_below(self, stream: _Stream, block_hash: BlockHash, block: _Block) -> None:
         """A block came (back): descendants whose chunks needed it may be whole again."""
@@ -185,7 +209,8 @@ class EngineIndex:
             child = stream.blocks.get(child_hash)
             if child is None or _start(child) >= reach:
                 continue
-            self._complete_chunks(stream, child)
+            if child.salt is not None:
+                self._complete_chunks(stream, child_hash)
             frontier.extend(stream.children.get(child_hash, ()))
 
     def _chunk_hash(self, stream: _Stream, block: _Block, boundary: int) -> bytes | None:
@@ -236,20 +261,20 @@ class EngineIndex:
     def _removed(self, stream: _Stream, event: BlockRemoved) -> None:
         if event.group_idx not in (None, 0):
             return
-        medium = event.medium or DEFAULT_MEDIUM
+        medium = self._medium_bit(event.medium)
         for block_hash in event.block_hashes:
             block = stream.blocks.get(block_hash)
             if block is None:
                 continue
-            block.media.discard(medium)
-            if block.media:
+            if block.media & ~medium:
+                stream.blocks[block_hash] = block._replace(media=block.media & ~medium)
                 continue
             self._release(stream, block_hash, block)
 
     def _release(self, stream: _Stream, block_hash: BlockHash, block: _Block) -> None:
         """Drop a block: un-hold every chunk that needed it, here and below."""
         c = self.chunk_size
-        self._unhold(stream, block, lambda boundary: True)
+        self._unhold(stream, block_hash, lambda boundary: True)
         # Descendants whose chunks reach back into this block.
         frontier = list(stream.children.get(block_hash, ()))
         while frontier:
@@ -257,27 +282,31 @@ class EngineIndex:
             child = stream.blocks.get(child_hash)
             if child is None or _start(child) >= block.end + c:
                 continue
-            self._unhold(stream, child, lambda boundary: boundary - c < block.end)
+            self._unhold(stream, child_hash, lambda boundary: boundary - c < block.end)
             frontier.extend(stream.children.get(child_hash, ()))
         del stream.blocks[block_hash]
         if block.parent is not None:
-            siblings = stream.children.get(block.parent)
-            if siblings is not None:
-                siblings.discard(block_hash)
-                if not siblings:
-                    del stream.children[block.parent]
+            siblings = tuple(h for h in stream.children.get(block.parent, ()) if h != block_hash)
+            if siblings:
+                stream.children[block.parent] = siblings
+            else:
+                stream.children.pop(block.parent, None)
 
     @staticmethod
-    def _unhold(stream: _Stream, block: _Block, which: Callable[[int], bool]) -> None:
-        for boundary, chunk_hash in block.chunks:
-            if boundary in block.held and which(boundary):
-                block.held.discard(boundary)
+    def _unhold(stream: _Stream, block_hash: BlockHash, which: Callable[[int], bool]) -> None:
+        block = stream.blocks[block_hash]
+        held = block.held
+        for i, (boundary, chunk_hash) in enumerate(block.chunks):
+            if held & (1 << i) and which(boundary):
+                held &= ~(1 << i)
                 key = (block.salt or "", chunk_hash)
                 left = stream.chunks.get(key, 0) - 1
                 if left > 0:
                     stream.chunks[key] = left
                 else:
                     stream.chunks.pop(key, None)
+        if held != block.held:
+            stream.blocks[block_hash] = block._replace(held=held)
 
     # -- reads -------------------------------------------------------------
 
