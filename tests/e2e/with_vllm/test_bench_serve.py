@@ -35,6 +35,10 @@ def test_bench_serve_reports_every_arrangement() -> None:
     mesh = result["arrangements"]["kvmesh"]
     # Each document is 4 chunks; the query round finds at least the ones vLLM evicted.
     assert mesh["tokens_from_kvmesh"] >= 1024
+    # The node's L1 figures come from its metrics (at least the first segment is mapped).
+    assert mesh["l1_segments"] >= 1
+    assert isinstance(mesh["l1_growth_waits"], int)
+    assert isinstance(mesh["l1_growth_wait_max_ms"], float)
     assert result["stored_bytes"] == result["unique_prompt_bytes"] > 0
     assert result["arrangements"]["floor"]["cached_tokens"] >= 3 * 1024
     assert "serve: vllm_alone: warmup round" in done.stderr

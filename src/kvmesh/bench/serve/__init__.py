@@ -245,6 +245,13 @@ def _arrangement(
                     "stored_bytes": int(delta("kvmesh_gateway_stored_chunks_total")) * chunk_bytes,
                     "store_skipped_chunks": int(delta("kvmesh_gateway_store_skipped_chunks_total")),
                     "kvmesh_cpu_s": round(node.cpu_seconds() - cpu_before, 2),
+                    # L1 grows while the rounds run: how many store calls waited for a
+                    # new segment, the longest wait since the node started, and segments.
+                    "l1_growth_waits": int(delta("kvmesh_storage_l1_growth_waits_total")),
+                    "l1_growth_wait_max_ms": round(
+                        1e3 * after.get("kvmesh_storage_l1_growth_wait_max_seconds", 0.0), 1
+                    ),
+                    "l1_segments": int(after.get("kvmesh_storage_l1_segments", 0)),
                 }
             )
         return result
@@ -339,7 +346,9 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             f"kvmesh: {mesh['tokens_from_kvmesh']} tokens served, {mesh['stored_bytes']} bytes "
             f"stored for {result['unique_prompt_bytes']} unique prompt bytes "
-            f"({result['stored_vs_unique']}x), {mesh['kvmesh_cpu_s']} CPU s"
+            f"({result['stored_vs_unique']}x), {mesh['kvmesh_cpu_s']} CPU s; "
+            f"L1 {mesh['l1_segments']} segments, {mesh['l1_growth_waits']} store calls waited "
+            f"for a growth, the longest {mesh['l1_growth_wait_max_ms']} ms"
         )
     for key in ("query_ttft_vs_floor", "warmup_round_vs_vllm_alone"):
         if key in result:
