@@ -27,6 +27,7 @@ from vllm.distributed.kv_events import (
 from kvmesh.api.coordinator.v1 import directory_pb2, engines_pb2
 from kvmesh.common.keys import salt_with_lora
 from kvmesh.coordinator.engine_client import EngineClient
+from kvmesh.coordinator.enginefeed.subscriber import StreamFollower
 from tests.integration.coordinator.conftest import CoordFactory
 from tests.integration.coordinator.support import (
     L1,
@@ -437,3 +438,27 @@ def test_kvmesh_tiers_are_republished_as_vllm_events(make_coord: CoordFactory) -
     finally:
         sub.close(linger=0)
         ctx.term()
+
+
+def test_a_follower_that_fails_starts_over_and_relearns_from_the_replay(
+    make_coord: CoordFactory, engines: list[Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failures: list[int] = []
+    live = StreamFollower._live
+
+    async def fail_once(self: StreamFollower, frames: list[bytes]) -> None:
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("a bug in a follower")
+        await live(self, frames)
+
+    monkeypatch.setattr(StreamFollower, "_live", fail_once)
+    a = _engine(engines)
+    coord = make_coord(chunk_size=CHUNK)
+    _register(coord, **a.spec("engine-a"))
+    tokens = _prompt(2, seed=9)
+    wait_until(lambda: _stream(coord, "engine-a").replays >= 1)
+    a.publish(_stored(tokens, "a"))
+    # The first live frame kills the follower; the new one replays it from vLLM's buffer.
+    wait_until(lambda: _engine_tokens(coord, tokens, "engine-a") == 2 * CHUNK, 15)
+    assert failures == [1]

@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 64 << 20
 #: Live batches the SUB socket keeps while a replay runs.
 RECEIVE_HWM = 100_000
+#: Seconds before a stream that failed is followed again.
+RESTART_DELAY_S = 1.0
 
 
 class EngineFeed:
@@ -90,7 +92,7 @@ class EngineFeed:
                 self._ctx, self.engines, spec, rank, self.replay_timeout, self._turn
             )
             self._tasks[(engine_id, rank)] = asyncio.create_task(
-                follower.run(), name=f"kv-events-{engine_id}-{rank}"
+                follower.supervise(), name=f"kv-events-{engine_id}-{rank}"
             )
 
 
@@ -122,6 +124,24 @@ class StreamFollower:
         self._lock = asyncio.Lock()
         self.counts = {"incarnations": 0, "gaps": 0, "replays": 0, "batches": 0, "malformed": 0}
 
+    async def supervise(self) -> None:
+        """Follow the stream until cancelled; after a failure, start over (blocks dropped)."""
+        while True:
+            try:
+                await self.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception(
+                    "engine %s rank %d: event stream failed; following it again in %.0f s",
+                    self.spec.engine_id,
+                    self.rank,
+                    RESTART_DELAY_S,
+                )
+            self._reset()
+            self._report()
+            await asyncio.sleep(RESTART_DELAY_S)
+
     async def run(self) -> None:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -140,13 +160,6 @@ class StreamFollower:
                 frames = await sub.recv_multipart()
                 async with self._lock:
                     await self._live(frames)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception(
-                "engine %s rank %d: event stream failed", self.spec.engine_id, self.rank
-            )
-            raise
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
