@@ -119,12 +119,16 @@ class EngineFeeds:
         )
         self._thread.start()
 
+    def step(self) -> None:
+        """One scheduler step of every engine."""
+        for engine in self.engines:
+            self._step(engine)
+
     def _feed(self, rate: float) -> None:
         period = 1.0 / rate
         next_at = time.monotonic()
         while not self._stop.is_set():
-            for engine in self.engines:
-                self._step(engine)
+            self.step()
             next_at += period
             delay = next_at - time.monotonic()
             if delay > 0:
