@@ -201,3 +201,15 @@ def bench_main(
     logging.basicConfig(level=logging.WARNING)
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
+
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """``--model NAME|DIR`` of the benchmarks that run real vLLM."""
+    parser.add_argument(
+        "--model",
+        metavar="NAME|DIR",
+        default=None,
+        help="a Hugging Face model directory, or a model kvmesh makes offline (smollm2: "
+        "SmolLM2-135M-Instruct, see kvmesh model) (default: a tiny random-weight Llama made "
+        "in a temporary directory)",
+    )

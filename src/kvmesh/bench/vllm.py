@@ -36,7 +36,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kvmesh.bench.common import Progress
+from kvmesh.bench.common import Progress, add_model_argument
 from kvmesh.common.model_store import resolve as resolve_model
 from kvmesh.engine.vllm.model import make_tiny_model
 from kvmesh.engine.vllm.runner import run_engine
@@ -46,14 +46,7 @@ MIN_PROMPT_TOKENS = 600
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvmesh bench vllm``."""
-    parser.add_argument(
-        "--model",
-        metavar="NAME|DIR",
-        default=None,
-        help="a Hugging Face model directory, or a model kvmesh makes offline (smollm2: "
-        "SmolLM2-135M-Instruct, see kvmesh model) (default: a tiny random-weight Llama made "
-        "in a temporary directory)",
-    )
+    add_model_argument(parser)
     parser.add_argument("--prompt-tokens", type=int, default=8000, help="tokens per prompt")
     parser.add_argument(
         "--prompts", type=int, default=5, help="distinct prompts; figures are their medians"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from kvmesh.bench.common import add_model_argument
+
 ROUTERS = ("score", "round_robin", "oracle")
 #: Engines (each a vLLM server with a kvmesh node of its own).
 ENGINES = 2
@@ -31,13 +33,7 @@ def default_omp_binds(cores: int) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvmesh bench route``."""
-    parser.add_argument(
-        "--model",
-        metavar="NAME|DIR",
-        default=None,
-        help="a model directory or a model kvmesh makes offline (smollm2); default: the tiny "
-        "random-weight Llama",
-    )
+    add_model_argument(parser)
     parser.add_argument("--groups", type=int, default=6, help="prefix groups (G)")
     parser.add_argument(
         "--prefix-tokens", type=int, default=2048, help="tokens of a group's shared prefix (L)"

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.bench.common import Progress
+from kvmesh.bench.common import Progress, add_model_argument
 from kvmesh.bench.serve.client import Answer, run_round, stream_completion
 from kvmesh.bench.serve.servers import (
     Node,
@@ -58,13 +58,7 @@ QUESTION_TOKENS = 24
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvmesh bench serve``."""
-    parser.add_argument(
-        "--model",
-        metavar="NAME|DIR",
-        default=None,
-        help="a model directory or a model kvmesh makes offline (smollm2); default: the tiny "
-        "random-weight Llama",
-    )
+    add_model_argument(parser)
     parser.add_argument("--documents", type=int, default=20, help="documents (N)")
     parser.add_argument("--doc-tokens", type=int, default=6145, help="tokens per document (L)")
     parser.add_argument("--concurrency", type=int, default=2, help="requests in flight (C)")
