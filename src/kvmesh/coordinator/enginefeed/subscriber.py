@@ -79,7 +79,17 @@ class EngineFeed:
             self._ctx = None
 
     def _changed(self, engine_id: str, spec: EngineSpec | None) -> None:
-        if self._loop is not None:
+        if self._loop is None:
+            return
+        try:
+            here = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            here = False
+        if here:
+            # At once: the old follower must not apply another batch after the
+            # registry dropped the engine's blocks.
+            self._follow(engine_id, spec)
+        else:
             self._loop.call_soon_threadsafe(self._follow, engine_id, spec)
 
     def _follow(self, engine_id: str, spec: EngineSpec | None) -> None:
