@@ -16,7 +16,8 @@ import pytest
 from tests.support.harness import kvmesh_cli
 from tests.support.servers import require_vllm
 
-pytestmark = pytest.mark.slow
+# Two vLLM servers, two nodes and a coordinator: on a loaded 2-core runner this can pass 300 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 GROUPS, PER_GROUP, PREFIX = 3, 3, 512
 KEYS = (
