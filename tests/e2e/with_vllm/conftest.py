@@ -18,3 +18,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.getbasetemp().parent
     with FileLock(str(root / "kvmesh-tiny-model.lock")):
         return make_tiny_model(root / "kvmesh-tiny-model")
+
+
+#: Seconds one real-vLLM test may take. Alone each takes 40-140 s; in the suite
+#: two or three of them share the runner's two cores with the rest, and a test
+#: that starts several vLLM servers can pass the suite's default of 300 s.
+VLLM_TEST_TIMEOUT_S = 900
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if Path(str(item.path)).is_relative_to(here):
+            item.add_marker(pytest.mark.timeout(VLLM_TEST_TIMEOUT_S))

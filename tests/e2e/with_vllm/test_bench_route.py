@@ -16,8 +16,7 @@ import pytest
 from tests.support.harness import kvmesh_cli
 from tests.support.servers import require_vllm
 
-# Two vLLM servers, two nodes and a coordinator: on a loaded 2-core runner this can pass 300 s.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.slow
 
 GROUPS, PER_GROUP, PREFIX = 3, 3, 512
 KEYS = (

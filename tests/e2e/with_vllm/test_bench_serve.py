@@ -15,8 +15,7 @@ import pytest
 from tests.support.harness import kvmesh_cli
 from tests.support.servers import require_vllm
 
-# Three vLLM servers one after another: on a loaded 2-core runner this can pass 300 s.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.slow
 
 KEYS = ("query_ttft_mean_ms", "warmup_ttft_max_ms", "warmup_round_s", "query_round_s")
 
