@@ -6,12 +6,13 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TextIO, TypeVar
 
@@ -213,3 +214,8 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
         "SmolLM2-135M-Instruct, see kvmesh model) (default: a tiny random-weight Llama made "
         "in a temporary directory)",
     )
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0 < q <= 1) of sorted, non-empty ``ordered``."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]

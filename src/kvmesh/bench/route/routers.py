@@ -16,7 +16,6 @@ sending and :meth:`Router.done` after the answer.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ from typing import Any
 import grpc
 
 from kvmesh.api.coordinator.v1 import directory_pb2, directory_pb2_grpc
-from kvmesh.bench.common import LoopThread
+from kvmesh.bench.common import LoopThread, percentile
 from kvmesh.common.hashing import TokenHasher
 
 #: Deadline of one ScoreEngines call.
@@ -189,8 +188,3 @@ class ScoreRouter(Router):
             self._loop.run(self._channel.close(), 10)
         finally:
             self._loop.close()
-
-
-def percentile(ordered: Sequence[float], p: float) -> float:
-    """The nearest-rank ``p`` percentile (0 < p <= 1) of sorted, non-empty ``ordered``."""
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(p * len(ordered)) - 1))]

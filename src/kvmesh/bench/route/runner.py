@@ -6,7 +6,6 @@ import argparse
 import importlib.util
 import json
 import math
-import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -14,14 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.bench.common import Progress
-from kvmesh.bench.serve.client import Answer, run_round, stream_completion
+from kvmesh.bench.serve.client import Answer, run_round, stream_completion, ttft_summary
 from kvmesh.bench.serve.servers import model_shape
 from kvmesh.common.model_store import resolve as resolve_model
 from kvmesh.engine.vllm.model import make_tiny_model
 
 from .fleet import Fleet, Sizes, start_fleet
 from .params import BLOCK_SIZE, CHUNK, chosen_routers, omp_binds
-from .routers import OracleRouter, RoundRobinRouter, Router, ScoreRouter, percentile
+from .routers import OracleRouter, RoundRobinRouter, Router, ScoreRouter
 from .workload import Request, Shape, requests, warmup_prompt
 
 #: The name vLLM serves the model under (see kvmesh.bench.serve.servers.launch_vllm).
@@ -163,19 +162,16 @@ def _summary(
     engine_of: Sequence[int],
     elapsed: float,
 ) -> dict[str, Any]:
-    ttfts = sorted(1e3 * a.ttft_s for a in answers)
+    figures: dict[str, Any] = ttft_summary(answers, elapsed)
+    hit_tokens = figures.pop("cached_tokens")
     prompt_tokens = sum(len(r.prompt) for r in batch)
-    hit_tokens = sum(a.cached_tokens for a in answers)
     return {
         "requests": len(batch),
         "answered": len(answers),
         "prompt_tokens": prompt_tokens,
         "hit_tokens": hit_tokens,
         "hit_rate": round(hit_tokens / prompt_tokens, 4),
-        "ttft_mean_ms": round(statistics.fmean(ttfts), 1),
-        "ttft_p50_ms": round(percentile(ttfts, 0.5), 1),
-        "ttft_p90_ms": round(percentile(ttfts, 0.9), 1),
-        "round_s": round(elapsed, 2),
+        **figures,
         "requests_per_engine": {
             e.engine_id: sum(1 for i in engine_of if i == n) for n, e in enumerate(fleet.engines)
         },

@@ -10,10 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvmesh.api.coordinator.v1 import directory_pb2, engines_pb2, ingest_pb2
-from kvmesh.bench.common import Progress, cpu_seconds
+from kvmesh.bench.common import Progress, cpu_seconds, percentile
 from kvmesh.bench.ingest.server import coordinator_process
 from kvmesh.common.convert import batch_to_proto
 from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
@@ -50,11 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _percentiles(samples: list[float]) -> dict[str, float]:
-    ms = np.asarray(samples) * 1000.0
+    ms = sorted(1e3 * s for s in samples)
     return {
-        "p50_ms": round(float(np.percentile(ms, 50)), 4),
-        "p99_ms": round(float(np.percentile(ms, 99)), 4),
-        "max_ms": round(float(ms.max()), 4),
+        "p50_ms": round(percentile(ms, 0.5), 4),
+        "p99_ms": round(percentile(ms, 0.99), 4),
+        "max_ms": round(ms[-1], 4),
     }
 
 

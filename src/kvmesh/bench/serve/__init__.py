@@ -28,7 +28,6 @@ import importlib.util
 import math
 import os
 import random
-import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -38,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvmesh.bench.common import Progress, add_model_argument
-from kvmesh.bench.serve.client import Answer, run_round, stream_completion
+from kvmesh.bench.serve.client import Answer, run_round, stream_completion, ttft_summary
 from kvmesh.bench.serve.servers import (
     Node,
     Server,
@@ -113,22 +112,6 @@ def _unique_chunks(prompts: Sequence[Sequence[int]]) -> int:
     return len(seen)
 
 
-def _summary(answers: Sequence[Answer], round_s: float) -> dict[str, float]:
-    ttfts = sorted(1e3 * a.ttft_s for a in answers)
-
-    def pct(p: float) -> float:
-        return ttfts[min(len(ttfts) - 1, max(0, math.ceil(p * len(ttfts)) - 1))]
-
-    return {
-        "ttft_mean_ms": round(statistics.fmean(ttfts), 1),
-        "ttft_p50_ms": round(pct(0.5), 1),
-        "ttft_p90_ms": round(pct(0.9), 1),
-        "ttft_max_ms": round(ttfts[-1], 1),
-        "round_s": round(round_s, 2),
-        "cached_tokens": sum(a.cached_tokens for a in answers),
-    }
-
-
 def _run_rounds(
     args: argparse.Namespace,
     name: str,
@@ -153,7 +136,7 @@ def _run_rounds(
             progress.say(f"{name}: {label} {a.index + 1}: TTFT {1e3 * a.ttft_s:.0f} ms")
 
         answers, elapsed = run_round(send, len(prompts), args.concurrency, show)
-        out[label] = _summary(answers, elapsed)
+        out[label] = ttft_summary(answers, elapsed)
     return out
 
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 import http.client
 import json
 import queue
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from kvmesh.bench.common import percentile
 
 
 @dataclass
@@ -115,3 +118,16 @@ def run_round(
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed; first: {errors[0]!r}")
     return sorted(answers, key=lambda a: a.index), elapsed
+
+
+def ttft_summary(answers: Sequence[Answer], round_s: float) -> dict[str, float]:
+    """A round's TTFT mean, p50, p90 and max (ms), its seconds and the tokens cached."""
+    ttfts = sorted(1e3 * a.ttft_s for a in answers)
+    return {
+        "ttft_mean_ms": round(statistics.fmean(ttfts), 1),
+        "ttft_p50_ms": round(percentile(ttfts, 0.5), 1),
+        "ttft_p90_ms": round(percentile(ttfts, 0.9), 1),
+        "ttft_max_ms": round(ttfts[-1], 1),
+        "round_s": round(round_s, 2),
+        "cached_tokens": sum(a.cached_tokens for a in answers),
+    }

@@ -134,9 +134,7 @@ class EngineIndex:
                 elif isinstance(event, BlockRemoved):
                     self._removed(stream, event)
                 elif isinstance(event, AllBlocksCleared):
-                    stream.blocks.clear()
-                    stream.children.clear()
-                    stream.chunks.clear()
+                    stream = self._streams[(engine_id, rank)] = _Stream()
 
     def _stored(self, stream: _Stream, event: BlockStored) -> None:
         bs = event.block_size
