@@ -58,15 +58,13 @@ class RopeParams:
         """The rotating dimensions (``rotary_dim``, or the whole head)."""
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
-    def inv_freq(
-        self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64
-    ) -> torch.Tensor:
-        """``[rotary / 2]`` angular frequencies ``base ** (-2i / rotary)``.
+    def inv_freq(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[rotary / 2]`` fp64 angular frequencies ``base ** (-2i / rotary)``.
 
-        fp64 by default: at position 4 000 an fp32 frequency is off by up to
-        2e-4 rad, which is the whole error budget of an fp32 key.
+        fp64: at position 4 000 an fp32 frequency is off by up to 2e-4 rad,
+        which is the whole error budget of an fp32 key.
         """
-        exponents = torch.arange(0, self.rotary, 2, dtype=dtype, device=device)
+        exponents = torch.arange(0, self.rotary, 2, dtype=torch.float64, device=device)
         return 1.0 / (self.base ** (exponents / self.rotary))
 
 

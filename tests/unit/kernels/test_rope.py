@@ -70,8 +70,9 @@ def test_rerope_equals_rope_at_the_new_position(
     dst = torch.arange(raw.shape[0]) + 4100  # reused 4100 tokens into another prompt
     stored = apply_rope(raw.to(dtype), src, params)
     moved = rerope(stored, src, dst, params)
-    want = _hf_llama_rope(raw, dst, 100000.0) if style is RopeStyle.NEOX else None
-    if want is None:
+    if style is RopeStyle.NEOX:
+        want = _hf_llama_rope(raw, dst, 100000.0)
+    else:
         want = _gptj_rope(raw, dst, 100000.0, 64)
     assert moved.dtype == dtype
     # |k| ~ 1 per element: bf16 keeps 8 bits of mantissa, two roundings (store, move).
