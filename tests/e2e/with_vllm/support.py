@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.error
 import urllib.request
+from typing import Any
 
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.storage.client import StorageClient
@@ -31,3 +33,66 @@ def healthy(base: str) -> bool:
             return bool(resp.status == 200)
     except (urllib.error.URLError, OSError):
         return False
+
+
+#: Top-k logprobs a warm answer may differ by from a cold one: two bf16 steps of a
+#: logit near 1 (2**-6). Attention over a loaded prefix sums in another order than a
+#: full prefill, as with vLLM's own prefix cache; a wrong block moves the hidden state
+#: far more and changes the top-k ids. See docs/architecture.md, "Checking KV integrity".
+LOGPROB_TOLERANCE = 2**-6
+#: Top-k logprobs each completion asks for.
+TOP_K = 5
+
+
+def complete(base: str, model: str, prompt: list[int], max_tokens: int = 4) -> dict[str, Any]:
+    """One greedy completion of token ids by vLLM's OpenAI server, with top-k logprobs."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": TOP_K,
+    }
+    request = urllib.request.Request(
+        f"{base}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        assert resp.status == 200
+        answer: dict[str, Any] = json.load(resp)
+    return answer
+
+
+def assert_same_completion(cold: dict[str, Any], warm: dict[str, Any]) -> None:
+    """``warm`` answers as ``cold`` did, up to the numerics of another computation path.
+
+    Step by step, while the greedy tokens agree: a token in both top-k lists has
+    logprobs within :data:`LOGPROB_TOLERANCE`, and a token in only one list sits
+    at the other's edge (a near tie for the k-th place). Where the greedy tokens
+    first differ, the two must be such a near tie in both lists; the steps after
+    continue two different texts and are not compared.
+    """
+    steps_cold = cold["choices"][0]["logprobs"]
+    steps_warm = warm["choices"][0]["logprobs"]
+    pairs = zip(
+        steps_cold["tokens"],
+        steps_warm["tokens"],
+        steps_cold["top_logprobs"],
+        steps_warm["top_logprobs"],
+        strict=True,
+    )
+    for step, (token_cold, token_warm, top_cold, top_warm) in enumerate(pairs):
+        where = f"step {step}: cold top-k {top_cold}, warm top-k {top_warm}"
+        for token in top_cold.keys() & top_warm.keys():
+            assert abs(top_cold[token] - top_warm[token]) <= LOGPROB_TOLERANCE, where
+        for token in top_cold.keys() - top_warm.keys():
+            assert top_cold[token] <= min(top_warm.values()) + LOGPROB_TOLERANCE, where
+        for token in top_warm.keys() - top_cold.keys():
+            assert top_warm[token] <= min(top_cold.values()) + LOGPROB_TOLERANCE, where
+        if token_cold != token_warm:
+            assert token_warm in top_cold, where
+            assert token_cold in top_warm, where
+            assert abs(top_cold[token_cold] - top_cold[token_warm]) <= LOGPROB_TOLERANCE, where
+            assert abs(top_warm[token_cold] - top_warm[token_warm]) <= LOGPROB_TOLERANCE, where
+            return

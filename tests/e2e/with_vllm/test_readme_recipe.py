@@ -17,20 +17,22 @@ prefix cache stays on, as the recipe leaves it).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import subprocess
 import sys
-import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.e2e.with_vllm.support import healthy, resident_chunks
+from tests.e2e.with_vllm.support import (
+    assert_same_completion,
+    complete,
+    healthy,
+    resident_chunks,
+)
 from tests.support.ports import free_port
 from tests.support.readme import Command, blocks, commands
 from tests.support.waiting import wait_until
@@ -55,16 +57,6 @@ def _recipe() -> tuple[Command, Command]:
 def _replace(text: str, old: str, new: str) -> str:
     assert text.count(old) >= 1, f"the README recipe no longer says {old!r}: update this test"
     return text.replace(old, new)
-
-
-def _complete(base: str, model: str, prompt: list[int]) -> dict[str, Any]:
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
-    request = urllib.request.Request(
-        f"{base}/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        answer: dict[str, Any] = json.load(resp)
-    return answer
 
 
 def _start(line: str, log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -133,15 +125,15 @@ def test_the_readme_recipe_serves_one_vllms_prompt_to_another(
             assert server.poll() is None, (tmp_path / f"vllm-{i}.log").read_text()[-3000:]
         rng = random.Random(9)
         prompt = [rng.randrange(3, 32000) for _ in range(PROMPT_TOKENS)]
-        first = _complete(bases[0], str(tiny_model), prompt)
+        first = complete(bases[0], str(tiny_model), prompt, max_tokens=1)
         # Stores finish in the background, after vLLM has answered.
         wait_until(lambda: resident_chunks(f"127.0.0.1:{node_port}") >= CACHED // 256, 60)
-        second = _complete(bases[1], str(tiny_model), prompt)
+        second = complete(bases[1], str(tiny_model), prompt, max_tokens=1)
     finally:
         for server in servers:
             _stop(server)
         _stop(node)
-    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert_same_completion(first, second)
     # The second vLLM never saw the prompt: its cached tokens came from kvmesh.
     details = second["usage"].get("prompt_tokens_details") or {}
     assert details.get("cached_tokens") == CACHED, second["usage"]

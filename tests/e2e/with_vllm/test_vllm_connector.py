@@ -23,7 +23,7 @@ from kvmesh.cli.demo_vllm import wait_events_acked
 from kvmesh.engine.vllm.runner import is_paused, kill, results_and_log, resume, start_engine
 from kvmesh.engine.vllm.worker import RESUMED
 from tests.e2e.support import require_fleet_services, start_fleet
-from tests.e2e.with_vllm.support import resident_chunks
+from tests.e2e.with_vllm.support import LOGPROB_TOLERANCE, TOP_K, resident_chunks
 from tests.support.servers import ServerProcess
 from tests.support.waiting import wait_until
 
@@ -33,11 +33,6 @@ PROMPT_TOKENS = 8000
 CHUNK = 256
 #: Complete chunks of a prompt, minus nothing: vLLM recomputes only the tail.
 CACHED = PROMPT_TOKENS // CHUNK * CHUNK
-TOP_K = 5
-#: Top-k logprobs of a warm run equal the cold run's within two bf16 steps of a logit
-#: near 1 (2**-6): attention over a loaded prefix sums in another order than a full
-#: prefill, as with vLLM's own prefix cache. A wrong block changes the top-k ids.
-LOGPROB_TOLERANCE = 2**-6
 
 
 def prompt(seed: int) -> list[int]:

@@ -11,13 +11,12 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvmesh.engine.vllm.worker import engine_env, transfer_config
 from tests.e2e.support import start_fleet
-from tests.e2e.with_vllm.support import resident_chunks
+from tests.e2e.with_vllm.support import assert_same_completion, complete, resident_chunks
 from tests.support.ports import free_port
 from tests.support.waiting import wait_until
 
@@ -33,18 +32,6 @@ def _get(url: str) -> bool:
             return bool(resp.status == 200)
     except (urllib.error.URLError, OSError):
         return False
-
-
-def _complete(base: str, model: str, prompt: list[int]) -> dict[str, Any]:
-    body = json.dumps(
-        {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-    ).encode()
-    request = urllib.request.Request(
-        f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        answer: dict[str, Any] = json.load(resp)
-    return answer
 
 
 def test_openai_server_with_kv_transfer_config_serves_a_prompt_from_kvmesh(
@@ -74,12 +61,12 @@ def test_openai_server_with_kv_transfer_config_serves_a_prompt_from_kvmesh(
         assert server.poll() is None, log.read_text()[-3000:]
         rng = random.Random(5)
         prompt = [rng.randrange(3, 32000) for _ in range(PROMPT_TOKENS)]
-        cold = _complete(base, str(tiny_model), prompt)
+        cold = complete(base, str(tiny_model), prompt, max_tokens=1)
         # vLLM answers before the connector's stores finish (they run in the background):
         # the next request finds the prefix once the node holds its chunks.
         storage = fleet.endpoint("node-0-storage")
         wait_until(lambda: resident_chunks(storage) >= CACHED // 256, 60)
-        warm = _complete(base, str(tiny_model), prompt)
+        warm = complete(base, str(tiny_model), prompt, max_tokens=1)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -88,6 +75,6 @@ def test_openai_server_with_kv_transfer_config_serves_a_prompt_from_kvmesh(
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         fleet.stop()
-    assert cold["choices"][0]["text"] == warm["choices"][0]["text"]
+    assert_same_completion(cold, warm)
     details = warm["usage"].get("prompt_tokens_details") or {}
     assert details.get("cached_tokens") == CACHED, warm["usage"]

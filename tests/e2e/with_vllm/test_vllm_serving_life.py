@@ -29,8 +29,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +37,7 @@ import pytest
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.engine.vllm.worker import engine_env, transfer_config
 from kvmesh.storage.client import StorageClient
-from tests.e2e.with_vllm.support import healthy
+from tests.e2e.with_vllm.support import assert_same_completion, complete, healthy
 from tests.support.harness import REPO_ROOT
 from tests.support.ports import free_port
 from tests.support.waiting import wait_until
@@ -80,17 +78,6 @@ def _status(port: int) -> storage_pb2.GetStatusResponse:
             await client.close()
 
     return asyncio.run(ask())
-
-
-def _complete(base: str, model: str, prompt: list[int]) -> dict[str, Any]:
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0})
-    request = urllib.request.Request(
-        f"{base}/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as resp:
-        assert resp.status == 200
-        answer: dict[str, Any] = json.load(resp)
-    return answer
 
 
 def _cached(answer: dict[str, Any]) -> int:
@@ -139,11 +126,11 @@ def _shmem() -> int:
 def _stored_then_hit(base: str, model: str, prompt: list[int], port: int) -> dict[str, Any]:
     # Chunks of earlier prompts may be resident already: wait for this prompt's own.
     before = _status(port).l1.resident_objects
-    cold = _complete(base, model, prompt)
+    cold = complete(base, model, prompt)
     wait_until(lambda: _status(port).l1.resident_objects >= before + CACHED // 256, 60)
-    warm = _complete(base, model, prompt)
+    warm = complete(base, model, prompt)
     assert _cached(warm) == CACHED, warm["usage"]
-    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    assert_same_completion(cold, warm)
     return warm
 
 
@@ -186,11 +173,11 @@ def test_a_node_restarted_under_vllm_is_found_again_and_a_killed_vllm_gives_its_
         node.kill()
         node.wait(30)
         restarted = time.monotonic()
-        assert _cached(_complete(base, model, second)) == 0  # no node: computed, not failed
+        assert _cached(complete(base, model, second)) == 0  # no node: computed, not failed
         node = _start_node(port, tmp_path, "node-b")
         # Requests during and after the restart never fail; the first prompt was held
         # by the old incarnation only, so it is computed again.
-        assert _cached(_complete(base, model, first)) == 0
+        assert _cached(complete(base, model, first)) == 0
         wait_until(lambda: list(_status(port).engine_ids), 60)
         _stored_then_hit(base, model, second, port)
         print(f"\n{target}: node restart to a hit again: {time.monotonic() - restarted:.1f} s")
