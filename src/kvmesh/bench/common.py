@@ -9,10 +9,12 @@ import logging
 import math
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO, TypeVar
 
@@ -22,6 +24,7 @@ __all__ = [
     "DefaultsHelpFormatter",
     "LoopThread",
     "Progress",
+    "ServiceProcess",
     "add_common_arguments",
     "bench_main",
     "cpu_seconds",
@@ -219,3 +222,42 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
 def percentile(ordered: Sequence[float], q: float) -> float:
     """The nearest-rank ``q`` quantile (0 < q <= 1) of sorted, non-empty ``ordered``."""
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+class ServiceProcess:
+    """A kvmesh service (``kvmesh <service> ...``) run as a subprocess for a benchmark.
+
+    Its log goes to ``workdir/NAME.log``; :meth:`wait_ready` returns the
+    endpoints of its ready file (``grpc``: its address).
+    """
+
+    def __init__(self, service: str, args: list[str], workdir: Path, name: str) -> None:
+        self.ready = workdir / f"{name}.ready.json"
+        self.log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", service, *args, "--ready-file", str(self.ready)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.endpoints: dict[str, Any] = {}
+
+    def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while not self.ready.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.log.name}: exited with {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.log.name}: not ready after {timeout} s")
+            time.sleep(0.05)
+        self.endpoints = json.loads(self.ready.read_text())
+        return self.endpoints
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()

@@ -24,15 +24,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import mmap
 import multiprocessing
 import os
 import shutil
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -44,7 +41,7 @@ import grpc
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.coordinator.v1 import directory_pb2, directory_pb2_grpc
 from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
-from kvmesh.bench.common import Progress, size_text
+from kvmesh.bench.common import Progress, ServiceProcess, size_text
 
 MIB = 1 << 20
 MODEL = "bench/p2p"
@@ -66,39 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(--p2p-data-port -1)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-class _Proc:
-    def __init__(self, service: str, args: list[str], workdir: Path, name: str) -> None:
-        self.ready = workdir / f"{name}.ready.json"
-        self.log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.cli", service, *args, "--ready-file", str(self.ready)],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        self.endpoints: dict[str, Any] = {}
-
-    def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while not self.ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.log.name}: exited with {self.proc.returncode}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.log.name}: not ready after {timeout} s")
-            time.sleep(0.05)
-        self.endpoints = json.loads(self.ready.read_text())
-        return self.endpoints
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def _grid(hashes: list[bytes]) -> common_pb2.KeyGrid:
@@ -241,10 +205,10 @@ def _run(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
     l1_bytes = (args.chunks + 2) * chunk_bytes + 64 * MIB
     workdir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-p2p-"))
     shm = Path("/dev/shm") / f"kvmesh-bench-p2p-{uuid.uuid4().hex[:8]}"
-    procs: list[_Proc] = []
+    procs: list[ServiceProcess] = []
     try:
         progress.phase("starting the coordinator")
-        coordinator = _Proc(
+        coordinator = ServiceProcess(
             "coordinator",
             ["--port", "0", "--metrics-port", "-1", "--log-level", "WARNING"],
             workdir,
@@ -258,7 +222,7 @@ def _run(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
             (shm / name).mkdir(parents=True)
             segment = min(l1_bytes, 1024 * MIB)
             segment -= segment % (4 * MIB)
-            proc = _Proc(
+            proc = ServiceProcess(
                 "storage",
                 [
                     "--port",

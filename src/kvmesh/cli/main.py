@@ -117,6 +117,10 @@ def run_service(command: ServiceCommand, settings: ServerSettings) -> int:
 
 # ``kvmesh bench <name>``: module with add_arguments(parser), run(args) -> dict, format_table(dict).
 BENCHES = {
+    "blend": (
+        "kvmesh.bench.blend",
+        "CacheBlend on SmolLM2: TTFT, reused tokens and output quality vs a full prefill",
+    ),
     "datapath": (
         "kvmesh.bench.datapath",
         "store/retrieve GB/s of 32 MiB chunks vs memcpy (same run)",

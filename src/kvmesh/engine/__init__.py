@@ -1,4 +1,9 @@
-"""A tiny real transformer with a vLLM-style paged KV cache, driven through kvmesh.
+"""kvmesh's own engines: a tiny transformer with a vLLM-style paged KV cache, and a blender.
+
+Besides what is exported here, ``engine.llama`` runs a Llama-architecture HF
+model layer by layer, ``engine.blend`` is CacheBlend's selective recompute over
+it and ``engine.segment_store`` keeps documents' K/V in a storage node
+(docs/blend.md).
 
 Public API: :class:`Engine` / :class:`EngineConfig` / :class:`RequestOutput`
 (the step loop), :class:`TinyTransformer` / :class:`ModelConfig` (the model),

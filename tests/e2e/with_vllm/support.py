@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import urllib.error
 import urllib.request
 from typing import Any
@@ -26,6 +29,19 @@ def resident_chunks(storage: str) -> int:
     return asyncio.run(ask())
 
 
+def stop_group(proc: subprocess.Popen[Any], grace_s: float = 30.0) -> None:
+    """SIGTERM to the process group of ``proc`` (started in its own session); SIGKILL
+    after ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def healthy(base: str) -> bool:
     """Whether vLLM's OpenAI server at ``base`` answers its health check."""
     try:
@@ -44,15 +60,22 @@ LOGPROB_TOLERANCE = 2**-6
 TOP_K = 5
 
 
-def complete(base: str, model: str, prompt: list[int], max_tokens: int = 4) -> dict[str, Any]:
-    """One greedy completion of token ids by vLLM's OpenAI server, with top-k logprobs."""
-    body = {
+def complete(
+    base: str, model: str, prompt: list[int], max_tokens: int = 4, cache_salt: str = ""
+) -> dict[str, Any]:
+    """One greedy completion of token ids by vLLM's OpenAI server, with top-k logprobs.
+
+    ``cache_salt`` (vLLM's request field) keys the prompt's KV apart from other salts'.
+    """
+    body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "logprobs": TOP_K,
     }
+    if cache_salt:
+        body["cache_salt"] = cache_salt
     request = urllib.request.Request(
         f"{base}/v1/completions",
         data=json.dumps(body).encode(),

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import sys
 import uuid
@@ -32,6 +31,7 @@ from tests.e2e.with_vllm.support import (
     complete,
     healthy,
     resident_chunks,
+    stop_group,
 )
 from tests.support.ports import free_port
 from tests.support.readme import Command, blocks, commands
@@ -68,16 +68,6 @@ def _start(line: str, log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def test_the_readme_recipe_serves_one_vllms_prompt_to_another(
@@ -131,8 +121,8 @@ def test_the_readme_recipe_serves_one_vllms_prompt_to_another(
         second = complete(bases[1], str(tiny_model), prompt, max_tokens=1)
     finally:
         for server in servers:
-            _stop(server)
-        _stop(node)
+            stop_group(server)
+        stop_group(node)
     assert_same_completion(first, second)
     # The second vLLM never saw the prompt: its cached tokens came from kvmesh.
     details = second["usage"].get("prompt_tokens_details") or {}

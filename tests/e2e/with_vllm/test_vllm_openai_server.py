@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -16,7 +15,12 @@ import pytest
 
 from kvmesh.engine.vllm.worker import engine_env, transfer_config
 from tests.e2e.support import start_fleet
-from tests.e2e.with_vllm.support import assert_same_completion, complete, resident_chunks
+from tests.e2e.with_vllm.support import (
+    assert_same_completion,
+    complete,
+    resident_chunks,
+    stop_group,
+)
 from tests.support.ports import free_port
 from tests.support.waiting import wait_until
 
@@ -68,12 +72,7 @@ def test_openai_server_with_kv_transfer_config_serves_a_prompt_from_kvmesh(
         wait_until(lambda: resident_chunks(storage) >= CACHED // 256, 60)
         warm = complete(base, str(tiny_model), prompt, max_tokens=1)
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_group(server)
         fleet.stop()
     assert_same_completion(cold, warm)
     details = warm["usage"].get("prompt_tokens_details") or {}

@@ -1,0 +1,401 @@
+"""``kvmesh bench blend``: CacheBlend on a real model, for speed and for what it does to the output.
+
+N documents (short English texts about made-up towns, seeded) are computed
+once, each after the system prompt, and kept under their tokens alone. M
+prompts are the system prompt, k of the documents in a random order and a
+question about one of them, in SmolLM2's chat format. Each prompt runs in
+every arrangement, interleaved so machine noise hits them alike:
+
+- ``full_prefill``: the whole prompt computed (the reference);
+- ``prefix_only``: the system prompt's K/V reused as a prefix (what prefix
+  caching gives when the documents come in a new order), the rest computed;
+- ``blend_0``, ``blend_0_15``, ``blend_1`` (``--ratios``): the documents' K/V
+  reused where they now sit (re-RoPE), with CacheBlend's selective recompute
+  of that share of the cached tokens (kvmesh.engine.blend);
+- ``reorder_vllm`` (``--no-vllm`` skips it): the reorder plan through real,
+  unmodified vLLM (kvmesh.bench.blend_vllm), measured against vLLM's own
+  full prefill.
+
+Per arrangement: the mean TTFT (the prefill up to the first token's logits,
+fetching the stored K/V included), the share of prompt tokens whose K/V was
+reused, and against the full prefill the greedy agreement (position by
+position over ``--generate`` tokens) and the KL divergence of the first token's
+distribution. docs/blend.md, "Benchmark" has the figures.
+
+The documents' K/V is kept in a kvmesh storage node (``--storage``, or one
+started for the run) under keys of their tokens alone
+(kvmesh.engine.segment_store) and fetched from it inside each timed prefill.
+An arrangement that did not run is named under ``not_run`` with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import random
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvmesh.bench.blend_vllm import measure_reorder, summary
+from kvmesh.bench.common import Progress, ServiceProcess, bench_main, size_text
+from kvmesh.engine.blend import Segment, blend_prefill
+from kvmesh.engine.llama import LlamaModel
+from kvmesh.engine.segment_store import SegmentStore
+
+MIB = 1 << 20
+
+REQUIRES = ("torch", "safetensors", "transformers")
+
+#: The recompute ratios blended by default (the arrangements blend_0, blend_0_15, blend_1).
+RATIOS = (0.0, 0.15, 1.0)
+
+
+def arrangement(ratio: float) -> str:
+    """The arrangement's name of a recompute ratio: 0.15 -> blend_0_15."""
+    return "blend_" + f"{ratio:g}".replace(".", "_")
+
+
+def _ratios(text: str) -> list[float]:
+    try:
+        ratios = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if not ratios or not all(0.0 <= r <= 1.0 for r in ratios):
+        raise argparse.ArgumentTypeError(f"ratios must be in [0, 1]: {text!r}")
+    return sorted(set(ratios))
+
+
+_TOWNS = [
+    "Arvel", "Brisk", "Calder", "Dunmore", "Elsby", "Fenwick",
+    "Garrow", "Holm", "Ivesly", "Jarrow", "Kelby", "Lorne",
+]  # fmt: skip
+_RIVERS = ["Tam", "Oise", "Lune", "Ribble", "Wear", "Tees", "Nidd", "Aire", "Esk", "Ure", "Swale"]
+_BUILT = ["school", "bridge", "market", "church", "library", "station", "mill", "theatre"]
+_NEAR = ["square", "harbour", "river", "hill", "park", "station"]
+_TRADES = ["weavers", "millers", "smiths", "fishers", "masons", "brewers"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        metavar="NAME|DIR",
+        default="smollm2",
+        help="a Llama-architecture Hugging Face folder, or a model kvmesh makes offline "
+        "(smollm2, see kvmesh model)",
+    )
+    parser.add_argument("--documents", type=int, default=8, help="documents stored once (N)")
+    parser.add_argument("--docs-per-prompt", type=int, default=3, help="documents per prompt (k)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts (M)")
+    parser.add_argument("--sentences", type=int, default=12, help="sentences per document")
+    parser.add_argument("--generate", type=int, default=32, help="greedy tokens compared")
+    parser.add_argument("--check-layer", type=int, default=1, help="CacheBlend's check layer")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the texts and orders")
+    parser.add_argument(
+        "--storage",
+        metavar="HOST:PORT",
+        default=None,
+        help="the storage node that keeps the documents' K/V, on this host (default: one "
+        "started for the run)",
+    )
+    parser.add_argument(
+        "--vllm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the reorder_vllm arrangement (real vLLM with kvmesh's connector, ~1 min more)",
+    )
+    parser.add_argument(
+        "--ratios",
+        type=_ratios,
+        default=list(RATIOS),
+        help="recompute ratios to blend at, comma-separated (each an arrangement blend_R)",
+    )
+
+
+@dataclass
+class _Corpus:
+    system: list[int]
+    documents: list[list[int]]
+    towns: list[str]
+
+
+def _document(rng: random.Random, town: str, river: str, sentences: int) -> str:
+    text = [
+        f"{town} is a town on the river {river}, with {rng.randrange(1000, 90000)} people.",
+        f"It was founded in {rng.randrange(900, 1800)} by a family of {rng.choice(_TRADES)}.",
+    ]
+    for _ in range(max(0, sentences - 2)):
+        text.append(
+            f"In {rng.randrange(1800, 2020)} {town} built a new {rng.choice(_BUILT)} "
+            f"near the {rng.choice(_NEAR)}."
+        )
+    return f"Document: {town}.\n" + " ".join(text) + "\n\n"
+
+
+def _tokenizer(folder: Path) -> Callable[[str], list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _corpus(encode: Callable[[str], list[int]], args: argparse.Namespace) -> _Corpus:
+    rng = random.Random(args.seed)
+    towns = [
+        _TOWNS[i % len(_TOWNS)] + (str(i) if i >= len(_TOWNS) else "")
+        for i in range(args.documents)
+    ]
+    rivers = [rng.choice(_RIVERS) for _ in towns]
+    system = encode(
+        "<|im_start|>system\nYou are a helpful assistant. Answer the question from the "
+        "documents.<|im_end|>\n<|im_start|>user\n"
+    )
+    texts = [
+        _document(rng, town, river, args.sentences)
+        for town, river in zip(towns, rivers, strict=True)
+    ]
+    return _Corpus(system, [encode(text) for text in texts], towns)
+
+
+def _prompts(
+    corpus: _Corpus, encode: Callable[[str], list[int]], args: argparse.Namespace
+) -> list[tuple[list[list[int]], list[int]]]:
+    """(documents in the prompt's order, question tokens) of each prompt."""
+    rng = random.Random(args.seed + 1)
+    prompts = []
+    for _ in range(args.prompts):
+        order = rng.sample(range(args.documents), args.docs_per_prompt)
+        question = encode(
+            f"Question: on which river is {corpus.towns[rng.choice(order)]}?<|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
+        prompts.append(([corpus.documents[i] for i in order], question))
+    return prompts
+
+
+def _kl(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """KL(reference || other) of the softmax distributions of two logit vectors."""
+    p = torch.log_softmax(reference.double(), -1)
+    q = torch.log_softmax(other.double(), -1)
+    return float(torch.sum(p.exp() * (p - q)))
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("documents", "docs_per_prompt", "prompts", "sentences", "generate"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"kvmesh bench blend: --{name.replace('_', '-')} must be >= 1")
+    if args.docs_per_prompt > args.documents:
+        raise SystemExit("kvmesh bench blend: --docs-per-prompt must be <= --documents")
+
+
+@contextmanager
+def _storage_node(args: argparse.Namespace, l1_bytes: int, progress: Progress) -> Iterator[str]:
+    """The storage node's address: ``--storage``, or a node started for this run."""
+    if args.storage:
+        yield args.storage
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-blend-"))
+    shm = Path("/dev/shm") / f"kvmesh-bench-blend-{uuid.uuid4().hex[:8]}"
+    shm.mkdir(parents=True)
+    segment = max(4 * MIB, l1_bytes - l1_bytes % (4 * MIB))
+    progress.phase(f"starting a storage node (L1 {size_text(segment)})")
+    node = ServiceProcess(
+        "storage",
+        ["--port", "0", "--metrics-port", "-1", "--log-level", "WARNING",
+         "--instance-id", f"bench-blend-{uuid.uuid4().hex[:6]}", "--data-dir", str(workdir),
+         "--l2", "none", "--l1-size-bytes", str(segment), "--l1-segment-bytes", str(segment),
+         "--shm-dir", str(shm)],
+        workdir,
+        "storage",
+    )  # fmt: skip
+    try:
+        yield str(node.wait_ready()["grpc"])
+    finally:
+        node.stop()
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _fetched(store: SegmentStore, segments: list[tuple[list[int], bool]]) -> list[Segment]:
+    """The prompt's segments; each one flagged True with its K/V from the node, if held."""
+    out = []
+    for tokens, cached in segments:
+        kv = store.get(tokens) if cached else None
+        out.append(Segment(tokens, kv, source_start=0))
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvmesh.common import model_store
+
+    _check_args(args)
+    with Progress.for_args("blend", args) as progress:
+        progress.phase(f"loading {args.model}")
+        folder = model_store.resolve(args.model)
+        model = LlamaModel.load(folder)
+        if not 0 <= args.check_layer < model.num_layers:
+            raise SystemExit(
+                f"kvmesh bench blend: --check-layer must be in [0, {model.num_layers})"
+            )
+        encode = _tokenizer(folder)
+        corpus = _corpus(encode, args)
+        c = model.config
+        row_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+        held = len(corpus.system) + sum(map(len, corpus.documents))
+        prompts = _prompts(corpus, encode, args)
+        with _storage_node(args, 2 * held * row_bytes + 64 * MIB, progress) as target:
+            store = SegmentStore(
+                target, str(folder), c.rope, num_layers=c.num_layers, kv_heads=c.num_kv_heads
+            )
+            try:
+                figures = _measure(model, store, corpus, prompts, args, progress)
+            finally:
+                store.close()
+        result = _report(figures, model, folder, corpus, args)
+        if not args.vllm:
+            result["not_run"]["reorder_vllm"] = "--no-vllm"
+        elif importlib.util.find_spec("vllm") is None:
+            result["not_run"]["reorder_vllm"] = "vLLM is not installed (pip install 'kvmesh[vllm]')"
+        else:
+            reorder = measure_reorder(folder, corpus.system, prompts, args, progress)
+            result["arrangements"]["reorder_vllm"] = summary(reorder)
+    return result
+
+
+def _measure(
+    model: LlamaModel,
+    store: SegmentStore,
+    corpus: _Corpus,
+    prompts: list[tuple[list[list[int]], list[int]]],
+    args: argparse.Namespace,
+    progress: Progress,
+) -> dict[str, dict[str, list[float]]]:
+    """Per arrangement, per figure, one value per prompt."""
+    progress.phase("computing the documents once, into the node", total=len(corpus.documents))
+    _, system_kv = model.prefill(corpus.system)
+    store.put(corpus.system, system_kv, source_start=0)
+    start = len(corpus.system)
+    for done, doc in enumerate(corpus.documents, 1):
+        # Each document after the system prompt (the context every prompt gives it),
+        # kept under its tokens alone.
+        _, kv = model.prefill(doc, past=system_kv)
+        store.put(doc, kv.slice(start, start + len(doc)), source_start=start)
+        progress.count(done)
+    model.prefill(corpus.system + corpus.documents[0])  # warm-up: first calls are slow
+    ratios = {arrangement(r): r for r in args.ratios}
+    names = ("full_prefill", "prefix_only", *ratios)
+    figures: dict[str, dict[str, list[float]]] = {name: {} for name in names}
+    progress.phase("prompts in every arrangement", total=len(prompts))
+    for done, (docs, question) in enumerate(prompts, 1):
+        tokens = corpus.system + [t for d in docs for t in d] + question
+        reference: tuple[torch.Tensor, list[int]] | None = None
+        for name in names:
+            began = time.perf_counter()
+            if name == "full_prefill":
+                logits, kv = model.prefill(tokens)
+                reused = 0
+            elif name == "prefix_only":
+                prefix = store.get(corpus.system)
+                logits, kv = model.prefill(tokens[start:], past=prefix)
+                reused = start if prefix is not None else 0
+            else:
+                wanted = [(corpus.system, True), *((d, True) for d in docs), (question, False)]
+                segments = _fetched(store, wanted)
+                result = blend_prefill(model, segments, ratios[name], args.check_layer)
+                logits, kv, reused = result.logits, result.kv, result.reused_tokens
+            ttft = time.perf_counter() - began
+            generated = model.generate(logits, kv, args.generate)
+            if reference is None:
+                reference = (logits, generated)
+            agree = sum(a == b for a, b in zip(generated, reference[1], strict=True))
+            row = {
+                "ttft_ms": ttft * 1e3,
+                "reused_token_fraction": reused / len(tokens),
+                "greedy_agreement": agree / args.generate,
+                "first_token_kl": _kl(reference[0], logits),
+                "prompt_tokens": float(len(tokens)),
+            }
+            for key, value in row.items():
+                figures[name].setdefault(key, []).append(value)
+        progress.count(done)
+    return figures
+
+
+def _report(
+    figures: dict[str, dict[str, list[float]]],
+    model: LlamaModel,
+    folder: Path,
+    corpus: _Corpus,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    full_ttft = mean(figures["full_prefill"]["ttft_ms"])
+    arrangements = {
+        name: {
+            "ttft_mean_ms": round(mean(rows["ttft_ms"]), 1),
+            "ttft_speedup": round(full_ttft / mean(rows["ttft_ms"]), 2),
+            "reused_token_fraction": round(mean(rows["reused_token_fraction"]), 4),
+            "greedy_agreement": round(mean(rows["greedy_agreement"]), 4),
+            "first_token_kl": float(f"{mean(rows['first_token_kl']):.3g}"),
+        }
+        for name, rows in figures.items()
+    }
+    return {
+        "benchmark": "blend",
+        "model": str(folder),
+        "layers": model.num_layers,
+        "documents": args.documents,
+        "docs_per_prompt": args.docs_per_prompt,
+        "prompts": args.prompts,
+        "prompt_tokens_mean": round(mean(figures["full_prefill"]["prompt_tokens"]), 1),
+        "document_tokens_mean": round(sum(map(len, corpus.documents)) / len(corpus.documents), 1),
+        "generate": args.generate,
+        "check_layer": args.check_layer,
+        "torch_threads": torch.get_num_threads(),
+        "kv_store": "a kvmesh storage node (engine-driven L1 slots, keys of the tokens alone)",
+        "arrangements": arrangements,
+        "not_run": {},
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"CacheBlend on {result['model']} ({result['layers']} layers), "
+        f"{result['prompts']} prompts of {result['prompt_tokens_mean']:.0f} tokens "
+        f"({result['docs_per_prompt']} of {result['documents']} documents, "
+        f"{result['document_tokens_mean']:.0f} tokens each), check layer {result['check_layer']}",
+        f"{'arrangement':<14}{'TTFT ms':>10}{'speedup':>9}{'reused':>9}"
+        f"{'greedy agree':>14}{'first-token KL':>16}",
+    ]
+    for name, row in result["arrangements"].items():
+        kl = row["first_token_kl"]
+        lines.append(
+            f"{name:<14}{row['ttft_mean_ms']:>10.1f}{row['ttft_speedup']:>8.2f}x"
+            f"{row['reused_token_fraction']:>9.1%}{row['greedy_agreement']:>14.1%}"
+            + (f"{kl:>16.4g}" if kl is not None else f"{'-':>16}")
+        )
+    reorder = result["arrangements"].get("reorder_vllm")
+    if reorder:
+        lines.append(
+            f"reorder_vllm: {reorder['doc_token_fraction']:.1%} of the document tokens from "
+            f"kvmesh; plan {reorder['plan_ms_mean']:.1f} ms ({reorder['lookups_mean']:.0f} "
+            f"lookups); against {reorder['against']}, whose TTFT is "
+            f"{reorder['vllm_full_prefill_ttft_mean_ms']:.1f} ms"
+        )
+    for name, why in result["not_run"].items():
+        lines.append(f"{name}: not run ({why})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    bench_main(__doc__, add_arguments, run, format_table)

@@ -1,0 +1,76 @@
+"""``kvmesh bench blend`` end to end on a small random-weight Llama (its default is SmolLM2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh.bench import blend
+from kvmesh.cli.main import bench_parser
+from kvmesh.engine.vllm.model import make_tiny_model
+
+SMALL = ["--documents", "3", "--docs-per-prompt", "2", "--prompts", "2", "--sentences", "3"]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_every_arrangement_is_measured_and_ratio_one_is_exact(tiny_folder: Path) -> None:
+    args = bench_parser("blend", blend).parse_args(
+        ["--model", str(tiny_folder), *SMALL, "--generate", "4", "--quiet", "--no-vllm"]
+    )
+    result = blend.run(args)
+    rows = result["arrangements"]
+    assert set(rows) == {"full_prefill", "prefix_only", "blend_0", "blend_0_15", "blend_1"}
+    for row in rows.values():
+        assert set(row) >= {"ttft_mean_ms", "reused_token_fraction", "greedy_agreement"}
+        assert row["ttft_mean_ms"] > 0
+    assert rows["full_prefill"]["reused_token_fraction"] == 0
+    assert rows["full_prefill"]["greedy_agreement"] == 1.0
+    assert rows["full_prefill"]["first_token_kl"] == 0.0
+    # Ratio 1 recomputes everything through the blend path: the full prefill's tokens.
+    assert rows["blend_1"]["greedy_agreement"] == 1.0
+    assert rows["blend_1"]["first_token_kl"] == 0.0
+    assert rows["blend_1"]["reused_token_fraction"] == 0
+    reused = [rows[name]["reused_token_fraction"] for name in ("blend_0", "blend_0_15")]
+    assert reused[0] > reused[1] > rows["prefix_only"]["reused_token_fraction"] > 0
+    assert result["not_run"] == {"reorder_vllm": "--no-vllm"}
+    assert result["model"] == str(tiny_folder)
+    table = blend.format_table(result)
+    for name in rows:
+        assert name in table
+    json.dumps(result)  # the --json output is plain JSON
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--prompts", "0"], "--prompts must be >= 1"),
+        (["--documents", "2", "--docs-per-prompt", "3"], "--docs-per-prompt must be <= "),
+        (["--check-layer", "4"], r"--check-layer must be in \[0, 4\)"),
+    ],
+)
+def test_bad_options_are_refused_by_name(
+    tiny_folder: Path, options: list[str], message: str
+) -> None:
+    args = bench_parser("blend", blend).parse_args(["--model", str(tiny_folder), *options])
+    with pytest.raises(SystemExit, match=message):
+        blend.run(args)
+
+
+def test_the_cli_names_a_model_it_cannot_find(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "bench", "blend", "--model", str(tmp_path / "none")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "neither a directory nor a model name" in done.stderr, done.stderr
