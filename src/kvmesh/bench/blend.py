@@ -22,8 +22,8 @@ reused, and against the full prefill the greedy agreement (position by
 position over ``--generate`` tokens) and the KL divergence of the first token's
 distribution. docs/blend.md, "Benchmark" has the figures.
 
-The documents' K/V is kept in a kvmesh storage node (``--storage``, or one
-started for the run) under keys of their tokens alone
+The documents' K/V is kept in a kvmesh node (``--gateway``, or one started
+for the run) under keys of their tokens alone
 (kvmesh.engine.segment_store) and fetched from it inside each timed prefill.
 An arrangement that did not run is named under ``not_run`` with the reason.
 """
@@ -100,11 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-layer", type=int, default=1, help="CacheBlend's check layer")
     parser.add_argument("--seed", type=int, default=0, help="seed of the texts and orders")
     parser.add_argument(
-        "--storage",
-        metavar="HOST:PORT",
+        "--gateway",
+        metavar="TARGET",
         default=None,
-        help="the storage node that keeps the documents' K/V, on this host (default: one "
-        "started for the run)",
+        help="the gateway of the kvmesh node, on this host, that keeps the documents' K/V "
+        "(host:port or lane:PATH; default: the running fleet's, else a node started for the "
+        "run)",
     )
     parser.add_argument(
         "--vllm",
@@ -197,24 +198,25 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 @contextmanager
-def _storage_node(args: argparse.Namespace, l1_bytes: int, progress: Progress) -> Iterator[str]:
-    """The storage node's address: ``--storage``, or a node started for this run."""
-    if args.storage:
-        yield args.storage
+def _node(args: argparse.Namespace, l1_bytes: int, progress: Progress) -> Iterator[str]:
+    """The gateway of the node that keeps the K/V: ``--gateway``, or a node started for this
+    run (``kvmesh node``: gateway and storage in one process)."""
+    if args.gateway:
+        yield args.gateway
         return
     workdir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-blend-"))
     shm = Path("/dev/shm") / f"kvmesh-bench-blend-{uuid.uuid4().hex[:8]}"
     shm.mkdir(parents=True)
     segment = max(4 * MIB, l1_bytes - l1_bytes % (4 * MIB))
-    progress.phase(f"starting a storage node (L1 {size_text(segment)})")
+    progress.phase(f"starting a kvmesh node (L1 {size_text(segment)})")
     node = ServiceProcess(
-        "storage",
+        "node",
         ["--port", "0", "--metrics-port", "-1", "--log-level", "WARNING",
          "--instance-id", f"bench-blend-{uuid.uuid4().hex[:6]}", "--data-dir", str(workdir),
          "--l2", "none", "--l1-size-bytes", str(segment), "--l1-segment-bytes", str(segment),
          "--shm-dir", str(shm)],
         workdir,
-        "storage",
+        "node",
     )  # fmt: skip
     try:
         yield str(node.wait_ready()["grpc"])
@@ -251,7 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
         held = len(corpus.system) + sum(map(len, corpus.documents))
         prompts = _prompts(corpus, encode, args)
-        with _storage_node(args, 2 * held * row_bytes + 64 * MIB, progress) as target:
+        with _node(args, 2 * held * row_bytes + 64 * MIB, progress) as target:
             store = SegmentStore(
                 target, str(folder), c.rope, num_layers=c.num_layers, kv_heads=c.num_kv_heads
             )
@@ -362,7 +364,7 @@ def _report(
         "generate": args.generate,
         "check_layer": args.check_layer,
         "torch_threads": torch.get_num_threads(),
-        "kv_store": "a kvmesh storage node (engine-driven L1 slots, keys of the tokens alone)",
+        "kv_store": "a kvmesh node (PrepareSegmentStore/Retrieve: keys of the tokens alone)",
         "arrangements": arrangements,
         "not_run": {},
     }
@@ -390,7 +392,8 @@ def format_table(result: dict[str, Any]) -> str:
             f"reorder_vllm: {reorder['doc_token_fraction']:.1%} of the document tokens from "
             f"kvmesh; plan {reorder['plan_ms_mean']:.1f} ms ({reorder['lookups_mean']:.0f} "
             f"lookups); against {reorder['against']}, whose TTFT is "
-            f"{reorder['vllm_full_prefill_ttft_mean_ms']:.1f} ms"
+            f"{reorder['vllm_full_prefill_ttft_mean_ms']:.1f} ms; greedy agreement with the "
+            f"reordered prompt computed cold {reorder['greedy_agreement_reordered_cold']:.1%}"
         )
     for name, why in result["not_run"].items():
         lines.append(f"{name}: not run ({why})")

@@ -112,3 +112,19 @@ class TokenHasher:
         self.memo_hits += hits
         self.memo_misses += n_chunks - hits
         return hashes
+
+
+_SEGMENT_DOMAIN = b"kvmesh-blend-segment/v1\0"
+
+
+def segment_key(model_name: str, tokens: Sequence[int] | np.ndarray) -> bytes:
+    """The 32-byte key of a CacheBlend segment: the model and the segment's tokens alone.
+
+    Not chained to any prefix and not salted here (the salt is a separate part of
+    an object's key), so a document stored once is found after any prefix
+    (docs/blend.md, "Segments in storage"). Raises InvalidArgument for tokens
+    that are not uint32.
+    """
+    digest = blake3.blake3(_SEGMENT_DOMAIN + model_name.encode() + b"\0")
+    digest.update(tokens_to_be_u32(tokens))
+    return digest.digest()

@@ -1,43 +1,42 @@
-"""Documents' K/V kept in a kvmesh storage node under keys of their tokens alone.
+"""Documents' K/V kept in a kvmesh node, found again by their tokens alone.
 
 Prefix caching keys a chunk by the chained hash of every token before it, so
 a document's K/V is found only after the same prefix. A blending engine needs
-it after any prefix (docs/blend.md, "Segments in storage"): here a segment
-(one document) is one L1 object whose key is a blake3 digest of the model's
-name and the segment's tokens, nothing else. Its keys are stored rotated to
-position 0 (:func:`kvmesh.kernels.rope.rerope`), so a reader moves them to
-wherever the segment now sits without knowing where it was computed.
+it after any prefix: here a segment (one document) is one L1 object, keyed by
+the model, the salt and the segment's tokens (docs/blend.md, "Segments in
+storage"). Its keys are stored rotated to positions ``0..``
+(:func:`kvmesh.kernels.rope.rerope`), so a reader moves them to wherever the
+segment now sits without knowing where it was computed.
 
-The object is ``[2, layers, tokens, kv_heads, head_dim]`` (keys, then values)
-in the K/V's dtype, written into and read from the node's shared-memory L1
-through its engine-driven calls (PrepareStore/CommitStore,
-PrepareRetrieve/CommitRetrieve), so the engine must run on the node's host.
+The store talks to the node's gateway like any engine: it registers an
+engine-driven context (its model's K/V geometry), and each segment's object,
+``[2, layers, tokens, kv_heads, head_dim]`` (keys, then values) in the K/V's
+dtype, is written into or read from the node's shared-memory L1 through
+``PrepareSegmentStore``/``CommitStore`` and ``PrepareSegmentRetrieve``/
+``CommitRetrieve``, so the engine runs on the node's host. A gateway that
+forgot the context (it restarted, or reaped it) gets it again on the next call.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Iterator, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TypeVar
 
-import blake3
 import grpc
 import torch
 
 from kvmesh.api.common.v1 import common_pb2
-from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
+from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.common.dtypes import proto_of_torch
 from kvmesh.engine.llama import SequenceKV
+from kvmesh.gateway.client import GatewayClient
 from kvmesh.kernels.rope import RopeParams, rerope
 
-_DOMAIN = b"kvmesh-blend-segment/v1\0"
-
-
-def segment_key(model_name: str, tokens: Sequence[int]) -> bytes:
-    """The 32-byte key of a segment: its model and its tokens, not its position or prefix."""
-    digest = blake3.blake3(_DOMAIN + model_name.encode() + b"\0")
-    digest.update(torch.tensor(list(tokens), dtype=torch.int64).numpy().astype("<u4").tobytes())
-    return digest.digest()
+_Resp = TypeVar("_Resp")
 
 
 @contextmanager
@@ -61,7 +60,7 @@ def _mapped(region: common_pb2.SharedMemoryHandle, write: bool) -> Iterator[memo
 
 
 class SegmentStore:
-    """Put and get segments' K/V in the storage node at ``target`` (``host:port``)."""
+    """Put and get segments' K/V through the gateway at ``target`` (``host:port`` or a lane)."""
 
     def __init__(
         self,
@@ -75,6 +74,9 @@ class SegmentStore:
         cache_salt: str = "",
         timeout_s: float = 10.0,
     ) -> None:
+        proto_dtype = proto_of_torch(dtype)
+        if proto_dtype is None:
+            raise ValueError(f"kvmesh does not store {dtype} K/V")
         self.model_name = model_name
         self.rope = rope
         self.num_layers = num_layers
@@ -82,11 +84,38 @@ class SegmentStore:
         self.dtype = dtype
         self.cache_salt = cache_salt
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(target)
-        self._stub = storage_pb2_grpc.StorageServiceStub(self._channel)
+        self.engine_id = f"kvmesh-blend-{uuid.uuid4().hex[:12]}"
+        self._registration = gateway_pb2.RegisterEngineContextRequest(
+            engine_id=self.engine_id,
+            model_name=model_name,
+            world_size=1,
+            worker_id=0,
+            layout=gateway_pb2.EngineContextLayout(
+                num_layers=num_layers,
+                block_size=1,
+                kv_heads=kv_heads,
+                head_dim=rope.head_dim,
+                dtype=proto_dtype,  # type: ignore[arg-type]
+            ),
+        )
+        self._client = GatewayClient(target)
+        try:
+            self._register()
+        except BaseException:
+            self._client.close()
+            raise
 
     def close(self) -> None:
-        self._channel.close()
+        """Forget the context on the gateway (best effort) and close the channel."""
+        try:
+            self._client.unregister_engine_context(
+                gateway_pb2.UnregisterEngineContextRequest(engine_id=self.engine_id),
+                timeout=self.timeout_s,
+            )
+        except grpc.RpcError:
+            pass  # the gateway is gone: it has forgotten the context already
+        finally:
+            self._client.close()
 
     def __enter__(self) -> SegmentStore:
         return self
@@ -94,19 +123,21 @@ class SegmentStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _keys(self, tokens: Sequence[int]) -> common_pb2.ChunkKeys:
-        return common_pb2.ChunkKeys(
-            model_name=self.model_name,
-            cache_salt=self.cache_salt,
-            chunk_hashes=[segment_key(self.model_name, tokens)],
-        )
+    def _register(self) -> None:
+        self._client.register_engine_context(self._registration, timeout=self.timeout_s)
+
+    def _call(self, call: Callable[[], _Resp]) -> _Resp:
+        """``call()``, registering the context again once if the gateway forgot it."""
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+        self._register()
+        return call()
 
     def _shape(self, rows: int) -> tuple[int, ...]:
         return (2, self.num_layers, rows, self.kv_heads, self.rope.head_dim)
-
-    def _nbytes(self, rows: int) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return torch.Size(self._shape(rows)).numel() * element
 
     def put(self, tokens: Sequence[int], kv: SequenceKV, source_start: int) -> bool:
         """Store ``tokens``' K/V (keys roped at ``source_start``..); False when it was there.
@@ -120,23 +151,27 @@ class SegmentStore:
                 f"K/V of {len(kv.keys)} layers x {len(kv)} rows for {rows} tokens of a "
                 f"{self.num_layers}-layer model"
             )
-        request = storage_pb2.PrepareStoreRequest(
-            keys=self._keys(tokens), chunk_bytes=self._nbytes(rows)
+        request = gateway_pb2.PrepareSegmentStoreRequest(
+            engine_id=self.engine_id, cache_salt=self.cache_salt, token_ids=list(tokens)
         )
-        prepared = self._stub.PrepareStore(request, timeout=self.timeout_s)
-        if not prepared.slots:
+        prepared = self._call(
+            lambda: self._client.prepare_segment_store(request, timeout=self.timeout_s)
+        )
+        if not prepared.transaction_id:
             return False
         src = torch.arange(source_start, source_start + rows)
         at_zero = torch.arange(rows)  # the segment as if it started the prompt
-        with _mapped(prepared.slots[0].region, write=True) as view:
+        with _mapped(prepared.region, write=True) as view:
             out = torch.frombuffer(view, dtype=self.dtype).view(self._shape(rows))
             for layer in range(self.num_layers):
                 keys = kv.keys[layer].to(self.dtype)
                 out[0, layer] = rerope(keys, src, at_zero, self.rope)
                 out[1, layer] = kv.values[layer].to(self.dtype)
             del out
-        self._stub.CommitStore(
-            storage_pb2.CommitStoreRequest(transaction_id=prepared.transaction_id),
+        self._client.commit_store(
+            gateway_pb2.CommitStoreRequest(
+                engine_id=self.engine_id, transaction_id=prepared.transaction_id
+            ),
             timeout=self.timeout_s,
         )
         return True
@@ -144,21 +179,22 @@ class SegmentStore:
     def get(self, tokens: Sequence[int]) -> SequenceKV | None:
         """``tokens``' K/V with keys at positions 0.. (a copy), or None when not resident."""
         rows = len(tokens)
-        prepared = self._stub.PrepareRetrieve(
-            storage_pb2.PrepareRetrieveRequest(
-                keys=self._keys(tokens), chunk_bytes=self._nbytes(rows)
-            ),
-            timeout=self.timeout_s,
+        request = gateway_pb2.PrepareSegmentRetrieveRequest(
+            engine_id=self.engine_id, cache_salt=self.cache_salt, token_ids=list(tokens)
         )
-        if not prepared.slots:
+        prepared = self._call(
+            lambda: self._client.prepare_segment_retrieve(request, timeout=self.timeout_s)
+        )
+        if not prepared.transaction_id:
             return None
         try:
-            with _mapped(prepared.slots[0].region, write=False) as view:
-                # A read-only mapping: torch warns about (never does) writes through it.
+            with _mapped(prepared.region, write=False) as view:
                 data = torch.frombuffer(bytearray(view), dtype=self.dtype).view(self._shape(rows))
         finally:
-            self._stub.CommitRetrieve(
-                storage_pb2.CommitRetrieveRequest(transaction_id=prepared.transaction_id),
+            self._client.commit_retrieve(
+                gateway_pb2.CommitRetrieveRequest(
+                    engine_id=self.engine_id, transaction_id=prepared.transaction_id
+                ),
                 timeout=self.timeout_s,
             )
         return SequenceKV(list(data[0].unbind(0)), list(data[1].unbind(0)))

@@ -97,6 +97,24 @@ _SERIES = [
         "counter",
     ),
     Series(
+        "kvmesh_gateway_segment_stores",
+        "CacheBlend segments given a slot to be stored into.",
+        "segment_stores",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_segment_hits",
+        "CacheBlend segments found resident by a retrieve.",
+        "segment_hits",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_segment_misses",
+        "CacheBlend segments asked for that were not resident.",
+        "segment_misses",
+        "counter",
+    ),
+    Series(
         "kvmesh_gateway_prefetch_waits",
         "Calls that waited for a running prefetch (L2 loads) to finish.",
         "prefetch_waits",

@@ -38,6 +38,8 @@ class GatewayClient(SyncClient):
         "CommitStore": CallPolicy(timeout=10.0, idempotent=True),
         "PrepareRetrieve": CallPolicy(timeout=10.0, idempotent=False),
         "CommitRetrieve": CallPolicy(timeout=10.0, idempotent=False),
+        "PrepareSegmentStore": CallPolicy(timeout=10.0, idempotent=False),
+        "PrepareSegmentRetrieve": CallPolicy(timeout=10.0, idempotent=False),
     }
 
     @functools.cached_property
@@ -333,6 +335,38 @@ class GatewayClient(SyncClient):
             "CommitRetrieve",
             request,
             gateway_pb2.CommitRetrieveResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def prepare_segment_store(
+        self,
+        request: gateway_pb2.PrepareSegmentStoreRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.PrepareSegmentStoreResponse:
+        """``PrepareSegmentStore``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "PrepareSegmentStore",
+            request,
+            gateway_pb2.PrepareSegmentStoreResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def prepare_segment_retrieve(
+        self,
+        request: gateway_pb2.PrepareSegmentRetrieveRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.PrepareSegmentRetrieveResponse:
+        """``PrepareSegmentRetrieve``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "PrepareSegmentRetrieve",
+            request,
+            gateway_pb2.PrepareSegmentRetrieveResponse,
             timeout,
             wait_for_ready,
         )

@@ -194,6 +194,31 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             slots=[wire.chunk_slot(s) for s in prepared.slots],
         )
 
+    async def PrepareSegmentStore(
+        self, request: gateway_pb2.PrepareSegmentStoreRequest, context: Any
+    ) -> gateway_pb2.PrepareSegmentStoreResponse:
+        slot = await self.core.prepare_segment_store(
+            request.engine_id, request.cache_salt, wire.tokens(request.token_ids)
+        )
+        return gateway_pb2.PrepareSegmentStoreResponse(
+            transaction_id=slot.transaction_id,
+            region=wire.segment_region(slot),
+            already_cached=slot.already_cached,
+            segment_bytes=slot.segment_bytes,
+        )
+
+    async def PrepareSegmentRetrieve(
+        self, request: gateway_pb2.PrepareSegmentRetrieveRequest, context: Any
+    ) -> gateway_pb2.PrepareSegmentRetrieveResponse:
+        slot = await self.core.prepare_segment_retrieve(
+            request.engine_id, request.cache_salt, wire.tokens(request.token_ids)
+        )
+        return gateway_pb2.PrepareSegmentRetrieveResponse(
+            transaction_id=slot.transaction_id,
+            region=wire.segment_region(slot),
+            segment_bytes=slot.segment_bytes,
+        )
+
     async def CommitRetrieve(
         self, request: gateway_pb2.CommitRetrieveRequest, context: Any
     ) -> gateway_pb2.CommitRetrieveResponse:

@@ -18,6 +18,7 @@ from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.common import dtypes
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.node_types import Slot
+from kvmesh.gateway.core.segments import SegmentSlot
 from kvmesh.gateway.core.types import EngineSpec, PrefetchStatus, PromptRangeSpec
 
 # -- requests ---------------------------------------------------------------------------------
@@ -116,4 +117,13 @@ def chunk_slot(slot: Slot) -> gateway_pb2.ChunkSlot:
         region=common_pb2.SharedMemoryHandle(
             path=slot.path, offset_bytes=slot.offset_bytes, size_bytes=slot.size_bytes
         ),
+    )
+
+
+def segment_region(slot: SegmentSlot) -> common_pb2.SharedMemoryHandle | None:
+    """Where a CacheBlend segment's object lives (None: no slot)."""
+    if not slot.transaction_id:
+        return None
+    return common_pb2.SharedMemoryHandle(
+        path=slot.path, offset_bytes=slot.offset_bytes, size_bytes=slot.size_bytes
     )

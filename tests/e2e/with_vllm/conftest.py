@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+from kvmesh.common import model_store
 from kvmesh.engine.vllm.model import make_tiny_model
 from tests.support.servers import require_vllm
 
@@ -18,6 +19,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.getbasetemp().parent
     with FileLock(str(root / "kvmesh-tiny-model.lock")):
         return make_tiny_model(root / "kvmesh-tiny-model")
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's folder, made once per run (shared by the xdist workers of that run)."""
+    require_vllm()
+    root = tmp_path_factory.getbasetemp().parent
+    with FileLock(str(root / "kvmesh-smollm2.lock")):
+        return model_store.get("smollm2", root / "kvmesh-models")
 
 
 #: Seconds one real-vLLM test may take. Alone each takes 40-140 s; in the suite

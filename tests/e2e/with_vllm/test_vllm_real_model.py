@@ -20,13 +20,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 
-from kvmesh.common import model_store
 from kvmesh.engine.vllm.runner import results, start_engine
 from tests.e2e.support import start_fleet
 from tests.e2e.with_vllm.support import resident_chunks
-from tests.support.servers import require_vllm
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -42,15 +39,6 @@ original brass lens still turns on a bath of mercury. On clear nights its beam r
 twenty nautical miles across the sound.
 """
 QUESTION = "Who was the first keeper of the lighthouse at Corran Point?"
-
-
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2's folder, made once per run (shared by the xdist workers of that run)."""
-    require_vllm()
-    root = tmp_path_factory.getbasetemp().parent
-    with FileLock(str(root / "kvmesh-smollm2.lock")):
-        return model_store.get("smollm2", root / "kvmesh-models")
 
 
 def _prompt(model: Path) -> list[int]:

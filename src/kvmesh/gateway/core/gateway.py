@@ -41,6 +41,7 @@ from kvmesh.common.hashing import TokenHasher
 from .engines import EngineRegistry
 from .lookups import LookupLocks
 from .node_storage import NodeStorage, PreparedSlots
+from .segments import Segments, SegmentSlot
 from .sessions import SessionTable
 from .transfers import Transfers
 from .types import EngineSpec, GatewayStats, PrefetchStatus, PromptRangeSpec, StoreResult
@@ -92,6 +93,9 @@ class Gateway:
             self.lookups,
             self.counters,
             chunk_size=chunk_size,
+        )
+        self.segments = Segments(
+            storage, self.engines, self.counters, chunk_size=chunk_size, max_tokens=max_tokens
         )
 
     @property
@@ -227,6 +231,18 @@ class Gateway:
     async def commit_retrieve(self, engine_id: str, transaction_id: str) -> int:
         """Release a prepared retrieve's locks and the lookup locks it used."""
         return await self.transfers.commit_retrieve(engine_id, transaction_id)
+
+    async def prepare_segment_store(
+        self, engine_id: str, cache_salt: str, tokens: Sequence[int] | np.ndarray
+    ) -> SegmentSlot:
+        """A slot for a CacheBlend segment's object (none when it is cached already)."""
+        return await self.segments.prepare_store(engine_id, cache_salt, tokens)
+
+    async def prepare_segment_retrieve(
+        self, engine_id: str, cache_salt: str, tokens: Sequence[int] | np.ndarray
+    ) -> SegmentSlot:
+        """A resident CacheBlend segment's slot, read-locked until the commit."""
+        return await self.segments.prepare_retrieve(engine_id, cache_salt, tokens)
 
     async def clear(self, force: bool) -> int:
         """Drop this node's L1 objects."""

@@ -80,3 +80,7 @@ class GatewayStats:
     #: Registrations of an engine the gateway had forgotten (restarted, or reaped it).
     reregistrations: int = 0
     block_allocations: int = 0
+    #: CacheBlend segments: slots prepared for a store, found resident, asked for and absent.
+    segment_stores: int = 0
+    segment_hits: int = 0
+    segment_misses: int = 0

@@ -1167,3 +1167,121 @@ class CommitRetrieveResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommitRetrieveResponse: _TypeAlias = CommitRetrieveResponse  # noqa: Y015
+
+@_typing.final
+class PrepareSegmentStoreRequest(_message.Message):
+    """A segment of an engine-driven context: tokens that are reused wherever they sit."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    cache_salt: _builtins.str
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The segment's tokens (its key is these alone, with the model and the salt)."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "engine_id", b"engine_id", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareSegmentStoreRequest: _TypeAlias = PrepareSegmentStoreRequest  # noqa: Y015
+
+@_typing.final
+class PrepareSegmentStoreResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSACTION_ID_FIELD_NUMBER: _builtins.int
+    REGION_FIELD_NUMBER: _builtins.int
+    ALREADY_CACHED_FIELD_NUMBER: _builtins.int
+    SEGMENT_BYTES_FIELD_NUMBER: _builtins.int
+    transaction_id: _builtins.str
+    """Empty when the segment is cached already (or got no slot)."""
+    already_cached: _builtins.bool
+    segment_bytes: _builtins.int
+    """Size of the segment's object."""
+    @_builtins.property
+    def region(self) -> _common_pb2.SharedMemoryHandle:
+        """Where the engine writes the segment's object."""
+
+    def __init__(
+        self,
+        *,
+        transaction_id: _builtins.str = ...,
+        region: _common_pb2.SharedMemoryHandle | None = ...,
+        already_cached: _builtins.bool = ...,
+        segment_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_cached", b"already_cached", "region", b"region", "segment_bytes", b"segment_bytes", "transaction_id", b"transaction_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareSegmentStoreResponse: _TypeAlias = PrepareSegmentStoreResponse  # noqa: Y015
+
+@_typing.final
+class PrepareSegmentRetrieveRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    cache_salt: _builtins.str
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "engine_id", b"engine_id", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareSegmentRetrieveRequest: _TypeAlias = PrepareSegmentRetrieveRequest  # noqa: Y015
+
+@_typing.final
+class PrepareSegmentRetrieveResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSACTION_ID_FIELD_NUMBER: _builtins.int
+    REGION_FIELD_NUMBER: _builtins.int
+    SEGMENT_BYTES_FIELD_NUMBER: _builtins.int
+    transaction_id: _builtins.str
+    """Empty when the segment is not resident."""
+    segment_bytes: _builtins.int
+    @_builtins.property
+    def region(self) -> _common_pb2.SharedMemoryHandle:
+        """Where the segment's object is, read-locked until CommitRetrieve."""
+
+    def __init__(
+        self,
+        *,
+        transaction_id: _builtins.str = ...,
+        region: _common_pb2.SharedMemoryHandle | None = ...,
+        segment_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["region", b"region", "segment_bytes", b"segment_bytes", "transaction_id", b"transaction_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareSegmentRetrieveResponse: _TypeAlias = PrepareSegmentRetrieveResponse  # noqa: Y015

@@ -129,6 +129,16 @@ class GatewayServiceStub:
                 request_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.CommitRetrieveRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.CommitRetrieveResponse.FromString,
                 _registered_method=True)
+        self.PrepareSegmentStore = channel.unary_unary(
+                '/kvmesh.gateway.v1.GatewayService/PrepareSegmentStore',
+                request_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentStoreRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentStoreResponse.FromString,
+                _registered_method=True)
+        self.PrepareSegmentRetrieve = channel.unary_unary(
+                '/kvmesh.gateway.v1.GatewayService/PrepareSegmentRetrieve',
+                request_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentRetrieveRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentRetrieveResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -334,8 +344,33 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CommitRetrieve(self, request, context):
-        """Releases the read locks of a PrepareRetrieve. Idempotent.
-        Errors: NOT_FOUND (unknown transaction). Deadline: 10 s.
+        """Releases the read locks of a PrepareRetrieve (or a PrepareSegmentRetrieve).
+        Idempotent. Errors: NOT_FOUND (unknown transaction). Deadline: 10 s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrepareSegmentStore(self, request, context):
+        """Engine-driven CacheBlend path (docs/blend.md): reserves one L1 slot for a
+        segment (a document) of any length, keyed by the context's model, the
+        salt and the segment's tokens alone, not by the tokens before it, so a
+        later prompt finds it wherever it sits. The object is [2, num_layers,
+        len(token_ids), kv_heads, head_dim] in the context's dtype, keys rotated
+        to positions 0.. (keys, then values); the engine writes it, then calls
+        CommitStore. A segment already cached gets no slot (already_cached).
+        Errors: FAILED_PRECONDITION (no engine context), INVALID_ARGUMENT (no
+        tokens, more than the gateway's max_tokens, a bad cache_salt, an MLA
+        context), RESOURCE_EXHAUSTED (it does not fit in L1). Deadline: 10 s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrepareSegmentRetrieve(self, request, context):
+        """The slot of a stored segment, read-locked until CommitRetrieve (or the
+        read TTL); no slot when the segment is not resident. Errors: as
+        PrepareSegmentStore, but never RESOURCE_EXHAUSTED. Deadline: 10 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -438,6 +473,16 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.CommitRetrieve,
                     request_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.CommitRetrieveRequest.FromString,
                     response_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.CommitRetrieveResponse.SerializeToString,
+            ),
+            'PrepareSegmentStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareSegmentStore,
+                    request_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentStoreRequest.FromString,
+                    response_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentStoreResponse.SerializeToString,
+            ),
+            'PrepareSegmentRetrieve': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareSegmentRetrieve,
+                    request_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentRetrieveRequest.FromString,
+                    response_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentRetrieveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -953,6 +998,60 @@ class GatewayService:
             '/kvmesh.gateway.v1.GatewayService/CommitRetrieve',
             kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.CommitRetrieveRequest.SerializeToString,
             kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.CommitRetrieveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareSegmentStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.gateway.v1.GatewayService/PrepareSegmentStore',
+            kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentStoreRequest.SerializeToString,
+            kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentStoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareSegmentRetrieve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.gateway.v1.GatewayService/PrepareSegmentRetrieve',
+            kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentRetrieveRequest.SerializeToString,
+            kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentRetrieveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -175,8 +175,25 @@ class GatewayServiceStub:
     engine context), INVALID_ARGUMENT (range). Deadline: 10 s.
     """
     CommitRetrieve: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.CommitRetrieveRequest, _gateway_pb2.CommitRetrieveResponse]
-    """Releases the read locks of a PrepareRetrieve. Idempotent.
-    Errors: NOT_FOUND (unknown transaction). Deadline: 10 s.
+    """Releases the read locks of a PrepareRetrieve (or a PrepareSegmentRetrieve).
+    Idempotent. Errors: NOT_FOUND (unknown transaction). Deadline: 10 s.
+    """
+    PrepareSegmentStore: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.PrepareSegmentStoreRequest, _gateway_pb2.PrepareSegmentStoreResponse]
+    """Engine-driven CacheBlend path (docs/blend.md): reserves one L1 slot for a
+    segment (a document) of any length, keyed by the context's model, the
+    salt and the segment's tokens alone, not by the tokens before it, so a
+    later prompt finds it wherever it sits. The object is [2, num_layers,
+    len(token_ids), kv_heads, head_dim] in the context's dtype, keys rotated
+    to positions 0.. (keys, then values); the engine writes it, then calls
+    CommitStore. A segment already cached gets no slot (already_cached).
+    Errors: FAILED_PRECONDITION (no engine context), INVALID_ARGUMENT (no
+    tokens, more than the gateway's max_tokens, a bad cache_salt, an MLA
+    context), RESOURCE_EXHAUSTED (it does not fit in L1). Deadline: 10 s.
+    """
+    PrepareSegmentRetrieve: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.PrepareSegmentRetrieveRequest, _gateway_pb2.PrepareSegmentRetrieveResponse]
+    """The slot of a stored segment, read-locked until CommitRetrieve (or the
+    read TTL); no slot when the segment is not resident. Errors: as
+    PrepareSegmentStore, but never RESOURCE_EXHAUSTED. Deadline: 10 s.
     """
 
 @_typing.type_check_only
@@ -310,8 +327,25 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     engine context), INVALID_ARGUMENT (range). Deadline: 10 s.
     """
     CommitRetrieve: _aio.UnaryUnaryMultiCallable[_gateway_pb2.CommitRetrieveRequest, _gateway_pb2.CommitRetrieveResponse]  # type: ignore[assignment]
-    """Releases the read locks of a PrepareRetrieve. Idempotent.
-    Errors: NOT_FOUND (unknown transaction). Deadline: 10 s.
+    """Releases the read locks of a PrepareRetrieve (or a PrepareSegmentRetrieve).
+    Idempotent. Errors: NOT_FOUND (unknown transaction). Deadline: 10 s.
+    """
+    PrepareSegmentStore: _aio.UnaryUnaryMultiCallable[_gateway_pb2.PrepareSegmentStoreRequest, _gateway_pb2.PrepareSegmentStoreResponse]  # type: ignore[assignment]
+    """Engine-driven CacheBlend path (docs/blend.md): reserves one L1 slot for a
+    segment (a document) of any length, keyed by the context's model, the
+    salt and the segment's tokens alone, not by the tokens before it, so a
+    later prompt finds it wherever it sits. The object is [2, num_layers,
+    len(token_ids), kv_heads, head_dim] in the context's dtype, keys rotated
+    to positions 0.. (keys, then values); the engine writes it, then calls
+    CommitStore. A segment already cached gets no slot (already_cached).
+    Errors: FAILED_PRECONDITION (no engine context), INVALID_ARGUMENT (no
+    tokens, more than the gateway's max_tokens, a bad cache_salt, an MLA
+    context), RESOURCE_EXHAUSTED (it does not fit in L1). Deadline: 10 s.
+    """
+    PrepareSegmentRetrieve: _aio.UnaryUnaryMultiCallable[_gateway_pb2.PrepareSegmentRetrieveRequest, _gateway_pb2.PrepareSegmentRetrieveResponse]  # type: ignore[assignment]
+    """The slot of a stored segment, read-locked until CommitRetrieve (or the
+    read TTL); no slot when the segment is not resident. Errors: as
+    PrepareSegmentStore, but never RESOURCE_EXHAUSTED. Deadline: 10 s.
     """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -556,8 +590,37 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.CommitRetrieveRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.CommitRetrieveResponse, _abc.Awaitable[_gateway_pb2.CommitRetrieveResponse]]:
-        """Releases the read locks of a PrepareRetrieve. Idempotent.
-        Errors: NOT_FOUND (unknown transaction). Deadline: 10 s.
+        """Releases the read locks of a PrepareRetrieve (or a PrepareSegmentRetrieve).
+        Idempotent. Errors: NOT_FOUND (unknown transaction). Deadline: 10 s.
+        """
+
+    @_abc_1.abstractmethod
+    def PrepareSegmentStore(
+        self,
+        request: _gateway_pb2.PrepareSegmentStoreRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.PrepareSegmentStoreResponse, _abc.Awaitable[_gateway_pb2.PrepareSegmentStoreResponse]]:
+        """Engine-driven CacheBlend path (docs/blend.md): reserves one L1 slot for a
+        segment (a document) of any length, keyed by the context's model, the
+        salt and the segment's tokens alone, not by the tokens before it, so a
+        later prompt finds it wherever it sits. The object is [2, num_layers,
+        len(token_ids), kv_heads, head_dim] in the context's dtype, keys rotated
+        to positions 0.. (keys, then values); the engine writes it, then calls
+        CommitStore. A segment already cached gets no slot (already_cached).
+        Errors: FAILED_PRECONDITION (no engine context), INVALID_ARGUMENT (no
+        tokens, more than the gateway's max_tokens, a bad cache_salt, an MLA
+        context), RESOURCE_EXHAUSTED (it does not fit in L1). Deadline: 10 s.
+        """
+
+    @_abc_1.abstractmethod
+    def PrepareSegmentRetrieve(
+        self,
+        request: _gateway_pb2.PrepareSegmentRetrieveRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.PrepareSegmentRetrieveResponse, _abc.Awaitable[_gateway_pb2.PrepareSegmentRetrieveResponse]]:
+        """The slot of a stored segment, read-locked until CommitRetrieve (or the
+        read TTL); no slot when the segment is not resident. Errors: as
+        PrepareSegmentStore, but never RESOURCE_EXHAUSTED. Deadline: 10 s.
         """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,113 @@
+"""CacheBlend segments of engine-driven contexts: objects keyed by their tokens alone.
+
+A segment (a document) is one L1 object of any length, under the key
+:func:`kvmesh.common.hashing.segment_key` of the context's model and the
+segment's tokens, with the request's salt: nothing of the prompt before it, so
+a later prompt finds it wherever it sits (docs/blend.md, "Segments in
+storage"). Its size follows from the context's geometry: per token, the
+chunk object's bytes divided by the chunk size. The commits are the
+engine-driven path's own (``Transfers.commit_store`` and ``commit_retrieve``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.hashing import segment_key
+from kvmesh.common.keys import validate_cache_salt, worker_kv_rank
+
+from .engines import EngineRegistry, RegisteredEngine
+from .node_storage import KeyRow, NodeStorage, PreparedSlots
+from .types import GatewayStats
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentSlot:
+    """A segment's slot: the storage transaction and where the object lives."""
+
+    transaction_id: str  # empty: no slot (cached already, or not resident)
+    path: str
+    offset_bytes: int
+    size_bytes: int
+    segment_bytes: int
+    already_cached: bool = False
+
+
+class Segments:
+    """Prepare-store and prepare-retrieve of segments."""
+
+    def __init__(
+        self,
+        storage: NodeStorage,
+        engines: EngineRegistry,
+        counters: GatewayStats,
+        *,
+        chunk_size: int,
+        max_tokens: int,
+    ) -> None:
+        self.storage = storage
+        self.engines = engines
+        self.counters = counters
+        self.chunk_size = chunk_size
+        self.max_tokens = max_tokens
+
+    def _row(
+        self, engine_id: str, cache_salt: str, tokens: Sequence[int] | np.ndarray
+    ) -> tuple[RegisteredEngine, KeyRow, int]:
+        """The engine, the segment's one-key row and the segment's object size."""
+        engine = self.engines.get(engine_id, engine_driven=True)
+        validate_cache_salt(cache_salt)
+        count = len(tokens)
+        if count == 0:
+            raise InvalidArgument("a segment needs at least one token", field="token_ids")
+        if count > self.max_tokens:
+            raise InvalidArgument(
+                f"{count} tokens exceed the gateway's limit of {self.max_tokens}",
+                field="token_ids",
+            )
+        if engine.chunk_shape[0] != 2:
+            raise InvalidArgument(
+                "segments need a K/V context (an MLA context has one plane)", field="engine_id"
+            )
+        spec = engine.spec
+        key = segment_key(spec.model_name, np.asarray(tokens, dtype=np.uint32))
+        row = KeyRow(
+            spec.model_name, cache_salt, worker_kv_rank(spec.world_size, spec.worker_id), [key]
+        )
+        return engine, row, engine.chunk_bytes // self.chunk_size * count
+
+    @staticmethod
+    def _slot(prepared: PreparedSlots, nbytes: int) -> SegmentSlot:
+        if not prepared.slots:
+            cached = prepared.already_cached_chunks > 0
+            return SegmentSlot(prepared.transaction_id, "", 0, 0, nbytes, already_cached=cached)
+        slot = prepared.slots[0]
+        return SegmentSlot(
+            prepared.transaction_id, slot.path, slot.offset_bytes, slot.size_bytes, nbytes
+        )
+
+    async def prepare_store(
+        self, engine_id: str, cache_salt: str, tokens: Sequence[int] | np.ndarray
+    ) -> SegmentSlot:
+        """A slot for the segment's object, or none when it is cached already."""
+        _, row, nbytes = self._row(engine_id, cache_salt, tokens)
+        slot = self._slot(await self.storage.prepare_store(row, nbytes), nbytes)
+        if slot.transaction_id:
+            self.counters.segment_stores += 1
+        return slot
+
+    async def prepare_retrieve(
+        self, engine_id: str, cache_salt: str, tokens: Sequence[int] | np.ndarray
+    ) -> SegmentSlot:
+        """The segment's slot, read-locked until the commit; none when not resident."""
+        _, row, nbytes = self._row(engine_id, cache_salt, tokens)
+        slot = self._slot(await self.storage.prepare_retrieve(row, nbytes), nbytes)
+        if slot.transaction_id:
+            self.counters.segment_hits += 1
+        else:
+            self.counters.segment_misses += 1
+        return slot

@@ -1,0 +1,134 @@
+"""CacheBlend segments through a real gateway and node: keys of the tokens alone, exact bytes.
+
+The blending engine's :class:`SegmentStore` registers an engine-driven context,
+writes each segment's object into the slot ``PrepareSegmentStore`` hands out
+and reads it back through ``PrepareSegmentRetrieve``. Marked ``transports``:
+it runs over gRPC to two servers, one ``kvmesh node``, and the local lane.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.common.hashing import segment_key
+from kvmesh.engine.llama import SequenceKV
+from kvmesh.engine.segment_store import SegmentStore
+from kvmesh.kernels.rope import RopeParams, apply_rope
+from tests.integration.gateway.conftest import StackFactory
+from tests.integration.gateway.support import MODEL, Stack, code_of
+
+LAYERS, HEADS, HEAD_DIM = 3, 2, 16
+ROPE = RopeParams(head_dim=HEAD_DIM, base=10000.0)
+
+
+def _segment(rows: int, start: int, seed: int) -> tuple[SequenceKV, list[torch.Tensor]]:
+    """K/V of ``rows`` tokens whose keys were roped at ``start``..; also the raw keys."""
+    g = torch.Generator().manual_seed(seed)
+    raw = [torch.randn(rows, HEADS, HEAD_DIM, generator=g) for _ in range(LAYERS)]
+    values = [torch.randn(rows, HEADS, HEAD_DIM, generator=g) for _ in range(LAYERS)]
+    at = torch.arange(start, start + rows)
+    return SequenceKV([apply_rope(k, at, ROPE) for k in raw], values), raw
+
+
+def _store(stack: Stack, salt: str = "") -> SegmentStore:
+    return SegmentStore(
+        stack.client.target, MODEL, ROPE, num_layers=LAYERS, kv_heads=HEADS, cache_salt=salt
+    )
+
+
+@pytest.mark.transports
+def test_a_segment_computed_anywhere_is_found_by_its_tokens_with_keys_at_zero(
+    stack: Stack,
+) -> None:
+    tokens = list(range(1000, 1037))
+    kv, raw = _segment(len(tokens), start=500, seed=1)
+    with _store(stack) as store:
+        assert store.get(tokens) is None
+        assert store.put(tokens, kv, source_start=500) is True
+        assert store.put(tokens, kv, source_start=500) is False  # there already
+        got = store.get(tokens)
+        assert got is not None
+        assert len(got) == len(tokens)
+        zero = torch.arange(len(tokens))
+        for layer in range(LAYERS):
+            torch.testing.assert_close(got.keys[layer], apply_rope(raw[layer], zero, ROPE))
+            assert torch.equal(got.values[layer], kv.values[layer])
+        assert store.get(tokens[:-1]) is None  # other tokens, another key
+        assert stack.locked() == 0  # every read released its lock
+    counters = stack.app.core.counters
+    assert (counters.segment_stores, counters.segment_hits, counters.segment_misses) == (1, 1, 2)
+
+
+def test_keys_name_the_model_and_tokens_only() -> None:
+    assert segment_key("m", [1, 2, 3]) == segment_key("m", [1, 2, 3])
+    assert segment_key("m", [1, 2, 3]) != segment_key("m", [1, 2, 4])
+    assert segment_key("m", [1, 2, 3]) != segment_key("n", [1, 2, 3])
+    assert len(segment_key("m", [])) == 32
+
+
+def test_salts_keep_segments_apart(stack: Stack) -> None:
+    tokens = [5] * 20
+    kv, _ = _segment(20, start=0, seed=2)
+    with _store(stack, salt="a") as a, _store(stack, salt="b") as b:
+        a.put(tokens, kv, source_start=0)
+        assert a.get(tokens) is not None
+        assert b.get(tokens) is None
+
+
+def test_a_gateway_that_forgot_the_context_gets_it_again(stack: Stack) -> None:
+    kv, _ = _segment(8, start=0, seed=3)
+    with _store(stack) as store:
+        stack.client.unregister_engine_context(
+            gateway_pb2.UnregisterEngineContextRequest(engine_id=store.engine_id)
+        )
+        assert store.put(list(range(8)), kv, source_start=0) is True
+        assert store.get(list(range(8))) is not None
+
+
+def _context(stack: Stack, engine_id: str, *, use_mla: bool = False) -> None:
+    stack.client.register_engine_context(
+        gateway_pb2.RegisterEngineContextRequest(
+            engine_id=engine_id, model_name=MODEL, world_size=1, worker_id=0,
+            layout=gateway_pb2.EngineContextLayout(
+                num_layers=LAYERS, block_size=1, kv_heads=1 if use_mla else HEADS,
+                head_dim=HEAD_DIM, dtype=common_pb2.DTYPE_FLOAT32, use_mla=use_mla,
+            ),
+        )
+    )  # fmt: skip
+
+
+def _refused(stack: Stack, **fields: object) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        stack.client.prepare_segment_store(gateway_pb2.PrepareSegmentStoreRequest(**fields))  # type: ignore[arg-type]
+    return info.value
+
+
+def test_bad_segments_are_refused_by_name_and_a_full_node_says_so(
+    make_stack: StackFactory,
+) -> None:
+    stack = make_stack(storage={"l1_size_bytes": 4 << 20, "l1_segment_bytes": 4 << 20})
+    _context(stack, "ctx")
+    _context(stack, "mla", use_mla=True)
+    assert code_of(_refused(stack, engine_id="nobody", token_ids=[1])) == "FAILED_PRECONDITION"
+    empty = _refused(stack, engine_id="ctx", token_ids=[])
+    assert code_of(empty) == "INVALID_ARGUMENT"
+    assert "at least one token" in empty.details()  # type: ignore[attr-defined]
+    salted = _refused(stack, engine_id="ctx", cache_salt="x" * 10_000, token_ids=[1])
+    assert code_of(salted) == "INVALID_ARGUMENT"
+    mla = _refused(stack, engine_id="mla", token_ids=[1])
+    assert code_of(mla) == "INVALID_ARGUMENT"
+    assert "MLA" in mla.details()  # type: ignore[attr-defined]
+    with _store(stack) as store:
+        kv, _ = _segment(10, start=0, seed=3)
+        with pytest.raises(ValueError, match="3 layers x 10 rows for 11 tokens"):
+            store.put(list(range(11)), kv, source_start=0)
+        big, _ = _segment(12_000, start=0, seed=4)  # 9 MiB: more than the node's whole L1
+        with pytest.raises(grpc.RpcError) as info:
+            store.put(list(range(12_000)), big, source_start=0)
+        assert code_of(info.value) in ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"), info.value
+        assert store.get(list(range(12_000))) is None
+        assert stack.locked() == 0
