@@ -6,16 +6,21 @@ When the order of the documents does not matter to the application, sending
 them in an order kvmesh already holds as a prefix turns them into a prefix
 hit, through unmodified vLLM (docs/blend.md, "Reordering for vLLM").
 
-:func:`plan_order` asks the gateway: it grows the prefix one document at a
-time, each time choosing the document whose placement next gives the longest
-cached prefix (the rest following in their given order), and stops choosing
-when no document lengthens it. Every probe is a ``Lookup`` under its own
-request id whose session is ended at once, so a plan holds no locks. With k
-documents it costs at most k + (k-1) + ... + 1 lookups.
+:func:`plan_order` asks the gateway. For a few documents (k! orders up to
+``max_exhaustive``) it looks up every order and takes the longest cached
+prefix: a greedy choice can be misled when a document also starts another
+stored prompt and the chunk at each document's end ties the candidates. For
+more it grows the prefix one document at a time, each time choosing the
+document whose placement next gives the longest cached prefix (the rest
+following in their given order), and stops when none lengthens it: at most
+k + (k-1) + ... + 1 lookups. Every probe is a ``Lookup`` under its own
+request id whose session is ended at once, so a plan holds no locks.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,12 +49,15 @@ def plan_order(
     world_size: int = 1,
     cache_salt: str = "",
     timeout_s: float = 2.0,
+    max_exhaustive: int = 24,
 ) -> ReorderPlan:
     """The order of ``documents`` after ``system`` with the longest prefix kvmesh holds.
 
     ``model_name``, ``world_size`` and ``cache_salt`` must be the connector's
-    (its ``model_name`` is vLLM's ``model`` unless set). Raises ``ValueError``
-    for an empty document and ``grpc.RpcError`` when the gateway fails.
+    (its ``model_name`` is vLLM's ``model`` unless set). Up to
+    ``max_exhaustive`` orders (4 documents: 24) every order is looked up; beyond,
+    the greedy search. Raises ``ValueError`` for an empty document and
+    ``grpc.RpcError`` when the gateway fails.
     """
     for i, doc in enumerate(documents):
         if not doc:
@@ -79,6 +87,14 @@ def plan_order(
     def joined(order: Sequence[int]) -> list[int]:
         return [*system, *(t for i in order for t in documents[i])]
 
+    if math.factorial(len(documents)) <= max_exhaustive:
+        # Every order (the given one first, so ties keep it): the longest prefix there is.
+        best, order = -1, list(range(len(documents)))
+        for candidate in itertools.permutations(range(len(documents))):
+            hit = cached(joined(candidate))
+            if hit > best:
+                best, order = hit, list(candidate)
+        return ReorderPlan(order=order, cached_tokens=max(best, 0), lookups=lookups)
     chosen: list[int] = []
     remaining = list(range(len(documents)))
     best = 0

@@ -130,23 +130,22 @@ class _Blend:
             at += n
         return torch.cat(parts)
 
-    def _select(self, fresh_values: torch.Tensor, ratio: float) -> torch.Tensor:
-        """Sorted rows that stay active: the top ``ratio`` of cached rows by value deviation,
-        every uncached row, and the last row."""
+    def _select(self, layer: int, fresh_values: torch.Tensor, ratio: float) -> torch.Tensor:
+        """Sorted rows that stay active: the top ``ratio`` of cached rows by how far their
+        values at ``layer`` deviate from the cached ones, every uncached row, the last row."""
         active = ~self.cached
         active[-1] = True
         cached_rows = torch.nonzero(self.cached & ~active).flatten()
         keep = round(ratio * int(self.cached.sum()))
         keep = min(keep, cached_rows.numel())
         if keep:
-            old = self._old(self._check_layer, values=True)[cached_rows]
+            old = self._old(layer, values=True)[cached_rows]
             deviation = (fresh_values[cached_rows] - old).float().pow(2).sum(dim=(1, 2))
             active[cached_rows[torch.topk(deviation, keep).indices]] = True
         return torch.nonzero(active).flatten()
 
     @torch.inference_mode()
     def run(self, ratio: float, check_layer: int) -> BlendResult:
-        self._check_layer = check_layer
         model = self.model
         positions = torch.arange(self.n)
         hidden = model.embed(self.tokens)
@@ -163,7 +162,7 @@ class _Blend:
             values.append(v)
             hidden = model.attend(layer, hidden, q, positions[active], k, v, positions)
             if layer == check_layer:
-                active = self._select(v, ratio)
+                active = self._select(layer, v, ratio)
                 hidden = hidden[active]
         computed = int((~self.cached).sum())
         active_cached = int(self.cached[active].sum())

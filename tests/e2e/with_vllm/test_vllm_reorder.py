@@ -101,7 +101,7 @@ def test_the_reorder_plan_turns_moved_documents_into_a_prefix_hit(
             client.close()
         assert plan.order == [1, 2, 0], plan
         assert plan.cached_tokens == held * CHUNK
-        assert plan.lookups <= 3 + 2
+        assert plan.lookups == 6  # every order of three documents
         reordered = system + [t for i in plan.order for t in given[i]] + question
         warm = complete(base, model, reordered)
         served = _cached(warm)

@@ -50,29 +50,38 @@ class HoldingGateway:
         return gateway_pb2.EndSessionResponse(existed=True)
 
 
-def _plan(gateway: HoldingGateway, docs: Sequence[Sequence[int]]) -> Any:
+def _plan(gateway: HoldingGateway, docs: Sequence[Sequence[int]], **options: Any) -> Any:
     client = cast(GatewayClient, gateway)
-    return plan_order(client, model_name="m", system=SYSTEM, documents=docs, cache_salt="s")
+    return plan_order(
+        client, model_name="m", system=SYSTEM, documents=docs, cache_salt="s", **options
+    )
+
+
+GREEDY = {"max_exhaustive": 1}
 
 
 def _prompt(*order: int) -> list[int]:
     return SYSTEM + [t for i in order for t in DOCS[i]]
 
 
-def test_documents_go_back_in_the_stored_order_and_no_session_stays_open() -> None:
+@pytest.mark.parametrize(("options", "most"), [({}, 24), (GREEDY, 4 + 3 + 2)])
+def test_documents_go_back_in_the_stored_order_and_no_session_stays_open(
+    options: dict[str, int], most: int
+) -> None:
     gateway = HoldingGateway([[*_prompt(0, 1, 2, 3), 99]])
     given = [DOCS[2], DOCS[0], DOCS[3], DOCS[1]]
-    plan = _plan(gateway, given)
+    plan = _plan(gateway, given, **options)
     assert [given[i] for i in plan.order] == [DOCS[0], DOCS[1], DOCS[2], DOCS[3]]
     assert plan.cached_tokens == len(_prompt(0, 1, 2, 3)) // CHUNK * CHUNK
-    assert plan.lookups == len(gateway.lookups) <= 4 + 3 + 2
+    assert plan.lookups == len(gateway.lookups) <= most
     assert gateway.open == set()
     assert {(r.model_name, r.cache_salt, r.world_size) for r in gateway.lookups} == {("m", "s", 1)}
 
 
-def test_a_partly_stored_order_is_followed_as_far_as_it_goes() -> None:
+@pytest.mark.parametrize("options", [{}, GREEDY])
+def test_a_partly_stored_order_is_followed_as_far_as_it_goes(options: dict[str, int]) -> None:
     gateway = HoldingGateway([[*_prompt(3, 1), 99]])
-    plan = _plan(gateway, DOCS)
+    plan = _plan(gateway, DOCS, **options)
     assert plan.order[:2] == [3, 1]
     assert sorted(plan.order) == [0, 1, 2, 3]
     assert plan.order[2:] == [0, 2]  # the rest keep their given order
@@ -81,8 +90,21 @@ def test_a_partly_stored_order_is_followed_as_far_as_it_goes() -> None:
 def test_nothing_stored_keeps_the_given_order() -> None:
     gateway = HoldingGateway([])
     plan = _plan(gateway, DOCS)
-    assert (plan.order, plan.cached_tokens) == ([0, 1, 2, 3], 0)
-    assert plan.lookups == 4  # one round of probes, then it stops
+    assert (plan.order, plan.cached_tokens, plan.lookups) == ([0, 1, 2, 3], 0, 24)
+    greedy = _plan(gateway, DOCS, **GREEDY)
+    assert (greedy.order, greedy.lookups) == ([0, 1, 2, 3], 4)  # one round, then it stops
+
+
+def test_every_order_is_tried_where_a_greedy_choice_is_misled() -> None:
+    """Documents 0 and 1 both start a stored prompt; only 1, 2, 0 is stored whole."""
+    gateway = HoldingGateway([[*_prompt(0, 3), 99], [*_prompt(1, 2, 0), 99]])
+    docs = DOCS[:3]
+    plan = _plan(gateway, docs)
+    assert plan.order == [1, 2, 0]
+    assert plan.cached_tokens == len(_prompt(1, 2, 0)) // CHUNK * CHUNK
+    greedy = _plan(gateway, docs, **GREEDY)  # a tie at the first document: the given order
+    assert greedy.order[0] == 0
+    assert greedy.cached_tokens < plan.cached_tokens
 
 
 def test_one_document_and_none() -> None:
