@@ -17,10 +17,10 @@ every arrangement, interleaved so machine noise hits them alike:
   full prefill.
 
 Per arrangement: the mean TTFT (the prefill up to the first token's logits,
-fetching the stored K/V included), the share of prompt tokens whose K/V was
-reused, and against the full prefill the greedy agreement (position by
-position over ``--generate`` tokens) and the KL divergence of the first token's
-distribution. docs/blend.md, "Benchmark" has the figures.
+finding the stored documents in the prompt and fetching their K/V included),
+the share of prompt tokens whose K/V was reused, and against the full prefill
+the greedy agreement (position by position over ``--generate`` tokens) and the
+KL divergence of the first token's distribution. docs/blend.md, "Benchmark" has the figures.
 
 The documents' K/V is kept in a kvmesh node (``--gateway``, or one started
 for the run) under keys of their tokens alone
@@ -47,7 +47,7 @@ import torch
 
 from kvmesh.bench.blend_vllm import measure_reorder, summary
 from kvmesh.bench.common import Progress, ServiceProcess, bench_main, size_text
-from kvmesh.engine.blend import Segment, blend_prefill
+from kvmesh.engine.blend import blend_prefill
 from kvmesh.engine.llama import LlamaModel
 from kvmesh.engine.segment_store import SegmentStore
 
@@ -226,15 +226,6 @@ def _node(args: argparse.Namespace, l1_bytes: int, progress: Progress) -> Iterat
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _fetched(store: SegmentStore, segments: list[tuple[list[int], bool]]) -> list[Segment]:
-    """The prompt's segments; each one flagged True with its K/V from the node, if held."""
-    out = []
-    for tokens, cached in segments:
-        kv = store.get(tokens) if cached else None
-        out.append(Segment(tokens, kv, source_start=0))
-    return out
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvmesh.common import model_store
 
@@ -309,8 +300,9 @@ def _measure(
                 logits, kv = model.prefill(tokens[start:], past=prefix)
                 reused = start if prefix is not None else 0
             else:
-                wanted = [(corpus.system, True), *((d, True) for d in docs), (question, False)]
-                segments = _fetched(store, wanted)
+                # The prompt as the engine gets it, boundaries unknown: the node finds
+                # the stored documents in it (LookupSegments), then they are fetched.
+                segments = store.segments(tokens)
                 result = blend_prefill(model, segments, ratios[name], args.check_layer)
                 logits, kv, reused = result.logits, result.kv, result.reused_tokens
             ttft = time.perf_counter() - began

@@ -32,6 +32,7 @@ import torch
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.common.dtypes import proto_of_torch
+from kvmesh.engine.blend import Segment
 from kvmesh.engine.llama import SequenceKV
 from kvmesh.gateway.client import GatewayClient
 from kvmesh.kernels.rope import RopeParams, rerope
@@ -198,3 +199,35 @@ class SegmentStore:
                 timeout=self.timeout_s,
             )
         return SequenceKV(list(data[0].unbind(0)), list(data[1].unbind(0)))
+
+    def find(self, tokens: Sequence[int], stride: int = 1) -> list[tuple[int, int]]:
+        """Stored segments inside the prompt ``tokens``: (start, length) in prompt order.
+
+        Found by the gateway's fingerprint index (``LookupSegments``): segments of at
+        least 16 tokens starting at a multiple of ``stride``.
+        """
+        request = gateway_pb2.LookupSegmentsRequest(
+            engine_id=self.engine_id,
+            cache_salt=self.cache_salt,
+            token_ids=list(tokens),
+            stride=stride,
+        )
+        found = self._call(lambda: self._client.lookup_segments(request, timeout=self.timeout_s))
+        return [(m.start_token, m.num_tokens) for m in found.matches]
+
+    def segments(self, tokens: Sequence[int], stride: int = 1) -> list[Segment]:
+        """The prompt as blend segments: each stored one found in it with its K/V, the
+        tokens between them without (docs/blend.md, "Finding segments in a prompt")."""
+        out: list[Segment] = []
+        at = 0
+        for start, length in self.find(tokens, stride):
+            kv = self.get(tokens[start : start + length])
+            if kv is None:  # evicted since the lookup: computed instead
+                continue
+            if start > at:
+                out.append(Segment(tokens[at:start]))
+            out.append(Segment(tokens[start : start + length], kv, source_start=0))
+            at = start + length
+        if at < len(tokens):
+            out.append(Segment(tokens[at:]))
+        return out

@@ -40,6 +40,7 @@ class GatewayClient(SyncClient):
         "CommitRetrieve": CallPolicy(timeout=10.0, idempotent=False),
         "PrepareSegmentStore": CallPolicy(timeout=10.0, idempotent=False),
         "PrepareSegmentRetrieve": CallPolicy(timeout=10.0, idempotent=False),
+        "LookupSegments": CallPolicy(timeout=10.0, idempotent=True),
     }
 
     @functools.cached_property
@@ -367,6 +368,22 @@ class GatewayClient(SyncClient):
             "PrepareSegmentRetrieve",
             request,
             gateway_pb2.PrepareSegmentRetrieveResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def lookup_segments(
+        self,
+        request: gateway_pb2.LookupSegmentsRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.LookupSegmentsResponse:
+        """``LookupSegments``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "LookupSegments",
+            request,
+            gateway_pb2.LookupSegmentsResponse,
             timeout,
             wait_for_ready,
         )

@@ -219,6 +219,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             segment_bytes=slot.segment_bytes,
         )
 
+    async def LookupSegments(
+        self, request: gateway_pb2.LookupSegmentsRequest, context: Any
+    ) -> gateway_pb2.LookupSegmentsResponse:
+        matches, probed = await self.core.lookup_segments(
+            request.engine_id, request.cache_salt, wire.tokens(request.token_ids), request.stride
+        )
+        return gateway_pb2.LookupSegmentsResponse(
+            matches=[
+                gateway_pb2.SegmentMatch(start_token=start, num_tokens=length)
+                for start, length in matches
+            ],
+            probed_positions=probed,
+        )
+
     async def CommitRetrieve(
         self, request: gateway_pb2.CommitRetrieveRequest, context: Any
     ) -> gateway_pb2.CommitRetrieveResponse:

@@ -132,3 +132,59 @@ def test_bad_segments_are_refused_by_name_and_a_full_node_says_so(
         assert code_of(info.value) in ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"), info.value
         assert store.get(list(range(12_000))) is None
         assert stack.locked() == 0
+
+
+def _doc(first: int, n: int) -> list[int]:
+    return list(range(first, first + n))
+
+
+@pytest.mark.transports
+def test_stored_segments_are_found_inside_a_prompt_without_boundaries(stack: Stack) -> None:
+    a, b, c, short = _doc(1000, 40), _doc(2000, 30), _doc(3000, 20), _doc(4000, 10)
+    with _store(stack) as store:
+        for doc, seed in ((a, 1), (b, 2), (c, 3), (short, 4)):
+            kv, _ = _segment(len(doc), start=100, seed=seed)
+            store.put(doc, kv, source_start=100)
+        system, junk, question = _doc(7, 7), _doc(50, 5), _doc(60, 9)
+        prompt = [*system, *b, *junk, *a, *c, *short, *question]
+        # The short document (under 16 tokens) is not indexed: computed, not found.
+        assert store.find(prompt) == [(7, 30), (42, 40), (82, 20)]
+        segments = store.segments(prompt)
+        assert [t for s in segments for t in s.tokens] == prompt
+        assert [(len(s.tokens), s.kv is not None) for s in segments] == [
+            (7, False), (30, True), (5, False), (40, True), (20, True), (19, False),
+        ]  # fmt: skip
+        assert stack.locked() == 0
+        # Probing every 2nd position misses the document that starts at 7.
+        assert store.find(prompt, stride=2) == [(42, 40), (82, 20)]
+        assert store.find([*b[1:], *a]) == [(29, 40)]  # not at its start: not b
+    with _store(stack, salt="other") as other:
+        assert other.find(prompt) == []
+
+
+def test_segments_gone_from_l1_are_not_found_and_leave_the_index(stack: Stack) -> None:
+    doc = _doc(500, 32)
+    with _store(stack) as store:
+        kv, _ = _segment(len(doc), start=0, seed=5)
+        store.put(doc, kv, source_start=0)
+        assert store.find([1, 2, *doc]) == [(2, 32)]
+        stack.client.clear(gateway_pb2.ClearRequest(force=True))
+        assert store.find([1, 2, *doc]) == []
+        assert store.segments([1, 2, *doc])[0].kv is None
+    assert len(stack.app.core.segments._index) == 0
+
+
+def test_a_lookup_of_a_bad_prompt_is_refused_by_name(stack: Stack) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stack.client.lookup_segments(
+            gateway_pb2.LookupSegmentsRequest(engine_id="nobody", token_ids=[1])
+        )
+    assert code_of(info.value) == "FAILED_PRECONDITION"
+    _context(stack, "ctx")
+    with pytest.raises(grpc.RpcError) as info:
+        stack.client.lookup_segments(
+            gateway_pb2.LookupSegmentsRequest(engine_id="ctx", cache_salt="x" * 10_000)
+        )
+    assert code_of(info.value) == "INVALID_ARGUMENT"
+    empty = stack.client.lookup_segments(gateway_pb2.LookupSegmentsRequest(engine_id="ctx"))
+    assert (list(empty.matches), empty.probed_positions) == ([], 0)

@@ -244,6 +244,12 @@ class Gateway:
         """A resident CacheBlend segment's slot, read-locked until the commit."""
         return await self.segments.prepare_retrieve(engine_id, cache_salt, tokens)
 
+    async def lookup_segments(
+        self, engine_id: str, cache_salt: str, tokens: Sequence[int] | np.ndarray, stride: int
+    ) -> tuple[list[tuple[int, int]], int]:
+        """Stored CacheBlend segments inside a prompt: ([(start, length)], positions probed)."""
+        return await self.segments.lookup(engine_id, cache_salt, tokens, stride)
+
     async def clear(self, force: bool) -> int:
         """Drop this node's L1 objects."""
         return await self.storage.clear(force)

@@ -1285,3 +1285,85 @@ class PrepareSegmentRetrieveResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrepareSegmentRetrieveResponse: _TypeAlias = PrepareSegmentRetrieveResponse  # noqa: Y015
+
+@_typing.final
+class LookupSegmentsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    STRIDE_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    cache_salt: _builtins.str
+    stride: _builtins.int
+    """Probe every stride-th position for a segment's start; 0 is read as 1."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The whole prompt."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        stride: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "engine_id", b"engine_id", "stride", b"stride", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LookupSegmentsRequest: _TypeAlias = LookupSegmentsRequest  # noqa: Y015
+
+@_typing.final
+class SegmentMatch(_message.Message):
+    """A stored segment found in the prompt: tokens [start_token, start_token + num_tokens)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_TOKEN_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    start_token: _builtins.int
+    num_tokens: _builtins.int
+    def __init__(
+        self,
+        *,
+        start_token: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "start_token", b"start_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SegmentMatch: _TypeAlias = SegmentMatch  # noqa: Y015
+
+@_typing.final
+class LookupSegmentsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MATCHES_FIELD_NUMBER: _builtins.int
+    PROBED_POSITIONS_FIELD_NUMBER: _builtins.int
+    probed_positions: _builtins.int
+    """Positions whose fingerprint was looked up."""
+    @_builtins.property
+    def matches(self) -> _containers.RepeatedCompositeFieldContainer[Global___SegmentMatch]:
+        """In prompt order, not overlapping."""
+
+    def __init__(
+        self,
+        *,
+        matches: _abc.Iterable[Global___SegmentMatch] | None = ...,
+        probed_positions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["matches", b"matches", "probed_positions", b"probed_positions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LookupSegmentsResponse: _TypeAlias = LookupSegmentsResponse  # noqa: Y015

@@ -139,6 +139,11 @@ class GatewayServiceStub:
                 request_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentRetrieveRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentRetrieveResponse.FromString,
                 _registered_method=True)
+        self.LookupSegments = channel.unary_unary(
+                '/kvmesh.gateway.v1.GatewayService/LookupSegments',
+                request_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.LookupSegmentsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.LookupSegmentsResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -376,6 +381,20 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LookupSegments(self, request, context):
+        """Finds stored segments inside a prompt whose document boundaries the
+        engine does not know. Every segment this gateway stored with at least 16
+        tokens is indexed by the fingerprint of its first 16; the prompt is
+        probed at every stride-th position (0 is read as 1), a fingerprint hit is
+        checked against the segment's whole key and the node's L1, and matches do
+        not overlap (the earliest start, then the longest segment, wins). Index
+        entries whose segment left L1 are dropped on the way. Holds no locks.
+        Errors: as PrepareSegmentRetrieve. Deadline: 10 s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -483,6 +502,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.PrepareSegmentRetrieve,
                     request_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentRetrieveRequest.FromString,
                     response_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentRetrieveResponse.SerializeToString,
+            ),
+            'LookupSegments': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupSegments,
+                    request_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.LookupSegmentsRequest.FromString,
+                    response_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.LookupSegmentsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1052,6 +1076,33 @@ class GatewayService:
             '/kvmesh.gateway.v1.GatewayService/PrepareSegmentRetrieve',
             kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentRetrieveRequest.SerializeToString,
             kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.PrepareSegmentRetrieveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupSegments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.gateway.v1.GatewayService/LookupSegments',
+            kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.LookupSegmentsRequest.SerializeToString,
+            kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.LookupSegmentsResponse.FromString,
             options,
             channel_credentials,
             insecure,

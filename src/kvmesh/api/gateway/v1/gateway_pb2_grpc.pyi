@@ -195,6 +195,16 @@ class GatewayServiceStub:
     read TTL); no slot when the segment is not resident. Errors: as
     PrepareSegmentStore, but never RESOURCE_EXHAUSTED. Deadline: 10 s.
     """
+    LookupSegments: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.LookupSegmentsRequest, _gateway_pb2.LookupSegmentsResponse]
+    """Finds stored segments inside a prompt whose document boundaries the
+    engine does not know. Every segment this gateway stored with at least 16
+    tokens is indexed by the fingerprint of its first 16; the prompt is
+    probed at every stride-th position (0 is read as 1), a fingerprint hit is
+    checked against the segment's whole key and the node's L1, and matches do
+    not overlap (the earliest start, then the longest segment, wins). Index
+    entries whose segment left L1 are dropped on the way. Holds no locks.
+    Errors: as PrepareSegmentRetrieve. Deadline: 10 s.
+    """
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -346,6 +356,16 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """The slot of a stored segment, read-locked until CommitRetrieve (or the
     read TTL); no slot when the segment is not resident. Errors: as
     PrepareSegmentStore, but never RESOURCE_EXHAUSTED. Deadline: 10 s.
+    """
+    LookupSegments: _aio.UnaryUnaryMultiCallable[_gateway_pb2.LookupSegmentsRequest, _gateway_pb2.LookupSegmentsResponse]  # type: ignore[assignment]
+    """Finds stored segments inside a prompt whose document boundaries the
+    engine does not know. Every segment this gateway stored with at least 16
+    tokens is indexed by the fingerprint of its first 16; the prompt is
+    probed at every stride-th position (0 is read as 1), a fingerprint hit is
+    checked against the segment's whole key and the node's L1, and matches do
+    not overlap (the earliest start, then the longest segment, wins). Index
+    entries whose segment left L1 are dropped on the way. Holds no locks.
+    Errors: as PrepareSegmentRetrieve. Deadline: 10 s.
     """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -621,6 +641,22 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         """The slot of a stored segment, read-locked until CommitRetrieve (or the
         read TTL); no slot when the segment is not resident. Errors: as
         PrepareSegmentStore, but never RESOURCE_EXHAUSTED. Deadline: 10 s.
+        """
+
+    @_abc_1.abstractmethod
+    def LookupSegments(
+        self,
+        request: _gateway_pb2.LookupSegmentsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.LookupSegmentsResponse, _abc.Awaitable[_gateway_pb2.LookupSegmentsResponse]]:
+        """Finds stored segments inside a prompt whose document boundaries the
+        engine does not know. Every segment this gateway stored with at least 16
+        tokens is indexed by the fingerprint of its first 16; the prompt is
+        probed at every stride-th position (0 is read as 1), a fingerprint hit is
+        checked against the segment's whole key and the node's L1, and matches do
+        not overlap (the earliest start, then the longest segment, wins). Index
+        entries whose segment left L1 are dropped on the way. Holds no locks.
+        Errors: as PrepareSegmentRetrieve. Deadline: 10 s.
         """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
