@@ -494,6 +494,14 @@ else:
 """
 
 
+def _closed_to_others(path: Path) -> Path | None:
+    """The first directory above ``path`` that other users cannot enter, if any."""
+    for parent in [path, *path.parents]:
+        if not parent.stat().st_mode & 0o001:
+            return parent
+    return None
+
+
 def _as_user(uid: int) -> list[str]:
     return [str(shutil.which("setpriv")), f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
 
@@ -504,6 +512,14 @@ def test_a_nameless_kv_file_in_another_containers_dev_shm_opens_for_the_same_use
     /proc/<pid>/fd/<n> as the same user, and is refused as another user."""
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"):
         pytest.skip("needs root, unshare and setpriv (util-linux) to make a mount namespace")
+    # The unprivileged users below run this checkout's Python and kvmesh.
+    for needed in (REPO_ROOT, Path(sys.prefix)):
+        closed = _closed_to_others(needed.resolve())
+        if closed is not None:
+            pytest.skip(
+                f"other users cannot enter {closed} (mode {closed.stat().st_mode & 0o777:o}), "
+                f"so they cannot run {needed}: clone under a directory they can enter"
+            )
     engine_uid = 10001
     holder = subprocess.Popen(
         [

@@ -12,6 +12,7 @@ import importlib
 import importlib.metadata
 import json
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -191,11 +192,18 @@ def run_bench(argv: Sequence[str]) -> int:
     for package in getattr(module, "REQUIRES", ("torch",)):
         require_module(package)
     options = bench_parser(chosen.name, module).parse_args(argv)
+    # SIGTERM ends a benchmark as Ctrl-C does: its finally blocks stop the servers it
+    # started and remove their shared-memory directories.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     # Progress goes to stderr while it runs (see kvmesh.bench.common.Progress); stdout
     # is the result alone.
     result = module.run(options)
     print(json.dumps(result, indent=2) if options.json else module.format_table(result))
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def bench_parser(name: str, module: Any) -> OneLineParser:

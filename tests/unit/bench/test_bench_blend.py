@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from kvmesh.bench import blend
 from kvmesh.cli.main import bench_parser
 from kvmesh.engine.vllm.model import make_tiny_model
+from tests.support.waiting import wait_until
 
 SMALL = ["--documents", "3", "--docs-per-prompt", "2", "--prompts", "2", "--sentences", "3"]
 
@@ -74,3 +76,44 @@ def test_the_cli_names_a_model_it_cannot_find(tmp_path: Path) -> None:
     )
     assert done.returncode != 0
     assert "neither a directory nor a model name" in done.stderr, done.stderr
+
+
+def _blend_dirs() -> set[Path]:
+    return set(Path("/dev/shm").glob("kvmesh-bench-blend-*"))
+
+
+def _users(shm: Path) -> list[int]:
+    """Processes whose command line names ``shm`` (the benchmark's node)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(shm).encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def test_sigterm_stops_the_node_it_started_and_leaves_no_shared_memory(
+    tiny_folder: Path, tmp_path: Path
+) -> None:
+    before = _blend_dirs()
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.cli", "bench", "blend", "--model", str(tiny_folder),
+         *SMALL, "--no-vllm", "--quiet"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: bool(_blend_dirs() - before) or bench.poll() is not None, 120)
+        assert bench.poll() is None, bench.communicate()[1][-2000:]
+        (mine,) = _blend_dirs() - before
+        wait_until(lambda: bool(_users(mine)) or bench.poll() is not None, 60)
+        assert _users(mine), "the benchmark's node never started"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+        assert not mine.exists()
+        assert _users(mine) == []  # the node it started is gone too
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()

@@ -32,6 +32,7 @@ from kvmesh.common.keys import validate_cache_salt, worker_kv_rank
 
 from .engines import EngineRegistry, RegisteredEngine
 from .node_storage import KeyRow, NodeStorage, PreparedSlots
+from .sessions import check_token_count
 from .types import GatewayStats
 
 #: Tokens at a segment's start that index it; shorter segments are not found by lookup.
@@ -81,11 +82,7 @@ class Segments:
         count = len(tokens)
         if count == 0:
             raise InvalidArgument("a segment needs at least one token", field="token_ids")
-        if count > self.max_tokens:
-            raise InvalidArgument(
-                f"{count} tokens exceed the gateway's limit of {self.max_tokens}",
-                field="token_ids",
-            )
+        check_token_count(count, self.max_tokens)
         if engine.chunk_shape[0] != 2:
             raise InvalidArgument(
                 "segments need a K/V context (an MLA context has one plane)", field="engine_id"
@@ -151,11 +148,7 @@ class Segments:
         """Stored segments in the prompt ``tokens``: ([(start, length)], positions probed)."""
         engine = self.engines.get(engine_id, engine_driven=True)
         validate_cache_salt(cache_salt)
-        if len(tokens) > self.max_tokens:
-            raise InvalidArgument(
-                f"{len(tokens)} tokens exceed the gateway's limit of {self.max_tokens}",
-                field="token_ids",
-            )
+        check_token_count(len(tokens), self.max_tokens)
         step = max(1, stride)
         prompt = np.asarray(tokens, dtype=np.uint32)
         raw = tokens_to_be_u32(prompt)

@@ -20,6 +20,14 @@ from kvmesh.common.hashing import NONE_HASH, TokenHasher
 from kvmesh.common.keys import worker_kv_rank
 
 
+def check_token_count(count: int, max_tokens: int) -> None:
+    """InvalidArgument when a prompt or segment of ``count`` tokens is over the limit."""
+    if count > max_tokens:
+        raise InvalidArgument(
+            f"{count} tokens exceed the gateway's limit of {max_tokens}", field="token_ids"
+        )
+
+
 @dataclass(slots=True)
 class LookupState:
     """A request's lookup: what it asked for, and the id of the lease storage holds.
@@ -153,11 +161,7 @@ class SessionTable:
         """Adopt the request's tokens; keep hashes when the old tokens are a prefix."""
         if tokens.size == 0:
             return
-        if tokens.size > self.max_tokens:
-            raise InvalidArgument(
-                f"{tokens.size} tokens exceed the gateway's limit of {self.max_tokens}",
-                field="token_ids",
-            )
+        check_token_count(tokens.size, self.max_tokens)
         old = session.tokens
         if old.size and tokens.size >= old.size and np.array_equal(tokens[: old.size], old):
             session.tokens = tokens
