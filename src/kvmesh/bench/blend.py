@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from kvmesh.bench.blend_vllm import measure_reorder, summary
-from kvmesh.bench.common import Progress, ServiceProcess, bench_main, size_text
+from kvmesh.bench.common import Progress, ServiceProcess, bench_main, size_text, start_service
 from kvmesh.engine.blend import blend_prefill
 from kvmesh.engine.llama import LlamaModel
 from kvmesh.engine.segment_store import SegmentStore
@@ -206,22 +206,25 @@ def _node(args: argparse.Namespace, l1_bytes: int, progress: Progress) -> Iterat
         return
     workdir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-blend-"))
     shm = Path("/dev/shm") / f"kvmesh-bench-blend-{uuid.uuid4().hex[:8]}"
-    shm.mkdir(parents=True)
     segment = max(4 * MIB, l1_bytes - l1_bytes % (4 * MIB))
-    progress.phase(f"starting a kvmesh node (L1 {size_text(segment)})")
-    node = ServiceProcess(
-        "node",
-        ["--port", "0", "--metrics-port", "-1", "--log-level", "WARNING",
-         "--instance-id", f"bench-blend-{uuid.uuid4().hex[:6]}", "--data-dir", str(workdir),
-         "--l2", "none", "--l1-size-bytes", str(segment), "--l1-segment-bytes", str(segment),
-         "--shm-dir", str(shm)],
-        workdir,
-        "node",
-    )  # fmt: skip
+    owned: list[ServiceProcess] = []
     try:
+        shm.mkdir(parents=True)
+        progress.phase(f"starting a kvmesh node (L1 {size_text(segment)})")
+        node = start_service(
+            owned,
+            "node",
+            ["--port", "0", "--metrics-port", "-1", "--log-level", "WARNING",
+             "--instance-id", f"bench-blend-{uuid.uuid4().hex[:6]}", "--data-dir", str(workdir),
+             "--l2", "none", "--l1-size-bytes", str(segment), "--l1-segment-bytes", str(segment),
+             "--shm-dir", str(shm)],
+            workdir,
+            "node",
+        )  # fmt: skip
         yield str(node.wait_ready()["grpc"])
     finally:
-        node.stop()
+        for proc in owned:
+            proc.stop()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any, TextIO, TypeVar
 
 from kvmesh.common.help_format import DefaultsHelpFormatter, add_common_arguments
+from kvmesh.common.sigterm import sigterm_held
 
 __all__ = [
     "DefaultsHelpFormatter",
@@ -30,6 +31,7 @@ __all__ = [
     "cpu_seconds",
     "free_port",
     "size_text",
+    "start_service",
 ]
 
 T = TypeVar("T")
@@ -222,6 +224,17 @@ def add_model_argument(parser: argparse.ArgumentParser) -> None:
 def percentile(ordered: Sequence[float], q: float) -> float:
     """The nearest-rank ``q`` quantile (0 < q <= 1) of sorted, non-empty ``ordered``."""
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def start_service(
+    owned: list[ServiceProcess], service: str, args: list[str], workdir: Path, name: str
+) -> ServiceProcess:
+    """Start ``kvmesh SERVICE ARGS`` and append it to ``owned``, the list the caller's
+    finally block stops, with SIGTERM held off from the fork until the append."""
+    with sigterm_held():
+        proc = ServiceProcess(service, args, workdir, name)
+        owned.append(proc)
+    return proc
 
 
 class ServiceProcess:

@@ -41,7 +41,7 @@ import grpc
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.coordinator.v1 import directory_pb2, directory_pb2_grpc
 from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
-from kvmesh.bench.common import Progress, ServiceProcess, size_text
+from kvmesh.bench.common import Progress, ServiceProcess, size_text, start_service
 
 MIB = 1 << 20
 MODEL = "bench/p2p"
@@ -208,13 +208,13 @@ def _run(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
     procs: list[ServiceProcess] = []
     try:
         progress.phase("starting the coordinator")
-        coordinator = ServiceProcess(
+        coordinator = start_service(
+            procs,
             "coordinator",
             ["--port", "0", "--metrics-port", "-1", "--log-level", "WARNING"],
             workdir,
             "coordinator",
         )
-        procs.append(coordinator)
         coord_target = coordinator.wait_ready()["grpc"]
         progress.phase(f"starting storage nodes A and B (L1 {size_text(l1_bytes)} each)")
         nodes = []
@@ -222,7 +222,8 @@ def _run(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
             (shm / name).mkdir(parents=True)
             segment = min(l1_bytes, 1024 * MIB)
             segment -= segment % (4 * MIB)
-            proc = ServiceProcess(
+            proc = start_service(
+                procs,
                 "storage",
                 [
                     "--port",
@@ -262,7 +263,6 @@ def _run(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
                 workdir,
                 f"storage-{name}",
             )
-            procs.append(proc)
             nodes.append(proc)
         targets = [p.wait_ready()["grpc"] for p in nodes]
         channels = [grpc.insecure_channel(t) for t in targets]

@@ -12,7 +12,6 @@ import importlib
 import importlib.metadata
 import json
 import logging
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any, NoReturn
 
 from kvmesh.cli.startup import StartupLogs, follow_parent, one_line, reserve_port
 from kvmesh.common.config import add_config_arguments, describe, require_module, resolve
+from kvmesh.common.sigterm import exit_on_sigterm
 from kvmesh.common.telemetry import TRACING_HELP, configure_logging
 from kvmesh.rpc.server import ServerSettings, ServiceApp, create_server, run_until_signalled
 
@@ -194,16 +194,12 @@ def run_bench(argv: Sequence[str]) -> int:
     options = bench_parser(chosen.name, module).parse_args(argv)
     # SIGTERM ends a benchmark as Ctrl-C does: its finally blocks stop the servers it
     # started and remove their shared-memory directories.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    exit_on_sigterm()
     # Progress goes to stderr while it runs (see kvmesh.bench.common.Progress); stdout
     # is the result alone.
     result = module.run(options)
     print(json.dumps(result, indent=2) if options.json else module.format_table(result))
     return 0
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 def bench_parser(name: str, module: Any) -> OneLineParser:
