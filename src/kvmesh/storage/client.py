@@ -27,6 +27,9 @@ class StorageClient(AsyncClient):
         "ReleaseLease": CallPolicy(timeout=2.0, idempotent=True),
         "EndOwnerLeases": CallPolicy(timeout=2.0, idempotent=True),
         "RetrieveChunks": CallPolicy(timeout=30.0, idempotent=False),
+        "StoreSegment": CallPolicy(timeout=30.0, idempotent=True),
+        # Writes the same bytes again and holds no lock past the call: safe to retry.
+        "RetrieveSegment": CallPolicy(timeout=30.0, idempotent=True),
         "ReleaseLocks": CallPolicy(timeout=2.0, idempotent=False),
         "TouchKeys": CallPolicy(timeout=2.0, idempotent=True),
         "DeleteKeys": CallPolicy(timeout=30.0, idempotent=False),
@@ -178,6 +181,31 @@ class StorageClient(AsyncClient):
             timeout,
             wait_for_ready,
         )
+
+    async def store_segment(
+        self,
+        request: storage_pb2.StoreSegmentRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> storage_pb2.StoreSegmentResponse:
+        """``StoreSegment``: see its comment in the .proto for semantics and errors."""
+        return await self._call(
+            "StoreSegment", request, storage_pb2.StoreSegmentResponse, timeout, wait_for_ready
+        )
+
+    async def retrieve_segment(
+        self,
+        request: storage_pb2.RetrieveSegmentRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> storage_pb2.RetrieveSegmentResponse:
+        """``RetrieveSegment``: see its comment in the .proto for semantics and errors."""
+        return await self._call(
+            "RetrieveSegment", request, storage_pb2.RetrieveSegmentResponse, timeout,
+            wait_for_ready,
+        )  # fmt: skip
 
     async def release_locks(
         self,

@@ -13,6 +13,7 @@ from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import Tier
 from kvmesh.common.keys import CHUNK_HASH_BYTES, ObjectKey
 from kvmesh.common.node_types import PrefetchState, Slot
+from kvmesh.kernels.rope_params import RopeParams, RopeStyle
 from kvmesh.storage.core.node import StorageNode
 from kvmesh.storage.core.transfer.cuda_ipc import CudaIpcHandle
 from kvmesh.storage.core.transfer.engine import KVHandle
@@ -45,7 +46,31 @@ def layout_from_proto(layout: common_pb2.KVLayout) -> KVLayout:
         layout.kv_heads,
         layout.head_dim,
         dtype,
+        rope=rope_from_proto(layout) if layout.HasField("rope") else None,
     )
+
+
+ROPE_STYLES = {
+    common_pb2.ROPE_STYLE_UNSPECIFIED: RopeStyle.NEOX,
+    common_pb2.ROPE_STYLE_NEOX: RopeStyle.NEOX,
+    common_pb2.ROPE_STYLE_GPTJ: RopeStyle.GPTJ,
+}
+
+
+def rope_from_proto(layout: common_pb2.KVLayout) -> RopeParams:
+    """The layout's RoPE parameters, or InvalidArgument naming ``layout.rope``."""
+    style = ROPE_STYLES.get(layout.rope.style)
+    if style is None:
+        raise InvalidArgument(f"unknown layout.rope.style {layout.rope.style}", field="layout.rope")
+    try:
+        return RopeParams(
+            head_dim=layout.head_dim,
+            base=layout.rope.base,
+            rotary_dim=layout.rope.rotary_dim or None,
+            style=style,
+        )
+    except ValueError as exc:
+        raise InvalidArgument(f"layout.rope: {exc}", field="layout.rope") from None
 
 
 def handle_from_proto(handle: common_pb2.MemoryHandle, index: int) -> KVHandle:
@@ -99,6 +124,16 @@ def grid_rows(grid: common_pb2.KeyGrid, field: str = "keys") -> list[list[Object
         [ObjectKey(h, grid.model_name, rank, grid.object_group_id, grid.cache_salt) for h in hashes]
         for rank in grid.kv_ranks
     ]
+
+
+def _placement(
+    segment: storage_pb2.SegmentPlacement,
+) -> tuple[str, ObjectKey, list[int], int, int]:
+    """A SegmentPlacement's (engine_id, key, block_ids, start_token, num_tokens)."""
+    if not segment.HasField("key"):
+        raise InvalidArgument("segment.key must be set", field="segment.key")
+    return (segment.engine_id, key_from_proto(segment.key), list(segment.block_ids),
+            segment.start_token, segment.num_tokens)  # fmt: skip
 
 
 def _tier(value: int, *, allow_all: bool) -> Tier | None:
@@ -240,6 +275,18 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
             request.producer_event_handle,
         )
         return storage_pb2.RetrieveChunksResponse(retrieved_chunks=retrieved)
+
+    async def StoreSegment(
+        self, request: storage_pb2.StoreSegmentRequest, context: Any
+    ) -> storage_pb2.StoreSegmentResponse:
+        outcome = await self.node.segments.store(*_placement(request.segment))
+        return storage_pb2.StoreSegmentResponse(outcome=storage_pb2.StoreOutcome.ValueType(outcome))
+
+    async def RetrieveSegment(
+        self, request: storage_pb2.RetrieveSegmentRequest, context: Any
+    ) -> storage_pb2.RetrieveSegmentResponse:
+        found = await self.node.segments.retrieve(*_placement(request.segment))
+        return storage_pb2.RetrieveSegmentResponse(found=found)
 
     async def ReleaseLocks(
         self, request: storage_pb2.ReleaseLocksRequest, context: Any

@@ -19,7 +19,7 @@ HND) is not contiguous and keeps kvmesh off.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -46,9 +46,16 @@ def gpu_layout_kind(
     return unspecified, f"KV tensor shape {shape} is no layout kvmesh moves"
 
 
-def layout_fields(
-    kind: common_pb2.KVLayoutKind.ValueType, shape: tuple[int, ...]
-) -> dict[str, int]:
+class LayoutFields(TypedDict):
+    """The geometry fields of a ``KVLayout`` that a KV tensor's shape gives."""
+
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+
+
+def layout_fields(kind: common_pb2.KVLayoutKind.ValueType, shape: tuple[int, ...]) -> LayoutFields:
     """``num_blocks``, ``block_size``, ``kv_heads``, ``head_dim`` of a GPU KV tensor's shape."""
     if kind == common_pb2.KV_LAYOUT_KIND_MLA:
         return {"num_blocks": shape[0], "block_size": shape[1], "kv_heads": 1, "head_dim": shape[2]}

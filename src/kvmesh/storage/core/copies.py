@@ -76,6 +76,39 @@ class ChunkCopier:
         producer_event: bytes = b"",
     ) -> list[StoreOutcome]:
         """Gather each chunk into a new L1 object and publish it; one outcome per key."""
+
+        def gather(todo: list[int], views: list[memoryview]) -> None:
+            self.transfer.gather_chunks(
+                engine_id, [blocks[i] for i in todo], [chunk_tokens] * len(todo), views,
+                producer_event,
+            )  # fmt: skip
+
+        return await self._store(keys, nbytes, gather)
+
+    async def store_segment(
+        self,
+        engine_id: str,
+        key: ObjectKey,
+        block_table: Sequence[int],
+        start_token: int,
+        num_tokens: int,
+        nbytes: int,
+    ) -> StoreOutcome:
+        """Gather a request's tokens into one segment object (keys moved to 0..)."""
+
+        def gather(todo: list[int], views: list[memoryview]) -> None:
+            self.transfer.gather_segment(engine_id, block_table, start_token, num_tokens, views[0])
+
+        (outcome,) = await self._store([key], nbytes, gather)
+        return outcome
+
+    async def _store(
+        self,
+        keys: Sequence[ObjectKey],
+        nbytes: int,
+        gather: Callable[[list[int], list[memoryview]], None],
+    ) -> list[StoreOutcome]:
+        """Reserve the uncached keys, ``gather(indices, views)`` into them, publish them."""
         present = self.manager.l1.contains(keys)
         await self.manager.make_room([nbytes] * (len(keys) - sum(present)))
         reserved = self.manager.reserve_write(keys, nbytes)
@@ -84,14 +117,7 @@ class ChunkCopier:
             chosen = [keys[i] for i in todo]
             try:
                 await self.run(
-                    functools.partial(
-                        self.transfer.gather_chunks,
-                        engine_id,
-                        [blocks[i] for i in todo],
-                        [chunk_tokens] * len(todo),
-                        [reserved[k].view() for k in chosen],
-                        producer_event,
-                    )
+                    functools.partial(gather, todo, [reserved[k].view() for k in chosen])
                 )
             except BaseException:
                 self.manager.abort_write(chosen)
@@ -121,18 +147,51 @@ class ChunkCopier:
         producer_event: bytes = b"",
     ) -> int:
         """Scatter the resident prefix of ``keys`` into the engine; chunks copied."""
+
+        def scatter(views: list[memoryview]) -> None:
+            self.transfer.scatter_chunks(
+                engine_id, blocks[: len(views)], [chunk_tokens] * len(views), views,
+                skip_first_n_tokens, producer_event,
+            )  # fmt: skip
+
+        return await self._retrieve(keys, nbytes, scatter, release_mask)
+
+    async def retrieve_segment(
+        self,
+        engine_id: str,
+        key: ObjectKey,
+        block_table: Sequence[int],
+        start_token: int,
+        num_tokens: int,
+        nbytes: int,
+    ) -> bool:
+        """Scatter a resident segment into a request's tokens (keys moved there)."""
+
+        def scatter(views: list[memoryview]) -> None:
+            self.transfer.scatter_segment(engine_id, block_table, start_token, num_tokens, views[0])
+
+        return await self._retrieve([key], nbytes, scatter, [False]) == 1
+
+    async def _retrieve(
+        self,
+        keys: Sequence[ObjectKey],
+        nbytes: int,
+        scatter: Callable[[list[memoryview]], None],
+        release_mask: Sequence[bool],
+    ) -> int:
+        """Read-lock the resident prefix of ``keys``, ``scatter(views)`` it; objects copied."""
         results = self.manager.reserve_read(keys, 1) if keys else []
         prefix = 0
         while prefix < len(keys) and results[prefix] is L1Result.SUCCESS:
             prefix += 1
         locked = [k for k, r in zip(keys, results, strict=True) if r is L1Result.SUCCESS]
+        usable = 0
         try:
             objects = self.manager.unsafe_read(keys[:prefix])
-            usable = 0
             while usable < prefix and objects.get(keys[usable]) is not None:
                 if objects[keys[usable]].size != nbytes:
                     logger.warning(
-                        "object %s holds %d bytes, the engine's chunk is %d; treating as a miss",
+                        "object %s holds %d bytes, the engine's copy needs %d; treating as a miss",
                         keys[usable].describe(),
                         objects[keys[usable]].size,
                         nbytes,
@@ -140,17 +199,8 @@ class ChunkCopier:
                     break
                 usable += 1
             if usable:
-                await self.run(
-                    functools.partial(
-                        self.transfer.scatter_chunks,
-                        engine_id,
-                        blocks[:usable],
-                        [chunk_tokens] * usable,
-                        [objects[k].view() for k in keys[:usable]],
-                        skip_first_n_tokens,
-                        producer_event,
-                    )
-                )
+                views = [objects[k].view() for k in keys[:usable]]
+                await self.run(functools.partial(scatter, views))
         finally:
             self.manager.finish_read(locked, 1)
             flagged = [k for k, flag in zip(keys, release_mask, strict=False) if flag]

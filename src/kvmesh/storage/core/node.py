@@ -43,6 +43,7 @@ from kvmesh.storage.core.copies import ChunkCopier
 from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.manager import L1_BACKEND, StorageManager
 from kvmesh.storage.core.node_lookups import MAX_CHUNK_BYTES, NodeLookups
+from kvmesh.storage.core.node_segments import NodeSegments
 from kvmesh.storage.core.transactions import EngineTransactions
 from kvmesh.storage.core.transfer.engine import KVHandle, TransferEngine, load_copy_half
 from kvmesh.storage.core.transfer.layout import KVLayout, chunk_nbytes
@@ -79,6 +80,7 @@ class StorageNode:
         )  # fmt: skip
         self._txns = EngineTransactions(manager, clock=clock, new_id=self._new_id)
         self._copier = ChunkCopier(manager, transfer, copy_executor)
+        self.segments = NodeSegments(self._copier, self._layout)
         self._copies_loaded = False
 
     @property

@@ -136,6 +136,30 @@ block_size * head_dim + (d / 16) * 16 * block_size + (t / 2) * 32 +
 """
 Global___KVLayoutKind: _TypeAlias = KVLayoutKind  # noqa: Y015
 
+class _RopeStyle:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RopeStyleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RopeStyle.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROPE_STYLE_UNSPECIFIED: _RopeStyle.ValueType  # 0
+    """Read as ROPE_STYLE_NEOX."""
+    ROPE_STYLE_NEOX: _RopeStyle.ValueType  # 1
+    """Llama, HF rotate_half: dimension i pairs with i + rotary_dim / 2."""
+    ROPE_STYLE_GPTJ: _RopeStyle.ValueType  # 2
+    """GPT-J: dimension 2i pairs with 2i + 1."""
+
+class RopeStyle(_RopeStyle, metaclass=_RopeStyleEnumTypeWrapper):
+    """Which head dimensions RoPE rotates together."""
+
+ROPE_STYLE_UNSPECIFIED: RopeStyle.ValueType  # 0
+"""Read as ROPE_STYLE_NEOX."""
+ROPE_STYLE_NEOX: RopeStyle.ValueType  # 1
+"""Llama, HF rotate_half: dimension i pairs with i + rotary_dim / 2."""
+ROPE_STYLE_GPTJ: RopeStyle.ValueType  # 2
+"""GPT-J: dimension 2i pairs with 2i + 1."""
+Global___RopeStyle: _TypeAlias = RopeStyle  # noqa: Y015
+
 @_typing.final
 class ObjectKey(_message.Message):
     """The storage key of one chunk of KV cache.
@@ -274,6 +298,7 @@ class KVLayout(_message.Message):
     KV_HEADS_FIELD_NUMBER: _builtins.int
     HEAD_DIM_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
+    ROPE_FIELD_NUMBER: _builtins.int
     kind: Global___KVLayoutKind.ValueType
     num_layers: _builtins.int
     num_blocks: _builtins.int
@@ -282,6 +307,14 @@ class KVLayout(_message.Message):
     kv_heads: _builtins.int
     head_dim: _builtins.int
     dtype: Global___DType.ValueType
+    @_builtins.property
+    def rope(self) -> Global___RopeParameters:
+        """How the model rotates its keys. Needed for segment stores and retrieves
+        (CacheBlend, docs/blend.md), which move a document's keys to another
+        position; unset, those are FAILED_PRECONDITION. Part of the geometry: a
+        re-register with other RoPE parameters is refused like another shape.
+        """
+
     def __init__(
         self,
         *,
@@ -292,14 +325,47 @@ class KVLayout(_message.Message):
         kv_heads: _builtins.int = ...,
         head_dim: _builtins.int = ...,
         dtype: Global___DType.ValueType = ...,
+        rope: Global___RopeParameters | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rope", b"rope"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "head_dim", b"head_dim", "kind", b"kind", "kv_heads", b"kv_heads", "num_blocks", b"num_blocks", "num_layers", b"num_layers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "head_dim", b"head_dim", "kind", b"kind", "kv_heads", b"kv_heads", "num_blocks", b"num_blocks", "num_layers", b"num_layers", "rope", b"rope"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___KVLayout: _TypeAlias = KVLayout  # noqa: Y015
+
+@_typing.final
+class RopeParameters(_message.Message):
+    """A model's rotary position embedding: position p rotates dimension pair i by
+    p * base^(-2i / rotary_dim). Models with RoPE scaling are not described
+    here and must not register these.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BASE_FIELD_NUMBER: _builtins.int
+    ROTARY_DIM_FIELD_NUMBER: _builtins.int
+    STYLE_FIELD_NUMBER: _builtins.int
+    base: _builtins.float
+    """rope_theta; > 0."""
+    rotary_dim: _builtins.int
+    """Leading dimensions of each head that rotate (even, <= head_dim); 0 = head_dim."""
+    style: Global___RopeStyle.ValueType
+    def __init__(
+        self,
+        *,
+        base: _builtins.float = ...,
+        rotary_dim: _builtins.int = ...,
+        style: Global___RopeStyle.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base", b"base", "rotary_dim", b"rotary_dim", "style", b"style"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RopeParameters: _TypeAlias = RopeParameters  # noqa: Y015
 
 @_typing.final
 class SharedMemoryHandle(_message.Message):

@@ -393,6 +393,124 @@ class ReleasePrefetchResponse(_message.Message):
 Global___ReleasePrefetchResponse: _TypeAlias = ReleasePrefetchResponse  # noqa: Y015
 
 @_typing.final
+class SegmentPlacement(_message.Message):
+    """A segment's place in a request: tokens [start_token, start_token + num_tokens)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    START_TOKEN_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    start_token: _builtins.int
+    num_tokens: _builtins.int
+    @_builtins.property
+    def key(self) -> _common_pb2.ObjectKey: ...
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The request's block table from its token 0 (at least
+        ceil((start_token + num_tokens) / block_size) ids).
+        """
+
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        key: _common_pb2.ObjectKey | None = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        start_token: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "engine_id", b"engine_id", "key", b"key", "num_tokens", b"num_tokens", "start_token", b"start_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SegmentPlacement: _TypeAlias = SegmentPlacement  # noqa: Y015
+
+@_typing.final
+class StoreSegmentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def segment(self) -> Global___SegmentPlacement: ...
+    def __init__(
+        self,
+        *,
+        segment: Global___SegmentPlacement | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoreSegmentRequest: _TypeAlias = StoreSegmentRequest  # noqa: Y015
+
+@_typing.final
+class StoreSegmentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    outcome: Global___StoreOutcome.ValueType
+    def __init__(
+        self,
+        *,
+        outcome: Global___StoreOutcome.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoreSegmentResponse: _TypeAlias = StoreSegmentResponse  # noqa: Y015
+
+@_typing.final
+class RetrieveSegmentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def segment(self) -> Global___SegmentPlacement: ...
+    def __init__(
+        self,
+        *,
+        segment: Global___SegmentPlacement | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetrieveSegmentRequest: _TypeAlias = RetrieveSegmentRequest  # noqa: Y015
+
+@_typing.final
+class RetrieveSegmentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    """False: not resident in L1; nothing was written."""
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetrieveSegmentResponse: _TypeAlias = RetrieveSegmentResponse  # noqa: Y015
+
+@_typing.final
 class RetrieveChunksRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

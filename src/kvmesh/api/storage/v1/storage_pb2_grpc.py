@@ -79,6 +79,16 @@ class StorageServiceStub:
                 request_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveChunksRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveChunksResponse.FromString,
                 _registered_method=True)
+        self.StoreSegment = channel.unary_unary(
+                '/kvmesh.storage.v1.StorageService/StoreSegment',
+                request_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.StoreSegmentRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.StoreSegmentResponse.FromString,
+                _registered_method=True)
+        self.RetrieveSegment = channel.unary_unary(
+                '/kvmesh.storage.v1.StorageService/RetrieveSegment',
+                request_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveSegmentRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveSegmentResponse.FromString,
+                _registered_method=True)
         self.ReleaseLocks = channel.unary_unary(
                 '/kvmesh.storage.v1.StorageService/ReleaseLocks',
                 request_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.ReleaseLocksRequest.SerializeToString,
@@ -261,6 +271,33 @@ class StorageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StoreSegment(self, request, context):
+        """CacheBlend (docs/blend.md): gathers tokens [start_token, start_token +
+        num_tokens) of a request from the engine's blocks into one L1 object under
+        key (a segment key: the document's tokens alone), its keys rotated from
+        positions start_token.. to 0.. with the RoPE parameters the engine
+        registered. block_ids is the request's block table from its token 0;
+        start_token need not be block-aligned. A key already cached is left as
+        it is. Errors: FAILED_PRECONDITION (engine not registered, or registered
+        without RoPE parameters), INVALID_ARGUMENT (bad key, no tokens, too few
+        block ids, a block id >= num_blocks, an MLA layout). Deadline: 30 s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetrieveSegment(self, request, context):
+        """Scatters a stored segment into tokens [start_token, start_token +
+        num_tokens) of a request's blocks, its keys rotated from 0.. to
+        start_token..; the block's other tokens are left as they were. The object
+        is read-locked for the copy. Not resident in L1 (or of another size):
+        found = false and nothing is written. Errors: as StoreSegment, and
+        INVALID_ARGUMENT for a block id listed twice. Deadline: 30 s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseLocks(self, request, context):
         """Releases `count` read locks on each key of the grid (default 1).
         Unlocked or missing keys are counted as skipped, not errors.
@@ -438,6 +475,16 @@ def add_StorageServiceServicer_to_server(servicer, server):
                     servicer.RetrieveChunks,
                     request_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveChunksRequest.FromString,
                     response_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveChunksResponse.SerializeToString,
+            ),
+            'StoreSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreSegment,
+                    request_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.StoreSegmentRequest.FromString,
+                    response_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.StoreSegmentResponse.SerializeToString,
+            ),
+            'RetrieveSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetrieveSegment,
+                    request_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveSegmentRequest.FromString,
+                    response_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveSegmentResponse.SerializeToString,
             ),
             'ReleaseLocks': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseLocks,
@@ -753,6 +800,60 @@ class StorageService:
             '/kvmesh.storage.v1.StorageService/RetrieveChunks',
             kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveChunksRequest.SerializeToString,
             kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveChunksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.storage.v1.StorageService/StoreSegment',
+            kvmesh_dot_storage_dot_v1_dot_storage__pb2.StoreSegmentRequest.SerializeToString,
+            kvmesh_dot_storage_dot_v1_dot_storage__pb2.StoreSegmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetrieveSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.storage.v1.StorageService/RetrieveSegment',
+            kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveSegmentRequest.SerializeToString,
+            kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveSegmentResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -115,6 +115,25 @@ class StorageServiceStub:
     caller's deadline too close to start the copy: nothing touched).
     Deadline: 30 s.
     """
+    StoreSegment: _grpc.UnaryUnaryMultiCallable[_storage_pb2.StoreSegmentRequest, _storage_pb2.StoreSegmentResponse]
+    """CacheBlend (docs/blend.md): gathers tokens [start_token, start_token +
+    num_tokens) of a request from the engine's blocks into one L1 object under
+    key (a segment key: the document's tokens alone), its keys rotated from
+    positions start_token.. to 0.. with the RoPE parameters the engine
+    registered. block_ids is the request's block table from its token 0;
+    start_token need not be block-aligned. A key already cached is left as
+    it is. Errors: FAILED_PRECONDITION (engine not registered, or registered
+    without RoPE parameters), INVALID_ARGUMENT (bad key, no tokens, too few
+    block ids, a block id >= num_blocks, an MLA layout). Deadline: 30 s.
+    """
+    RetrieveSegment: _grpc.UnaryUnaryMultiCallable[_storage_pb2.RetrieveSegmentRequest, _storage_pb2.RetrieveSegmentResponse]
+    """Scatters a stored segment into tokens [start_token, start_token +
+    num_tokens) of a request's blocks, its keys rotated from 0.. to
+    start_token..; the block's other tokens are left as they were. The object
+    is read-locked for the copy. Not resident in L1 (or of another size):
+    found = false and nothing is written. Errors: as StoreSegment, and
+    INVALID_ARGUMENT for a block id listed twice. Deadline: 30 s.
+    """
     ReleaseLocks: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ReleaseLocksRequest, _storage_pb2.ReleaseLocksResponse]
     """Releases `count` read locks on each key of the grid (default 1).
     Unlocked or missing keys are counted as skipped, not errors.
@@ -260,6 +279,25 @@ class StorageServiceAsyncStub(StorageServiceStub):
     (as StoreChunks; skip beyond the range), DEADLINE_EXCEEDED (the
     caller's deadline too close to start the copy: nothing touched).
     Deadline: 30 s.
+    """
+    StoreSegment: _aio.UnaryUnaryMultiCallable[_storage_pb2.StoreSegmentRequest, _storage_pb2.StoreSegmentResponse]  # type: ignore[assignment]
+    """CacheBlend (docs/blend.md): gathers tokens [start_token, start_token +
+    num_tokens) of a request from the engine's blocks into one L1 object under
+    key (a segment key: the document's tokens alone), its keys rotated from
+    positions start_token.. to 0.. with the RoPE parameters the engine
+    registered. block_ids is the request's block table from its token 0;
+    start_token need not be block-aligned. A key already cached is left as
+    it is. Errors: FAILED_PRECONDITION (engine not registered, or registered
+    without RoPE parameters), INVALID_ARGUMENT (bad key, no tokens, too few
+    block ids, a block id >= num_blocks, an MLA layout). Deadline: 30 s.
+    """
+    RetrieveSegment: _aio.UnaryUnaryMultiCallable[_storage_pb2.RetrieveSegmentRequest, _storage_pb2.RetrieveSegmentResponse]  # type: ignore[assignment]
+    """Scatters a stored segment into tokens [start_token, start_token +
+    num_tokens) of a request's blocks, its keys rotated from 0.. to
+    start_token..; the block's other tokens are left as they were. The object
+    is read-locked for the copy. Not resident in L1 (or of another size):
+    found = false and nothing is written. Errors: as StoreSegment, and
+    INVALID_ARGUMENT for a block id listed twice. Deadline: 30 s.
     """
     ReleaseLocks: _aio.UnaryUnaryMultiCallable[_storage_pb2.ReleaseLocksRequest, _storage_pb2.ReleaseLocksResponse]  # type: ignore[assignment]
     """Releases `count` read locks on each key of the grid (default 1).
@@ -457,6 +495,37 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         (as StoreChunks; skip beyond the range), DEADLINE_EXCEEDED (the
         caller's deadline too close to start the copy: nothing touched).
         Deadline: 30 s.
+        """
+
+    @_abc_1.abstractmethod
+    def StoreSegment(
+        self,
+        request: _storage_pb2.StoreSegmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_storage_pb2.StoreSegmentResponse, _abc.Awaitable[_storage_pb2.StoreSegmentResponse]]:
+        """CacheBlend (docs/blend.md): gathers tokens [start_token, start_token +
+        num_tokens) of a request from the engine's blocks into one L1 object under
+        key (a segment key: the document's tokens alone), its keys rotated from
+        positions start_token.. to 0.. with the RoPE parameters the engine
+        registered. block_ids is the request's block table from its token 0;
+        start_token need not be block-aligned. A key already cached is left as
+        it is. Errors: FAILED_PRECONDITION (engine not registered, or registered
+        without RoPE parameters), INVALID_ARGUMENT (bad key, no tokens, too few
+        block ids, a block id >= num_blocks, an MLA layout). Deadline: 30 s.
+        """
+
+    @_abc_1.abstractmethod
+    def RetrieveSegment(
+        self,
+        request: _storage_pb2.RetrieveSegmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_storage_pb2.RetrieveSegmentResponse, _abc.Awaitable[_storage_pb2.RetrieveSegmentResponse]]:
+        """Scatters a stored segment into tokens [start_token, start_token +
+        num_tokens) of a request's blocks, its keys rotated from 0.. to
+        start_token..; the block's other tokens are left as they were. The object
+        is read-locked for the copy. Not resident in L1 (or of another size):
+        found = false and nothing is written. Errors: as StoreSegment, and
+        INVALID_ARGUMENT for a block id listed twice. Deadline: 30 s.
         """
 
     @_abc_1.abstractmethod

@@ -15,10 +15,12 @@ from typing import Any, TypeAlias
 import numpy as np
 import torch
 
-from kvmesh.common.errors import InvalidArgument
+from kvmesh.common.errors import FailedPrecondition, InvalidArgument
 from kvmesh.kernels import BlockIds, PagedKVCache, blocks_for_tokens
 from kvmesh.kernels import gather_chunks as gather_into
 from kvmesh.kernels import scatter_chunks as scatter_from
+from kvmesh.kernels import segments as segment_ops
+from kvmesh.kernels.rope_params import RopeParams
 from kvmesh.storage.core.transfer.cuda_ipc import CudaIpcHandle, open_cuda_ipc
 from kvmesh.storage.core.transfer.layout import (
     KVLayout,
@@ -86,6 +88,48 @@ def scatter(
     _wait_for_producer(kv, producer_event)
     scatter_from(kv, ids, chunks, skip_first_n_tokens=skip_first_n_tokens)
     _wait_for_device(kv)
+
+
+def gather_segment(
+    kv: PagedKVCache,
+    layout: KVLayout,
+    block_table: Sequence[int],
+    start_token: int,
+    num_tokens: int,
+    out: ChunkBuffer,
+) -> None:
+    """Copy tokens ``[start_token, +num_tokens)`` into ``out`` with the keys moved to 0..
+    (see :func:`kvmesh.kernels.segments.gather_segment`)."""
+    rope = _segment_rope(layout)
+    chunk = _as_chunk(out, layout, num_tokens, "out", writable=True)
+    segment_ops.gather_segment(kv, block_table, chunk, start_token, rope)
+    _wait_for_device(kv)
+
+
+def scatter_segment(
+    kv: PagedKVCache,
+    layout: KVLayout,
+    block_table: Sequence[int],
+    start_token: int,
+    num_tokens: int,
+    src: ChunkSource,
+) -> None:
+    """Copy a segment object into tokens ``[start_token, +num_tokens)``, keys moved there
+    (see :func:`kvmesh.kernels.segments.scatter_segment`)."""
+    rope = _segment_rope(layout)
+    chunk = _as_chunk(src, layout, num_tokens, "src", writable=False)
+    segment_ops.scatter_segment(kv, block_table, chunk, start_token, rope)
+    _wait_for_device(kv)
+
+
+def _segment_rope(layout: KVLayout) -> RopeParams:
+    if layout.rope is None:
+        raise FailedPrecondition(
+            "the engine registered its KV without RoPE parameters (layout.rope): its "
+            "keys cannot be moved to another position",
+            reason="NO_ROPE_PARAMETERS",
+        )
+    return layout.rope
 
 
 def _checked(

@@ -268,6 +268,46 @@ class TransferEngine:
             producer_event,
         )
 
+    def gather_segment(
+        self,
+        instance_id: str,
+        block_table: Sequence[int],
+        start_token: int,
+        num_tokens: int,
+        out: ChunkBuffer,
+    ) -> None:
+        """Copy tokens ``[start_token, start_token + num_tokens)`` of a request (whose
+        blocks are ``block_table``) into the segment object ``out``, keys rotated to 0..
+        with the instance's registered RoPE parameters (docs/blend.md).
+
+        Raises :class:`FailedPrecondition` for an unregistered instance or one
+        registered without RoPE parameters, :class:`InvalidArgument` (before any copy)
+        otherwise.
+        """
+        instance = self._instance(instance_id)
+        from kvmesh.storage.core.transfer import chunks  # loaded by the registration
+
+        chunks.gather_segment(
+            instance.kv, instance.layout, block_table, start_token, num_tokens, out
+        )
+
+    def scatter_segment(
+        self,
+        instance_id: str,
+        block_table: Sequence[int],
+        start_token: int,
+        num_tokens: int,
+        src: ChunkSource,
+    ) -> None:
+        """Copy the segment object ``src`` into tokens ``[start_token, ...)`` of a request,
+        keys rotated from 0.. to ``start_token..``; errors as :meth:`gather_segment`."""
+        instance = self._instance(instance_id)
+        from kvmesh.storage.core.transfer import chunks  # loaded by the registration
+
+        chunks.scatter_segment(
+            instance.kv, instance.layout, block_table, start_token, num_tokens, src
+        )
+
     # ---- internals ---------------------------------------------------------------------------
 
     def _instance(self, instance_id: str) -> _Instance:

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.kernels.kinds import KVLayoutKind, paged_layer_shape
+from kvmesh.kernels.rope_params import RopeParams
 
 if TYPE_CHECKING:  # torch loads with the first layout built (an engine registering)
     import torch
@@ -97,6 +98,8 @@ class KVLayout:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    #: How the model rotates its keys; None: segments (CacheBlend) are refused.
+    rope: RopeParams | None
 
     def __init__(
         self,
@@ -107,6 +110,8 @@ class KVLayout:
         kv_heads: int,
         head_dim: int,
         dtype: torch.dtype | str,
+        *,
+        rope: RopeParams | None = None,
     ) -> None:
         if isinstance(kind, str):
             try:
@@ -147,6 +152,13 @@ class KVLayout:
         object.__setattr__(self, "kv_heads", kv_heads)
         object.__setattr__(self, "head_dim", head_dim)
         object.__setattr__(self, "dtype", torch_dtype)
+        if rope is not None and (kind is KVLayoutKind.MLA or rope.head_dim != head_dim):
+            raise InvalidArgument(
+                "RoPE parameters need a K/V layout whose head_dim they share "
+                f"(layout {kind.name}, head_dim {head_dim}; RoPE head_dim {rope.head_dim})",
+                field="layout.rope",
+            )
+        object.__setattr__(self, "rope", rope)
         if self.layer_nbytes > _MAX_LAYER_BYTES:
             raise InvalidArgument(
                 f"one layer would be {self.layer_nbytes} bytes, more than {_MAX_LAYER_BYTES}",

@@ -1,0 +1,107 @@
+"""Segment stores and retrieves on engines whose KV memory the node opened (CacheBlend).
+
+A segment is one document's K/V under a key of its tokens alone
+(docs/blend.md, "Segments in storage"), stored with its keys rotated to
+positions 0.. so that it can be placed after any prefix. Here the node makes
+the copies itself, as for chunks: it gathers a request's tokens
+``[start_token, start_token + num_tokens)`` out of the engine's paged blocks
+into one L1 object, rotating the keys back to 0.., and scatters an object into
+another request's blocks at any token position, rotating them forward
+(:mod:`kvmesh.kernels.segments`). The rotation uses the RoPE parameters the
+engine registered with its layout; an engine registered without them gets
+FAILED_PRECONDITION, since its keys cannot be moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvmesh.common.errors import FailedPrecondition, InvalidArgument
+from kvmesh.common.keys import ObjectKey, validate_object_keys
+from kvmesh.common.node_types import StoreOutcome
+from kvmesh.kernels.kinds import KVLayoutKind
+from kvmesh.storage.core.copies import ChunkCopier
+from kvmesh.storage.core.node_lookups import MAX_CHUNK_BYTES
+from kvmesh.storage.core.transfer.layout import KVLayout, chunk_nbytes
+
+
+class NodeSegments:
+    """``StoreSegment`` and ``RetrieveSegment`` of the storage service."""
+
+    def __init__(self, copier: ChunkCopier, layout: Callable[[str], KVLayout]) -> None:
+        """``layout(engine_id)``: the engine's registered layout (FAILED_PRECONDITION if none)."""
+        self._copier = copier
+        self._layout = layout
+
+    def _checked(
+        self,
+        engine_id: str,
+        key: ObjectKey,
+        block_ids: Sequence[int],
+        start: int,
+        count: int,
+        *,
+        writes: bool,
+    ) -> int:
+        """The segment object's size, once every argument is known to be good (before
+        any shortcut: a bad placement is refused even when the key is cached)."""
+        layout = self._layout(engine_id)
+        if layout.kind is KVLayoutKind.MLA:
+            raise InvalidArgument(
+                "segments need a K/V layout; an MLA cache has one latent plane",
+                field="segment.engine_id",
+                reason="SEGMENT_LAYOUT",
+            )
+        if layout.rope is None:
+            raise FailedPrecondition(
+                f"engine {engine_id!r} registered its KV without RoPE parameters "
+                "(layout.rope): its keys cannot be moved to another position",
+                reason="NO_ROPE_PARAMETERS",
+            )
+        validate_object_keys([key], "segment.key")
+        if count < 1:
+            raise InvalidArgument("a segment needs num_tokens >= 1", field="segment.num_tokens")
+        need = -(-(start + count) // layout.block_size)
+        if len(block_ids) < need:
+            raise InvalidArgument(
+                f"tokens [{start}, {start + count}) at block_size {layout.block_size} need "
+                f"{need} block ids, got {len(block_ids)}",
+                field="segment.block_ids",
+                reason="TOO_FEW_BLOCK_IDS",
+            )
+        touched = block_ids[start // layout.block_size : need]
+        for i, block in enumerate(touched, start // layout.block_size):
+            if block >= layout.num_blocks:
+                raise InvalidArgument(
+                    f"segment.block_ids[{i}] = {block} is outside the engine's "
+                    f"{layout.num_blocks} blocks",
+                    field="segment.block_ids",
+                )
+        if writes and len(set(touched)) < len(touched):
+            raise InvalidArgument(
+                "a block id is listed twice among the blocks this retrieve writes",
+                field="segment.block_ids",
+            )
+        nbytes = chunk_nbytes(layout, count)
+        if nbytes > MAX_CHUNK_BYTES:
+            raise InvalidArgument(
+                f"a {count}-token segment is {nbytes} bytes, more than one object may hold "
+                f"({MAX_CHUNK_BYTES})",
+                field="segment.num_tokens",
+            )
+        return nbytes
+
+    async def store(
+        self, engine_id: str, key: ObjectKey, block_ids: Sequence[int], start: int, count: int
+    ) -> StoreOutcome:
+        """Gather tokens ``[start, start + count)`` into a new object under ``key``."""
+        nbytes = self._checked(engine_id, key, block_ids, start, count, writes=False)
+        return await self._copier.store_segment(engine_id, key, block_ids, start, count, nbytes)
+
+    async def retrieve(
+        self, engine_id: str, key: ObjectKey, block_ids: Sequence[int], start: int, count: int
+    ) -> bool:
+        """Scatter the object under ``key`` into tokens ``[start, start + count)``; False
+        (nothing written) when it is not in L1 or holds another size."""
+        nbytes = self._checked(engine_id, key, block_ids, start, count, writes=True)
+        return await self._copier.retrieve_segment(engine_id, key, block_ids, start, count, nbytes)

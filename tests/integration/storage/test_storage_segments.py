@@ -1,0 +1,229 @@
+"""StoreSegment / RetrieveSegment over a real socket: a document's K/V moved between
+positions of two requests, keys re-RoPEd with the parameters registered with the layout.
+
+The oracle is RoPE applied directly (kvmesh.kernels.rope.apply_rope) to the raw
+keys at each position: what a full prefill would have written there.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from kvmesh.api.common.v1 import common_pb2
+from kvmesh.api.storage.v1 import storage_pb2
+from kvmesh.kernels.rope import RopeParams, apply_rope
+from tests.integration.storage.conftest import NodeFactory
+from tests.integration.storage.support import (
+    ALREADY,
+    BLOCK_SIZE,
+    HEAD_DIM,
+    KV_HEADS,
+    MODEL,
+    NUM_LAYERS,
+    STORED,
+    Engine,
+    Node,
+)
+
+ROPE = common_pb2.RopeParameters(base=10000.0, style=common_pb2.ROPE_STYLE_NEOX)
+PARAMS = RopeParams(head_dim=HEAD_DIM, base=10000.0)
+TABLE_A = [5, 9, 2, 40]  # request A: tokens 0..63
+TABLE_B = [11, 3, 60, 7, 30, 31]  # request B: tokens 0..95
+START_A, START_B, COUNT = 21, 50, 37
+
+
+def _register(node: Node, engine: Engine, rope: common_pb2.RopeParameters | None = ROPE) -> None:
+    layout = engine.layout(rope=rope) if rope is not None else engine.layout()
+    node.call("register_engine_memory", engine.register_request(layout=layout))
+
+
+def _placement(engine: Engine, key: bytes, table: list[int], start: int,
+               count: int = COUNT) -> storage_pb2.SegmentPlacement:  # fmt: skip
+    return storage_pb2.SegmentPlacement(
+        engine_id=engine.engine_id,
+        key=common_pb2.ObjectKey(chunk_hash=key, model_name=MODEL),
+        block_ids=table, start_token=start, num_tokens=count,
+    )  # fmt: skip
+
+
+def _store(node: Node, placement: storage_pb2.SegmentPlacement) -> int:
+    request = storage_pb2.StoreSegmentRequest(segment=placement)
+    return int(node.call("store_segment", request).outcome)
+
+
+def _retrieve(node: Node, placement: storage_pb2.SegmentPlacement) -> bool:
+    request = storage_pb2.RetrieveSegmentRequest(segment=placement)
+    return bool(node.call("retrieve_segment", request).found)
+
+
+def _rows(table: list[int], start: int, count: int) -> list[tuple[int, int]]:
+    """(block, row) of each token of ``[start, start + count)`` in a request's table."""
+    return [(table[t // BLOCK_SIZE], t % BLOCK_SIZE) for t in range(start, start + count)]
+
+
+def _write(engine: Engine, table: list[int], start: int, k: Any, v: Any) -> None:
+    """Put raw keys roped at ``start..`` and values into the request's tokens."""
+    roped = _roped(k, start)
+    for t, (block, row) in enumerate(_rows(table, start, len(k[0]))):
+        engine.kv[:, 0, block, row] = roped[:, t]
+        engine.kv[:, 1, block, row] = v[:, t]
+
+
+def _roped(k: Any, start: int) -> np.ndarray[Any, Any]:
+    """``k`` ([layers, tokens, heads, dim]) roped at ``start..``, as fp16."""
+    positions = torch.arange(start, start + k.shape[1])
+    out = [apply_rope(torch.from_numpy(layer), positions, PARAMS) for layer in k]
+    return torch.stack(out).to(torch.float16).numpy()
+
+
+def _read(engine: Engine, table: list[int], start: int, count: int) -> np.ndarray[Any, Any]:
+    """[layers, 2, tokens, heads, dim] of the request's tokens."""
+    picked = [np.asarray(engine.kv[:, :, b, r]) for b, r in _rows(table, start, count)]
+    return np.stack(picked, axis=2)
+
+
+def _document(seed: int = 3) -> tuple[Any, Any]:
+    rng = np.random.default_rng(seed)
+    shape = (NUM_LAYERS, COUNT, KV_HEADS, HEAD_DIM)
+    return rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(
+        np.float16
+    )
+
+
+def test_a_document_stored_at_one_position_is_served_at_another(
+    make_node: NodeFactory, engine: Engine
+) -> None:
+    node = make_node()
+    _register(node, engine)
+    k, v = _document()
+    _write(engine, TABLE_A, START_A, k, v)
+    key = os.urandom(32)
+    assert _store(node, _placement(engine, key, TABLE_A, START_A)) == STORED
+    assert _store(node, _placement(engine, key, TABLE_A, START_A)) == ALREADY
+
+    engine.fill(TABLE_B, 7.0)  # request B's blocks hold something else
+    assert _retrieve(node, _placement(engine, key, TABLE_B, START_B))
+
+    got = _read(engine, TABLE_B, START_B, COUNT)
+    want_k = _roped(k, START_B)
+    np.testing.assert_allclose(got[:, 0].astype(np.float32), want_k.astype(np.float32),
+                               atol=1e-2, rtol=0)  # fmt: skip
+    assert np.array_equal(got[:, 1], v)  # values carry no position
+    # B's other tokens (before 50 and after 86, in the same blocks) are untouched.
+    others = [t for t in range(len(TABLE_B) * BLOCK_SIZE) if not START_B <= t < START_B + COUNT]
+    rest = np.stack([engine.kv[:, :, TABLE_B[t // BLOCK_SIZE], t % BLOCK_SIZE] for t in others])
+    assert (rest == 7.0).all()
+
+
+def test_a_segment_not_in_l1_writes_nothing(node: Node, engine: Engine) -> None:
+    node.call("unregister_engine_memory",
+              storage_pb2.UnregisterEngineMemoryRequest(engine_id=engine.engine_id))  # fmt: skip
+    _register(node, engine)
+    before = engine.snapshot()
+    assert not _retrieve(node, _placement(engine, os.urandom(32), TABLE_B, START_B))
+    assert np.array_equal(engine.snapshot(), before)
+
+
+def _code(node: Node, method: str, request: Any) -> tuple[grpc.StatusCode, str]:
+    error = node.error(method, request)
+    return error.code(), error.details() or ""
+
+
+@pytest.mark.parametrize("method", ["store_segment", "retrieve_segment"])
+def test_an_engine_registered_without_rope_is_refused(
+    node: Node, engine: Engine, method: str
+) -> None:
+    placement = _placement(engine, os.urandom(32), TABLE_A, START_A)
+    request: Any = (storage_pb2.StoreSegmentRequest if method == "store_segment"
+                    else storage_pb2.RetrieveSegmentRequest)(segment=placement)  # fmt: skip
+    code, details = _code(node, method, request)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "RoPE" in details
+
+
+@pytest.mark.parametrize(
+    ("change", "code", "words"),
+    [
+        ({"block_ids": TABLE_A[:2]}, grpc.StatusCode.INVALID_ARGUMENT, "need 4 block ids"),
+        ({"block_ids": [5, 9, 2, 64]}, grpc.StatusCode.INVALID_ARGUMENT, "outside"),
+        ({"num_tokens": 0}, grpc.StatusCode.INVALID_ARGUMENT, "num_tokens"),
+        ({"key": None}, grpc.StatusCode.INVALID_ARGUMENT, "segment.key"),
+        ({"engine_id": "nobody"}, grpc.StatusCode.FAILED_PRECONDITION, "not registered"),
+    ],
+)
+def test_bad_placements_are_refused_and_change_nothing(
+    make_node: NodeFactory, engine: Engine, change: dict[str, Any], code: grpc.StatusCode,
+    words: str,
+) -> None:  # fmt: skip
+    node = make_node()
+    _register(node, engine)
+    key = os.urandom(32)
+    assert _store(node, _placement(engine, key, TABLE_A, START_A)) == STORED
+    placement = _placement(engine, key, TABLE_A, START_A)
+    for name, value in change.items():
+        if value is None:
+            placement.ClearField(name)
+        elif name == "block_ids":
+            del placement.block_ids[:]
+            placement.block_ids.extend(value)
+        else:
+            setattr(placement, name, value)
+    before = engine.snapshot()
+    for method, message in (("store_segment", storage_pb2.StoreSegmentRequest),
+                            ("retrieve_segment", storage_pb2.RetrieveSegmentRequest)):  # fmt: skip
+        got, details = _code(node, method, message(segment=placement))
+        assert got == code, details
+        assert words in details
+    assert np.array_equal(engine.snapshot(), before)
+
+
+def test_a_block_listed_twice_is_refused_before_any_write(
+    make_node: NodeFactory, engine: Engine
+) -> None:
+    node = make_node()
+    _register(node, engine)
+    key = os.urandom(32)
+    assert _store(node, _placement(engine, key, TABLE_A, START_A)) == STORED
+    before = engine.snapshot()
+    twice = _placement(engine, key, [11, 3, 60, 7, 30, 7], START_B)  # 7 among the written
+    request = storage_pb2.RetrieveSegmentRequest(segment=twice)
+    code, details = _code(node, "retrieve_segment", request)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "twice" in details
+    assert np.array_equal(engine.snapshot(), before)
+
+
+@pytest.mark.parametrize(
+    ("rope", "words"),
+    [
+        (common_pb2.RopeParameters(base=0.0), "base must be positive"),
+        (common_pb2.RopeParameters(base=1e4, rotary_dim=3), "rotary_dim"),
+        (common_pb2.RopeParameters(base=1e4, rotary_dim=HEAD_DIM + 2), "rotary_dim"),
+        (common_pb2.RopeParameters(base=1e4, style=9), "style"),  # type: ignore[arg-type]
+    ],
+)
+def test_bad_rope_parameters_are_refused_at_registration(
+    make_node: NodeFactory, engine: Engine, rope: common_pb2.RopeParameters, words: str
+) -> None:
+    node = make_node()
+    request = engine.register_request(layout=engine.layout(rope=rope))
+    code, details = _code(node, "register_engine_memory", request)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in details
+
+
+def test_registering_again_with_other_rope_parameters_is_refused(
+    make_node: NodeFactory, engine: Engine
+) -> None:
+    node = make_node()
+    _register(node, engine)
+    _register(node, engine)  # the same parameters: idempotent
+    other = engine.register_request(layout=engine.layout(rope=common_pb2.RopeParameters(base=5e5)))
+    code, _ = _code(node, "register_engine_memory", other)
+    assert code == grpc.StatusCode.ALREADY_EXISTS
