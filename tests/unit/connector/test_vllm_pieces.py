@@ -316,3 +316,55 @@ def test_the_connectors_default_gateway_is_where_the_gateway_listens_by_default(
     from kvmesh.gateway.config import DEFAULT_PORT
 
     assert parse_settings({}).gateway == f"127.0.0.1:{DEFAULT_PORT}"
+
+
+# ---- RoPE parameters for the registration ----------------------------------------------------
+
+
+def test_a_llama_config_gives_plain_neox_rope_parameters() -> None:
+    from transformers import LlamaConfig
+
+    from kvmesh.connector.vllm.rope import rope_parameters
+
+    rope, why = rope_parameters(LlamaConfig(rope_theta=100000.0), 64)
+    assert why == ""
+    assert rope == common_pb2.RopeParameters(base=100000.0, style=common_pb2.ROPE_STYLE_NEOX)
+
+
+def test_partial_rotary_and_gptj_pairing_are_read_off_the_config() -> None:
+    from transformers import GPTJConfig, LlamaConfig
+
+    from kvmesh.connector.vllm.rope import rope_parameters
+
+    partial = LlamaConfig()
+    partial.model_type = "qwen3"
+    partial.partial_rotary_factor = 0.5
+    rope, _ = rope_parameters(partial, 128)
+    assert rope is not None and rope.rotary_dim == 64 and rope.style == common_pb2.ROPE_STYLE_NEOX
+    gptj, _ = rope_parameters(GPTJConfig(rotary_dim=64), 256)
+    assert gptj == common_pb2.RopeParameters(
+        base=10000.0, rotary_dim=64, style=common_pb2.ROPE_STYLE_GPTJ
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"model_type": "gpt2"}, "model type 'gpt2'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}}, "rope_theta"),
+        ({"partial_rotary_factor": 0.3}, "rotary_dim"),
+    ],
+)
+def test_a_rotation_not_known_here_sends_no_parameters(change: dict[str, Any], words: str) -> None:
+    # A wrong guess would corrupt every moved key silently: better no segments at all.
+    from transformers import LlamaConfig
+
+    from kvmesh.connector.vllm.rope import rope_parameters
+
+    config = LlamaConfig()
+    for name, value in change.items():
+        setattr(config, name, value)
+    rope, why = rope_parameters(config, 64)
+    assert rope is None
+    assert words in why

@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole as VLLMRole,
 )
 
+from kvmesh.api.common.v1 import common_pb2
 from kvmesh.connector.core import KVMeshConnector as Hooks
 from kvmesh.connector.metadata import ConnectorMetadata, Request, SchedulerOutput
 from kvmesh.connector.types import KVConnectorRole, KVMeshConnectorConfig, rpc_failure
@@ -59,6 +60,7 @@ from kvmesh.connector.vllm.registration import (
     describe_cuda,
     distinct_layers,
 )
+from kvmesh.connector.vllm.rope import rope_parameters
 from kvmesh.connector.vllm.settings import VLLMSettings, parse_settings
 from kvmesh.connector.vllm.shm_pool import SharedMemoryPool
 
@@ -125,6 +127,12 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._unplanned: list[int] = []
         # GPU: events on vLLM's stream that order storage's copies (None on CPU).
         self._events: StreamEvents | None = None
+        # Sent with the KV registration so the node can move CacheBlend segments.
+        self._rope, no_rope = rope_parameters(
+            vllm_config.model_config.hf_config, vllm_config.model_config.get_head_size()
+        )
+        if self._rope is None and not is_scheduler:
+            logger.info("kvmesh: no RoPE parameters registered (%s); segments are off", no_rope)
         if is_scheduler:
             self._prefer_recompute(transfer)
         elif self._on_cpu:
@@ -265,6 +273,8 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         else:
             layout, handles = describe_cpu(layers, self._pool, block_size)
+        if self._rope is not None and layout.kind != common_pb2.KV_LAYOUT_KIND_MLA:
+            layout.rope.CopyFrom(self._rope)
         try:
             self.hooks.register_memory(layout, handles)
         except grpc.RpcError as exc:
