@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.common.deadlines import remaining
@@ -177,9 +179,13 @@ class GrpcNodeStorage:
         response = await self.client.clear(storage_pb2.ClearRequest(force=force))
         return response.cleared_objects
 
-    async def prepare_store(self, row: KeyRow, chunk_bytes: int) -> PreparedSlots:
+    async def prepare_store(
+        self, row: KeyRow, chunk_bytes: int, segment_tokens: Sequence[int] | np.ndarray = ()
+    ) -> PreparedSlots:
         response = await self.client.prepare_store(
-            storage_pb2.PrepareStoreRequest(keys=_row(row), chunk_bytes=chunk_bytes)
+            storage_pb2.PrepareStoreRequest(
+                keys=_row(row), chunk_bytes=chunk_bytes, segment_token_ids=segment_tokens
+            )
         )
         return _prepared(
             response.transaction_id,
@@ -187,6 +193,21 @@ class GrpcNodeStorage:
             response.already_cached_chunks,
             response.skipped_chunks,
         )
+
+    async def find_segments(
+        self, row: KeyRow, prompt: Sequence[int] | np.ndarray, stride: int
+    ) -> tuple[list[tuple[int, int]], int]:
+        response = await self.client.find_segments(
+            storage_pb2.FindSegmentsRequest(
+                model_name=row.model_name,
+                cache_salt=row.cache_salt,
+                kv_rank=row.kv_rank,
+                token_ids=prompt,
+                stride=stride,
+            )
+        )
+        found = [(m.start_token, m.num_tokens) for m in response.matches]
+        return found, response.probed_positions
 
     async def commit_store(self, transaction_id: str) -> int:
         response = await self.client.commit_store(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.common.keys import ObjectKey
 from kvmesh.common.node_types import PrefetchState, StoreOutcome
@@ -107,9 +109,20 @@ class LocalNodeStorage:
     async def clear(self, force: bool) -> int:
         return await self.node.clear(force)
 
-    async def prepare_store(self, row: KeyRow, chunk_bytes: int) -> PreparedSlots:
-        txn, slots, cached, skipped = self.node.prepare_store(_row_keys(row), chunk_bytes)
+    async def prepare_store(
+        self, row: KeyRow, chunk_bytes: int, segment_tokens: Sequence[int] | np.ndarray = ()
+    ) -> PreparedSlots:
+        txn, slots, cached, skipped = self.node.prepare_store(
+            _row_keys(row), chunk_bytes, segment_tokens
+        )
         return PreparedSlots(txn, slots, cached, skipped)
+
+    async def find_segments(
+        self, row: KeyRow, prompt: Sequence[int] | np.ndarray, stride: int
+    ) -> tuple[list[tuple[int, int]], int]:
+        like = ObjectKey(b"", row.model_name, row.kv_rank, 0, row.cache_salt)
+        matches, probed = self.node.segments.find(like, prompt, stride)
+        return [(start, length) for start, length, _ in matches], probed
 
     async def commit_store(self, transaction_id: str) -> int:
         return self.node.commit_store(transaction_id)

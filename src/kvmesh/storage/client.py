@@ -30,6 +30,7 @@ class StorageClient(AsyncClient):
         "StoreSegment": CallPolicy(timeout=30.0, idempotent=True),
         # Writes the same bytes again and holds no lock past the call: safe to retry.
         "RetrieveSegment": CallPolicy(timeout=30.0, idempotent=True),
+        "FindSegments": CallPolicy(timeout=10.0, idempotent=True),
         "ReleaseLocks": CallPolicy(timeout=2.0, idempotent=False),
         "TouchKeys": CallPolicy(timeout=2.0, idempotent=True),
         "DeleteKeys": CallPolicy(timeout=30.0, idempotent=False),
@@ -206,6 +207,18 @@ class StorageClient(AsyncClient):
             "RetrieveSegment", request, storage_pb2.RetrieveSegmentResponse, timeout,
             wait_for_ready,
         )  # fmt: skip
+
+    async def find_segments(
+        self,
+        request: storage_pb2.FindSegmentsRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> storage_pb2.FindSegmentsResponse:
+        """``FindSegments``: see its comment in the .proto for semantics and errors."""
+        return await self._call(
+            "FindSegments", request, storage_pb2.FindSegmentsResponse, timeout, wait_for_ready
+        )
 
     async def release_locks(
         self,

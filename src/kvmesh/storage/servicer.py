@@ -279,7 +279,9 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     async def StoreSegment(
         self, request: storage_pb2.StoreSegmentRequest, context: Any
     ) -> storage_pb2.StoreSegmentResponse:
-        outcome = await self.node.segments.store(*_placement(request.segment))
+        outcome = await self.node.segments.store(
+            *_placement(request.segment), request.segment.token_ids
+        )
         return storage_pb2.StoreSegmentResponse(outcome=storage_pb2.StoreOutcome.ValueType(outcome))
 
     async def RetrieveSegment(
@@ -287,6 +289,20 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.RetrieveSegmentResponse:
         found = await self.node.segments.retrieve(*_placement(request.segment))
         return storage_pb2.RetrieveSegmentResponse(found=found)
+
+    async def FindSegments(
+        self, request: storage_pb2.FindSegmentsRequest, context: Any
+    ) -> storage_pb2.FindSegmentsResponse:
+        like = ObjectKey(b"", request.model_name, request.kv_rank, request.object_group_id,
+                         request.cache_salt)  # fmt: skip
+        matches, probed = self.node.segments.find(like, request.token_ids, request.stride)
+        return storage_pb2.FindSegmentsResponse(
+            matches=[
+                storage_pb2.FoundSegment(start_token=start, num_tokens=n, chunk_hash=key.chunk_hash)
+                for start, n, key in matches
+            ],
+            probed_positions=probed,
+        )
 
     async def ReleaseLocks(
         self, request: storage_pb2.ReleaseLocksRequest, context: Any
@@ -454,7 +470,9 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
         keys = row_keys(request.keys)
         # Growing L1 for these slots happens off the event loop (it maps memory).
         await self.node.manager.make_room([request.chunk_bytes] * len(keys))
-        txn, slots, cached, skipped = self.node.prepare_store(keys, request.chunk_bytes)
+        txn, slots, cached, skipped = self.node.prepare_store(
+            keys, request.chunk_bytes, request.segment_token_ids
+        )
         return storage_pb2.PrepareStoreResponse(
             transaction_id=txn,
             slots=[_slot(s) for s in slots],

@@ -14,6 +14,7 @@ import torch
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.common.hashing import segment_key
 from kvmesh.engine.llama import SequenceKV
 from kvmesh.engine.segment_store import SegmentStore
@@ -171,7 +172,41 @@ def test_segments_gone_from_l1_are_not_found_and_leave_the_index(stack: Stack) -
         stack.client.clear(gateway_pb2.ClearRequest(force=True))
         assert store.find([1, 2, *doc]) == []
         assert store.segments([1, 2, *doc])[0].kv is None
-    assert len(stack.app.core.segments._index) == 0
+    assert len(stack.node.app.node.segments.catalog) == 0  # the node forgot it
+
+
+def test_segments_are_found_through_a_gateway_that_did_not_store_them(
+    make_stack: StackFactory,
+) -> None:
+    # The fingerprint index lives in the storage node: a restarted gateway (here a
+    # second one in front of the same node) finds what the first one stored.
+    first = make_stack()
+    doc = _doc(800, 48)
+    with _store(first) as store:
+        kv, _ = _segment(len(doc), start=30, seed=6)
+        store.put(doc, kv, source_start=30)
+    second = make_stack(node=first.node)
+    with _store(second) as store:
+        assert store.find([*_doc(9, 30), *doc, 5]) == [(30, 48)]
+        assert store.segments([*_doc(9, 30), *doc])[1].kv is not None
+
+
+def test_the_node_indexes_only_segments_whose_tokens_make_their_key(stack: Stack) -> None:
+    # A PrepareStore naming tokens that are not the key's would plant a wrong hint.
+    row = common_pb2.ChunkKeys(model_name=MODEL, chunk_hashes=[segment_key(MODEL, _doc(1, 20))])
+    lying = storage_pb2.PrepareStoreRequest(
+        keys=row, chunk_bytes=4096, segment_token_ids=_doc(2, 20)
+    )
+    error = stack.node.error("prepare_store", lying)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "segment_token_ids" in (error.details() or "")
+    two = common_pb2.ChunkKeys(model_name=MODEL, chunk_hashes=[segment_key(MODEL, _doc(1, 20))] * 2)
+    error = stack.node.error(
+        "prepare_store",
+        storage_pb2.PrepareStoreRequest(keys=two, chunk_bytes=4096, segment_token_ids=_doc(1, 20)),
+    )
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(stack.node.app.node.segments.catalog) == 0
 
 
 def test_a_lookup_of_a_bad_prompt_is_refused_by_name(stack: Stack) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.storage.v1 import storage_pb2
+from kvmesh.common.hashing import segment_key
 from kvmesh.kernels.rope import RopeParams, apply_rope
 from tests.integration.storage.conftest import NodeFactory
 from tests.integration.storage.support import (
@@ -227,3 +228,55 @@ def test_registering_again_with_other_rope_parameters_is_refused(
     other = engine.register_request(layout=engine.layout(rope=common_pb2.RopeParameters(base=5e5)))
     code, _ = _code(node, "register_engine_memory", other)
     assert code == grpc.StatusCode.ALREADY_EXISTS
+
+
+def _tokens(first: int, n: int = COUNT) -> list[int]:
+    return list(range(first, first + n))
+
+
+def _find(node: Node, prompt: list[int], stride: int = 1) -> list[tuple[int, int]]:
+    request = storage_pb2.FindSegmentsRequest(model_name=MODEL, token_ids=prompt, stride=stride)
+    return [(m.start_token, m.num_tokens) for m in node.call("find_segments", request).matches]
+
+
+def test_a_segment_stored_with_its_tokens_is_found_inside_another_prompt(
+    make_node: NodeFactory, engine: Engine
+) -> None:
+    node = make_node()
+    _register(node, engine)
+    document = _tokens(900)
+    placement = _placement(engine, segment_key(MODEL, document), TABLE_A, START_A)
+    placement.token_ids.extend(document)
+    assert _store(node, placement) == STORED
+    prompt = [*_tokens(1, START_B), *document, 7, 7]
+    assert _find(node, prompt) == [(START_B, COUNT)]
+    # Found where it sits: served there, keys moved to START_B.
+    assert _retrieve(node, _placement(engine, segment_key(MODEL, document), TABLE_B, START_B))
+    assert _find(node, [*document[1:], 5]) == []  # not at its start
+    # Gone from L1: not found, and the hint is dropped.
+    node.call("clear", storage_pb2.ClearRequest(force=True))
+    assert _find(node, prompt) == []
+    assert len(node.app.node.segments.catalog) == 0
+
+
+@pytest.mark.parametrize(
+    ("tokens", "words"),
+    [(_tokens(5), "not the tokens"), (_tokens(900, COUNT - 1), "num_tokens is 37")],
+)
+def test_segment_tokens_that_do_not_make_the_key_are_refused(
+    make_node: NodeFactory, engine: Engine, tokens: list[int], words: str
+) -> None:
+    node = make_node()
+    _register(node, engine)
+    placement = _placement(engine, segment_key(MODEL, _tokens(900)), TABLE_A, START_A)
+    placement.token_ids.extend(tokens)
+    code, details = _code(node, "store_segment", storage_pb2.StoreSegmentRequest(segment=placement))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert words in details
+    assert len(node.app.node.segments.catalog) == 0
+
+
+def test_a_find_without_a_model_is_refused(node: Node) -> None:
+    code, details = _code(node, "find_segments", storage_pb2.FindSegmentsRequest(token_ids=[1]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model_name" in details

@@ -340,7 +340,9 @@ def test_partial_rotary_and_gptj_pairing_are_read_off_the_config() -> None:
     partial.model_type = "qwen3"
     partial.partial_rotary_factor = 0.5
     rope, _ = rope_parameters(partial, 128)
-    assert rope is not None and rope.rotary_dim == 64 and rope.style == common_pb2.ROPE_STYLE_NEOX
+    assert rope is not None
+    assert rope.rotary_dim == 64
+    assert rope.style == common_pb2.ROPE_STYLE_NEOX
     gptj, _ = rope_parameters(GPTJConfig(rotary_dim=64), 256)
     assert gptj == common_pb2.RopeParameters(
         base=10000.0, rotary_dim=64, style=common_pb2.ROPE_STYLE_GPTJ

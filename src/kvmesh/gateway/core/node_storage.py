@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
 
 
@@ -131,8 +133,18 @@ class NodeStorage(Protocol):
         """Drop L1 objects; how many."""
         ...
 
-    async def prepare_store(self, row: KeyRow, chunk_bytes: int) -> PreparedSlots:
-        """Reserve L1 slots for the row's uncached chunks."""
+    async def prepare_store(
+        self, row: KeyRow, chunk_bytes: int, segment_tokens: Sequence[int] | np.ndarray = ()
+    ) -> PreparedSlots:
+        """Reserve L1 slots for the row's uncached chunks. ``segment_tokens``: the row
+        is one CacheBlend segment of these tokens, which the node indexes."""
+        ...
+
+    async def find_segments(
+        self, row: KeyRow, prompt: Sequence[int] | np.ndarray, stride: int
+    ) -> tuple[list[tuple[int, int]], int]:
+        """Segments of the row's model, salt and rank (its hashes unused) that the node
+        indexed, resident inside ``prompt``: ([(start, length)], positions probed)."""
         ...
 
     async def commit_store(self, transaction_id: str) -> int:

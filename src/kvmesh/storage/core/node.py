@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+import numpy as np
+
 from kvmesh.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import (
@@ -80,7 +82,7 @@ class StorageNode:
         )  # fmt: skip
         self._txns = EngineTransactions(manager, clock=clock, new_id=self._new_id)
         self._copier = ChunkCopier(manager, transfer, copy_executor)
-        self.segments = NodeSegments(self._copier, self._layout)
+        self.segments = NodeSegments(manager, self._copier, self._layout)
         self._copies_loaded = False
 
     @property
@@ -331,11 +333,20 @@ class StorageNode:
             )
 
     def prepare_store(
-        self, keys: Sequence[ObjectKey], chunk_bytes: int
+        self,
+        keys: Sequence[ObjectKey],
+        chunk_bytes: int,
+        segment_tokens: Sequence[int] | np.ndarray = (),
     ) -> tuple[str, list[Slot], int, int]:
-        """Reserve slots for uncached keys: (transaction, slots, cached, skipped)."""
+        """Reserve slots for uncached keys: (transaction, slots, cached, skipped).
+
+        ``segment_tokens``: ``keys`` is one CacheBlend segment made of these tokens,
+        indexed for :meth:`NodeSegments.find` (a hint, checked when found).
+        """
         self._check_keys(keys)
         self._check_chunk_bytes(chunk_bytes)
+        if len(segment_tokens):
+            self.segments.note(keys, segment_tokens, "segment_token_ids")
         return self._txns.prepare_store(keys, chunk_bytes)
 
     def commit_store(self, transaction_id: str) -> int:

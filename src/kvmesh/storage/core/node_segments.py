@@ -16,22 +16,53 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument
 from kvmesh.common.keys import ObjectKey, validate_object_keys
 from kvmesh.common.node_types import StoreOutcome
 from kvmesh.kernels.kinds import KVLayoutKind
 from kvmesh.storage.core.copies import ChunkCopier
+from kvmesh.storage.core.manager import StorageManager
 from kvmesh.storage.core.node_lookups import MAX_CHUNK_BYTES
+from kvmesh.storage.core.segment_catalog import SegmentCatalog, checked_segment_tokens
 from kvmesh.storage.core.transfer.layout import KVLayout, chunk_nbytes
 
 
 class NodeSegments:
     """``StoreSegment`` and ``RetrieveSegment`` of the storage service."""
 
-    def __init__(self, copier: ChunkCopier, layout: Callable[[str], KVLayout]) -> None:
+    def __init__(
+        self,
+        manager: StorageManager,
+        copier: ChunkCopier,
+        layout: Callable[[str], KVLayout],
+    ) -> None:
         """``layout(engine_id)``: the engine's registered layout (FAILED_PRECONDITION if none)."""
+        self._manager = manager
         self._copier = copier
         self._layout = layout
+        self.catalog = SegmentCatalog()
+
+    def note(
+        self, keys: Sequence[ObjectKey], tokens: Sequence[int] | np.ndarray, field: str
+    ) -> None:
+        """Index the one segment ``keys`` names by ``tokens`` (checked) for :meth:`find`."""
+        if len(keys) != 1:
+            raise InvalidArgument(
+                f"{field} need exactly one segment key, got {len(keys)} keys", field=field
+            )
+        self.catalog.note(keys[0], checked_segment_tokens(keys[0], tokens, field))
+
+    def find(
+        self, like: ObjectKey, prompt: Sequence[int] | np.ndarray, stride: int
+    ) -> tuple[list[tuple[int, int, ObjectKey]], int]:
+        """Segments resident in L1 inside ``prompt`` (see :meth:`SegmentCatalog.find`)."""
+        if not like.model_name:
+            raise InvalidArgument("model_name must be set", field="model_name")
+        return self.catalog.find(
+            like, prompt, stride, lambda key: self._manager.l1.contains([key])[0]
+        )
 
     def _checked(
         self,
@@ -92,11 +123,27 @@ class NodeSegments:
         return nbytes
 
     async def store(
-        self, engine_id: str, key: ObjectKey, block_ids: Sequence[int], start: int, count: int
+        self,
+        engine_id: str,
+        key: ObjectKey,
+        block_ids: Sequence[int],
+        start: int,
+        count: int,
+        tokens: Sequence[int] = (),
     ) -> StoreOutcome:
-        """Gather tokens ``[start, start + count)`` into a new object under ``key``."""
+        """Gather tokens ``[start, start + count)`` into a new object under ``key``;
+        with its ``tokens``, also index it for :meth:`find`."""
         nbytes = self._checked(engine_id, key, block_ids, start, count, writes=False)
-        return await self._copier.store_segment(engine_id, key, block_ids, start, count, nbytes)
+        if len(tokens) and len(tokens) != count:
+            raise InvalidArgument(
+                f"segment.token_ids holds {len(tokens)} tokens, num_tokens is {count}",
+                field="segment.token_ids",
+            )
+        checked = checked_segment_tokens(key, tokens, "segment.token_ids") if len(tokens) else None
+        outcome = await self._copier.store_segment(engine_id, key, block_ids, start, count, nbytes)
+        if checked is not None:
+            self.catalog.note(key, checked)
+        return outcome
 
     async def retrieve(
         self, engine_id: str, key: ObjectKey, block_ids: Sequence[int], start: int, count: int

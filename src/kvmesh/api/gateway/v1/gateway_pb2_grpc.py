@@ -383,8 +383,9 @@ class GatewayServiceServicer:
 
     def LookupSegments(self, request, context):
         """Finds stored segments inside a prompt whose document boundaries the
-        engine does not know. Every segment this gateway stored with at least 16
-        tokens is indexed by the fingerprint of its first 16; the prompt is
+        engine does not know, through the storage node's FindSegments: every
+        segment stored on the node with at least 16 tokens (through any gateway,
+        before or after a gateway restart) is indexed by its first 16; the prompt is
         probed at every stride-th position (0 is read as 1), a fingerprint hit is
         checked against the segment's whole key and the node's L1, and matches do
         not overlap (the earliest start, then the longest segment, wins). Index

@@ -197,8 +197,9 @@ class GatewayServiceStub:
     """
     LookupSegments: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.LookupSegmentsRequest, _gateway_pb2.LookupSegmentsResponse]
     """Finds stored segments inside a prompt whose document boundaries the
-    engine does not know. Every segment this gateway stored with at least 16
-    tokens is indexed by the fingerprint of its first 16; the prompt is
+    engine does not know, through the storage node's FindSegments: every
+    segment stored on the node with at least 16 tokens (through any gateway,
+    before or after a gateway restart) is indexed by its first 16; the prompt is
     probed at every stride-th position (0 is read as 1), a fingerprint hit is
     checked against the segment's whole key and the node's L1, and matches do
     not overlap (the earliest start, then the longest segment, wins). Index
@@ -359,8 +360,9 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """
     LookupSegments: _aio.UnaryUnaryMultiCallable[_gateway_pb2.LookupSegmentsRequest, _gateway_pb2.LookupSegmentsResponse]  # type: ignore[assignment]
     """Finds stored segments inside a prompt whose document boundaries the
-    engine does not know. Every segment this gateway stored with at least 16
-    tokens is indexed by the fingerprint of its first 16; the prompt is
+    engine does not know, through the storage node's FindSegments: every
+    segment stored on the node with at least 16 tokens (through any gateway,
+    before or after a gateway restart) is indexed by its first 16; the prompt is
     probed at every stride-th position (0 is read as 1), a fingerprint hit is
     checked against the segment's whole key and the node's L1, and matches do
     not overlap (the earliest start, then the longest segment, wins). Index
@@ -650,8 +652,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.LookupSegmentsResponse, _abc.Awaitable[_gateway_pb2.LookupSegmentsResponse]]:
         """Finds stored segments inside a prompt whose document boundaries the
-        engine does not know. Every segment this gateway stored with at least 16
-        tokens is indexed by the fingerprint of its first 16; the prompt is
+        engine does not know, through the storage node's FindSegments: every
+        segment stored on the node with at least 16 tokens (through any gateway,
+        before or after a gateway restart) is indexed by its first 16; the prompt is
         probed at every stride-th position (0 is read as 1), a fingerprint hit is
         checked against the segment's whole key and the node's L1, and matches do
         not overlap (the earliest start, then the longest segment, wins). Index

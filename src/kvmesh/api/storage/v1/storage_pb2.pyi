@@ -403,6 +403,7 @@ class SegmentPlacement(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     START_TOKEN_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     start_token: _builtins.int
     num_tokens: _builtins.int
@@ -414,6 +415,13 @@ class SegmentPlacement(_message.Message):
         ceil((start_token + num_tokens) / block_size) ids).
         """
 
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """StoreSegment: the segment's tokens (num_tokens of them, the ones its key
+        was made of), so that FindSegments finds it; empty: not indexed.
+        INVALID_ARGUMENT when they do not make the key.
+        """
+
     def __init__(
         self,
         *,
@@ -422,14 +430,107 @@ class SegmentPlacement(_message.Message):
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         start_token: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "engine_id", b"engine_id", "key", b"key", "num_tokens", b"num_tokens", "start_token", b"start_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "engine_id", b"engine_id", "key", b"key", "num_tokens", b"num_tokens", "start_token", b"start_token", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SegmentPlacement: _TypeAlias = SegmentPlacement  # noqa: Y015
+
+@_typing.final
+class FindSegmentsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    KV_RANK_FIELD_NUMBER: _builtins.int
+    OBJECT_GROUP_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    STRIDE_FIELD_NUMBER: _builtins.int
+    model_name: _builtins.str
+    cache_salt: _builtins.str
+    kv_rank: _builtins.int
+    """The kv rank (and object group) of the segments to find."""
+    object_group_id: _builtins.int
+    stride: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The whole prompt."""
+
+    def __init__(
+        self,
+        *,
+        model_name: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
+        kv_rank: _builtins.int = ...,
+        object_group_id: _builtins.int = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        stride: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "kv_rank", b"kv_rank", "model_name", b"model_name", "object_group_id", b"object_group_id", "stride", b"stride", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FindSegmentsRequest: _TypeAlias = FindSegmentsRequest  # noqa: Y015
+
+@_typing.final
+class FoundSegment(_message.Message):
+    """A stored segment found in the prompt: tokens [start_token, start_token + num_tokens)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_TOKEN_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    CHUNK_HASH_FIELD_NUMBER: _builtins.int
+    start_token: _builtins.int
+    num_tokens: _builtins.int
+    chunk_hash: _builtins.bytes
+    """Its key's hash (kvmesh.common.hashing.segment_key)."""
+    def __init__(
+        self,
+        *,
+        start_token: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+        chunk_hash: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_hash", b"chunk_hash", "num_tokens", b"num_tokens", "start_token", b"start_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FoundSegment: _TypeAlias = FoundSegment  # noqa: Y015
+
+@_typing.final
+class FindSegmentsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MATCHES_FIELD_NUMBER: _builtins.int
+    PROBED_POSITIONS_FIELD_NUMBER: _builtins.int
+    probed_positions: _builtins.int
+    """Positions whose fingerprint was looked up."""
+    @_builtins.property
+    def matches(self) -> _containers.RepeatedCompositeFieldContainer[Global___FoundSegment]:
+        """In prompt order, not overlapping."""
+
+    def __init__(
+        self,
+        *,
+        matches: _abc.Iterable[Global___FoundSegment] | None = ...,
+        probed_positions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["matches", b"matches", "probed_positions", b"probed_positions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FindSegmentsResponse: _TypeAlias = FindSegmentsResponse  # noqa: Y015
 
 @_typing.final
 class StoreSegmentRequest(_message.Message):
@@ -1367,19 +1468,28 @@ class PrepareStoreRequest(_message.Message):
 
     KEYS_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    SEGMENT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     chunk_bytes: _builtins.int
     """Size of each chunk object."""
     @_builtins.property
     def keys(self) -> _common_pb2.ChunkKeys: ...
+    @_builtins.property
+    def segment_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """A CacheBlend segment's tokens, when keys is that one segment's key: the
+        node indexes it for FindSegments. INVALID_ARGUMENT when there is not
+        exactly one key or the tokens do not make it.
+        """
+
     def __init__(
         self,
         *,
         keys: _common_pb2.ChunkKeys | None = ...,
         chunk_bytes: _builtins.int = ...,
+        segment_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "keys", b"keys"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "keys", b"keys", "segment_token_ids", b"segment_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -89,6 +89,11 @@ class StorageServiceStub:
                 request_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveSegmentRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveSegmentResponse.FromString,
                 _registered_method=True)
+        self.FindSegments = channel.unary_unary(
+                '/kvmesh.storage.v1.StorageService/FindSegments',
+                request_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.FindSegmentsRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.FindSegmentsResponse.FromString,
+                _registered_method=True)
         self.ReleaseLocks = channel.unary_unary(
                 '/kvmesh.storage.v1.StorageService/ReleaseLocks',
                 request_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.ReleaseLocksRequest.SerializeToString,
@@ -298,6 +303,22 @@ class StorageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FindSegments(self, request, context):
+        """Finds segments stored on this node inside a prompt whose document
+        boundaries the caller does not know (docs/blend.md, "Finding segments in
+        a prompt"). Segments of at least 16 tokens stored with their tokens (a
+        PrepareStore's segment_token_ids, a StoreSegment's token_ids) are indexed
+        by their first 16; the prompt is probed at every stride-th position (0 is
+        read as 1); a hit is checked against the segment's whole key and L1, and
+        matches do not overlap (the earliest start, then the longest segment,
+        wins). Index entries whose object left L1 are dropped on the way. Holds no
+        locks. Errors: INVALID_ARGUMENT (no model_name, too many tokens).
+        Deadline: 10 s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseLocks(self, request, context):
         """Releases `count` read locks on each key of the grid (default 1).
         Unlocked or missing keys are counted as skipped, not errors.
@@ -485,6 +506,11 @@ def add_StorageServiceServicer_to_server(servicer, server):
                     servicer.RetrieveSegment,
                     request_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveSegmentRequest.FromString,
                     response_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveSegmentResponse.SerializeToString,
+            ),
+            'FindSegments': grpc.unary_unary_rpc_method_handler(
+                    servicer.FindSegments,
+                    request_deserializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.FindSegmentsRequest.FromString,
+                    response_serializer=kvmesh_dot_storage_dot_v1_dot_storage__pb2.FindSegmentsResponse.SerializeToString,
             ),
             'ReleaseLocks': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseLocks,
@@ -854,6 +880,33 @@ class StorageService:
             '/kvmesh.storage.v1.StorageService/RetrieveSegment',
             kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveSegmentRequest.SerializeToString,
             kvmesh_dot_storage_dot_v1_dot_storage__pb2.RetrieveSegmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FindSegments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.storage.v1.StorageService/FindSegments',
+            kvmesh_dot_storage_dot_v1_dot_storage__pb2.FindSegmentsRequest.SerializeToString,
+            kvmesh_dot_storage_dot_v1_dot_storage__pb2.FindSegmentsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -134,6 +134,18 @@ class StorageServiceStub:
     found = false and nothing is written. Errors: as StoreSegment, and
     INVALID_ARGUMENT for a block id listed twice. Deadline: 30 s.
     """
+    FindSegments: _grpc.UnaryUnaryMultiCallable[_storage_pb2.FindSegmentsRequest, _storage_pb2.FindSegmentsResponse]
+    """Finds segments stored on this node inside a prompt whose document
+    boundaries the caller does not know (docs/blend.md, "Finding segments in
+    a prompt"). Segments of at least 16 tokens stored with their tokens (a
+    PrepareStore's segment_token_ids, a StoreSegment's token_ids) are indexed
+    by their first 16; the prompt is probed at every stride-th position (0 is
+    read as 1); a hit is checked against the segment's whole key and L1, and
+    matches do not overlap (the earliest start, then the longest segment,
+    wins). Index entries whose object left L1 are dropped on the way. Holds no
+    locks. Errors: INVALID_ARGUMENT (no model_name, too many tokens).
+    Deadline: 10 s.
+    """
     ReleaseLocks: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ReleaseLocksRequest, _storage_pb2.ReleaseLocksResponse]
     """Releases `count` read locks on each key of the grid (default 1).
     Unlocked or missing keys are counted as skipped, not errors.
@@ -298,6 +310,18 @@ class StorageServiceAsyncStub(StorageServiceStub):
     is read-locked for the copy. Not resident in L1 (or of another size):
     found = false and nothing is written. Errors: as StoreSegment, and
     INVALID_ARGUMENT for a block id listed twice. Deadline: 30 s.
+    """
+    FindSegments: _aio.UnaryUnaryMultiCallable[_storage_pb2.FindSegmentsRequest, _storage_pb2.FindSegmentsResponse]  # type: ignore[assignment]
+    """Finds segments stored on this node inside a prompt whose document
+    boundaries the caller does not know (docs/blend.md, "Finding segments in
+    a prompt"). Segments of at least 16 tokens stored with their tokens (a
+    PrepareStore's segment_token_ids, a StoreSegment's token_ids) are indexed
+    by their first 16; the prompt is probed at every stride-th position (0 is
+    read as 1); a hit is checked against the segment's whole key and L1, and
+    matches do not overlap (the earliest start, then the longest segment,
+    wins). Index entries whose object left L1 are dropped on the way. Holds no
+    locks. Errors: INVALID_ARGUMENT (no model_name, too many tokens).
+    Deadline: 10 s.
     """
     ReleaseLocks: _aio.UnaryUnaryMultiCallable[_storage_pb2.ReleaseLocksRequest, _storage_pb2.ReleaseLocksResponse]  # type: ignore[assignment]
     """Releases `count` read locks on each key of the grid (default 1).
@@ -526,6 +550,24 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         is read-locked for the copy. Not resident in L1 (or of another size):
         found = false and nothing is written. Errors: as StoreSegment, and
         INVALID_ARGUMENT for a block id listed twice. Deadline: 30 s.
+        """
+
+    @_abc_1.abstractmethod
+    def FindSegments(
+        self,
+        request: _storage_pb2.FindSegmentsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_storage_pb2.FindSegmentsResponse, _abc.Awaitable[_storage_pb2.FindSegmentsResponse]]:
+        """Finds segments stored on this node inside a prompt whose document
+        boundaries the caller does not know (docs/blend.md, "Finding segments in
+        a prompt"). Segments of at least 16 tokens stored with their tokens (a
+        PrepareStore's segment_token_ids, a StoreSegment's token_ids) are indexed
+        by their first 16; the prompt is probed at every stride-th position (0 is
+        read as 1); a hit is checked against the segment's whole key and L1, and
+        matches do not overlap (the earliest start, then the longest segment,
+        wins). Index entries whose object left L1 are dropped on the way. Holds no
+        locks. Errors: INVALID_ARGUMENT (no model_name, too many tokens).
+        Deadline: 10 s.
         """
 
     @_abc_1.abstractmethod
