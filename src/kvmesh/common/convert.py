@@ -50,7 +50,9 @@ from kvmesh.common.events import (
     CacheEventBatch,
     CacheEventEntry,
     EventType,
+    SegmentHead,
     Tier,
+    segment_head_ok,
     validate_batch,
 )
 from kvmesh.common.keys import (
@@ -112,11 +114,11 @@ class UniformEntries(Sequence[CacheEventEntry]):
             new = tuple.__new__
             key = self.template.key
             _h, model, rank, group, salt = key
-            _k, size, tokens, offset = self.template
+            _k, size, tokens, offset, segment = self.template
             entries = self._tuple = tuple(
                 new(
                     CacheEventEntry,
-                    (new(ObjectKey, (h, model, rank, group, salt)), size, tokens, offset),
+                    (new(ObjectKey, (h, model, rank, group, salt)), size, tokens, offset, segment),
                 )
                 for h in self.chunk_hashes
             )
@@ -196,6 +198,13 @@ def tier_from_proto(value: int, field: str = "tier") -> Tier:
     return tier
 
 
+def _segment_from_proto(wire: events_pb2.CacheEventEntry) -> SegmentHead | None:
+    """A wire entry's segment head (None when unset)."""
+    if not wire.HasField("segment"):
+        return None
+    return SegmentHead(tuple(wire.segment.head_tokens[:]), wire.segment.num_tokens)
+
+
 def _fill_entry(entry: CacheEventEntry, out: events_pb2.CacheEventEntry) -> None:
     """Fill ``out`` (a fresh ``entries.add()``) from ``entry``."""
     key = entry.key
@@ -212,6 +221,10 @@ def _fill_entry(entry: CacheEventEntry, out: events_pb2.CacheEventEntry) -> None
     # as is so the coordinator's validation names it instead of us hiding it.
     if entry.token_offset != UNKNOWN_TOKEN_OFFSET:
         out.token_offset = entry.token_offset
+    if entry.segment is not None:
+        out.segment.SetInParent()  # present even when empty (validation then names it)
+        out.segment.head_tokens.extend(entry.segment.head_tokens)
+        out.segment.num_tokens = entry.segment.num_tokens
 
 
 def batch_to_proto(batch: CacheEventBatch) -> events_pb2.CacheEventBatch:
@@ -291,6 +304,11 @@ def _entries_from_proto(
                     clean = False
             if len(chunk_hash) != hash_len or size < 0 or offset < unknown:
                 clean = False
+        segment = None
+        if wire.HasField("segment"):
+            segment = SegmentHead(tuple(wire.segment.head_tokens[:]), wire.segment.num_tokens)
+            if not segment_head_ok(segment):
+                clean = False
         append(
             new(
                 entry_cls,
@@ -301,6 +319,7 @@ def _entries_from_proto(
                     # the container itself iterates it element by element.
                     tuple(tokens[:]) if tokens else (),
                     offset,
+                    segment,
                 ),
             )
         )
@@ -372,18 +391,21 @@ def _entry_template(
     offset = wire.token_offset
     if not offset and not wire.HasField("token_offset"):
         offset = UNKNOWN_TOKEN_OFFSET
+    segment = _segment_from_proto(wire)
     entry = CacheEventEntry(
         ObjectKey(chunk_hash, model, k.kv_rank, k.object_group_id, salt),
         size,
         tuple(tokens[:]) if tokens else (),
         offset,
+        segment,
     )
     try:
         validate_model_name(model)
         validate_cache_salt(salt)
     except InvalidArgument:
         return entry, False
-    return entry, size >= 0 and offset >= UNKNOWN_TOKEN_OFFSET
+    good_segment = segment is None or segment_head_ok(segment)
+    return entry, size >= 0 and offset >= UNKNOWN_TOKEN_OFFSET and good_segment
 
 
 def _convert(

@@ -55,6 +55,24 @@ class CacheEventEntry(NamedTuple):
     size_bytes: int = 0
     token_ids: Sequence[int] = ()
     token_offset: int = UNKNOWN_TOKEN_OFFSET
+    #: A CacheBlend segment's first tokens and length (None: not a segment).
+    segment: SegmentHead | None = None
+
+
+#: Most head tokens one segment entry carries.
+MAX_SEGMENT_HEAD = 64
+
+
+class SegmentHead(NamedTuple):
+    """A CacheBlend segment's first tokens and its length (docs/blend.md)."""
+
+    head_tokens: tuple[int, ...]
+    num_tokens: int
+
+
+def segment_head_ok(segment: SegmentHead) -> bool:
+    """Whether ``segment`` has 1..min(num_tokens, MAX_SEGMENT_HEAD) head tokens."""
+    return 0 < len(segment.head_tokens) <= min(segment.num_tokens, MAX_SEGMENT_HEAD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +104,8 @@ def validate_batch(batch: CacheEventBatch, field_prefix: str = "batch") -> None:
     Checks, in order: instance_id non-empty; incarnation >= 0; seq >= 1;
     event_type known; tier is L1 or L2; backend non-empty unless ACCESS;
     CONFIG carries no entries; capacity_bytes and capacity_revision >= 0;
-    ts >= 0 and finite; every entry's key valid, size_bytes >= 0 and
-    token_offset >= 0 or -1.
+    ts >= 0 and finite; every entry's key valid, size_bytes >= 0,
+    token_offset >= 0 or -1, and a segment head of 1..min(num_tokens, 64) tokens.
     """
     p = field_prefix
     if not batch.instance_id:
@@ -128,4 +146,9 @@ def validate_batch(batch: CacheEventBatch, field_prefix: str = "batch") -> None:
         if entry.token_offset < UNKNOWN_TOKEN_OFFSET:
             raise InvalidArgument(
                 f"{ep}.token_offset must be >= 0 or -1 (unknown)", field=f"{ep}.token_offset"
+            )
+        if entry.segment is not None and not segment_head_ok(entry.segment):
+            raise InvalidArgument(
+                f"{ep}.segment must have 1..min(num_tokens, {MAX_SEGMENT_HEAD}) head tokens",
+                field=f"{ep}.segment",
             )

@@ -61,6 +61,8 @@ def settings_from_config(config: CoordinatorConfig) -> CoordinatorSettings:
         checkpoint_interval=config.checkpoint_interval_seconds,
         metadata_path=config.metadata_path,
         score_weights=config.tier_weights(),
+        enable_blend_lookup=config.enable_blend_lookup,
+        blend_probe_stride=config.blend_probe_stride,
     )
 
 

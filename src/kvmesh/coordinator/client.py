@@ -93,6 +93,7 @@ class DirectoryClient(SyncClient):
         "GetStats": CallPolicy(timeout=2.0, idempotent=True),
         "ListIngestCursors": CallPolicy(timeout=2.0, idempotent=True),
         "ScoreEngines": CallPolicy(timeout=1.0, idempotent=True),
+        "BlendLookup": CallPolicy(timeout=2.0, idempotent=True),
     }
 
     def lookup(
@@ -169,6 +170,18 @@ class DirectoryClient(SyncClient):
         """``ScoreEngines``: see its comment in the .proto for semantics and errors."""
         return self._call(
             "ScoreEngines", request, directory_pb2.ScoreEnginesResponse, timeout, wait_for_ready
+        )
+
+    def blend_lookup(
+        self,
+        request: directory_pb2.BlendLookupRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> directory_pb2.BlendLookupResponse:
+        """``BlendLookup``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "BlendLookup", request, directory_pb2.BlendLookupResponse, timeout, wait_for_ready
         )
 
 

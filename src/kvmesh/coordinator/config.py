@@ -70,6 +70,12 @@ class CoordinatorConfig(ServerSettings):
     engine_events_file: str = setting(
         "", "JSON file of engines to follow: a list of EngineSpec objects ('' = none)"
     )
+    enable_blend_lookup: bool = setting(
+        False, "index the nodes' CacheBlend segments for BlendLookup (docs/blend.md)"
+    )
+    blend_probe_stride: int = setting(
+        1, "probe every Nth prompt position in a BlendLookup that names no stride"
+    )
     score_weights: str = setting(
         "engine=1.0,local_l1=0.8,peer_l1=0.6,l2=0.4",
         "weight of a matched token per tier in ScoreEngines",
@@ -89,6 +95,8 @@ class CoordinatorConfig(ServerSettings):
         self.validate_server()
         if self.chunk_size < 1:
             raise ConfigError("chunk_size must be >= 1")
+        if self.blend_probe_stride < 1:
+            raise ConfigError("blend_probe_stride must be >= 1")
         if self.instance_timeout_seconds <= 0:
             raise ConfigError("instance_timeout_seconds must be > 0")
         if not 0 < self.heartbeat_interval_seconds < self.instance_timeout_seconds:

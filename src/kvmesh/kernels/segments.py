@@ -3,7 +3,7 @@
 A segment object holds one document's K/V for tokens that sit anywhere in a
 prompt. Its layout is an L1 chunk object of the segment's length
 (``[2, num_layers, num_tokens, kv_heads * head_dim]``) with the keys rotated
-to positions ``0..num_tokens-1`` (docs/blend.md, "Segments"), so a document
+to positions ``0..num_tokens-1`` (docs/blend.md, "Segments in storage"), so a document
 stored after one prefix is found after any other.
 
 - :func:`gather_segment` reads tokens ``[start, start + n)`` of a request

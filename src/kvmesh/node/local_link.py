@@ -121,8 +121,8 @@ class LocalNodeStorage:
         self, row: KeyRow, prompt: Sequence[int] | np.ndarray, stride: int
     ) -> tuple[list[tuple[int, int]], int]:
         like = ObjectKey(b"", row.model_name, row.kv_rank, 0, row.cache_salt)
-        matches, probed = self.node.segments.find(like, prompt, stride)
-        return [(start, length) for start, length, _ in matches], probed
+        matches, probed = await self.node.segments.find_in_fleet(like, prompt, stride)
+        return [(start, length) for start, length, _, _ in matches], probed
 
     async def commit_store(self, transaction_id: str) -> int:
         return self.node.commit_store(transaction_id)

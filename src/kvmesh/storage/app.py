@@ -213,6 +213,7 @@ class StorageApp:
     def _build(self, config: StorageConfig, adapters: list[L2Adapter]) -> StorageManager:
         """The event pipeline and the storage manager (L1 and ``adapters``)."""
         self.emitter: CacheEventEmitter | None = None
+        self._sink: EmitterSink | None = None
         self.registrar: Registrar | None = None
         self._handler = _DeferredHandler()
         self._sweeper: asyncio.Task[None] | None = None
@@ -252,7 +253,7 @@ class StorageApp:
                 self._event_transport,
                 command_handler=self._handler,
             )
-            sink = EmitterSink(self.emitter)
+            sink = self._sink = EmitterSink(self.emitter)
         options = StorageOptions(
             segment_bytes=config.segment_bytes(),
             initial_l1_bytes=config.l1_prefault_bytes or None,
@@ -291,6 +292,8 @@ class StorageApp:
             copy_executor=self.copy_executor,
         )
         self._handler.node = self.node
+        if self._sink is not None:  # segments' STORE events carry their heads
+            self._sink.segment_of = self.node.segments.catalog.head_of
         self.servicer = StorageServicer(self.node, self.instance_id, self.incarnation)
         # P2P: the PeerService, and with a coordinator the fetch of local misses from peers.
         self.peers = PeerWiring(config, self.node, self.instance_id, self.incarnation)

@@ -295,11 +295,15 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.FindSegmentsResponse:
         like = ObjectKey(b"", request.model_name, request.kv_rank, request.object_group_id,
                          request.cache_salt)  # fmt: skip
-        matches, probed = self.node.segments.find(like, request.token_ids, request.stride)
+        matches, probed = await self.node.segments.find_in_fleet(
+            like, request.token_ids, request.stride
+        )
         return storage_pb2.FindSegmentsResponse(
             matches=[
-                storage_pb2.FoundSegment(start_token=start, num_tokens=n, chunk_hash=key.chunk_hash)
-                for start, n, key in matches
+                storage_pb2.FoundSegment(
+                    start_token=start, num_tokens=n, chunk_hash=key.chunk_hash, on_this_node=here
+                )
+                for start, n, key, here in matches
             ],
             probed_positions=probed,
         )

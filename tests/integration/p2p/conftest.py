@@ -77,9 +77,12 @@ def running_fleet(
     a_port: int | None = None,
     wide: bool = False,
     b_metrics: bool = False,
+    coordinator_extra: Sequence[str] = (),
 ) -> Iterator[Fleet]:
     """Coordinator + nodes A and B, started, engines registered (node flags appended)."""
-    coordinator = CliProcess("coordinator", free_port(), coordinator_args(tmp_path))
+    coordinator = CliProcess(
+        "coordinator", free_port(), [*coordinator_args(tmp_path), *coordinator_extra]
+    )
     nodes: list[PeerNode] = []
     try:
         coordinator.start()

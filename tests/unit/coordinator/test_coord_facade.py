@@ -25,6 +25,7 @@ def test_consumers_are_wired_directory_before_eviction() -> None:
         "KeyDirectory",
         "ServerConfigRegistry",
         "FleetEvictionController",
+        "BlendIndex",
     )
 
 

@@ -12,6 +12,8 @@ Wiring (fixed, no plug-in discovery):
   2. ``ServerConfigRegistry`` — capacity declarations (CONFIG batches);
   3. ``FleetEvictionController`` — L2 LRU; on DELETE it asks whether any L2
      copy remains, which needs the directory and usage already updated.
+  4. ``BlendIndex`` — CacheBlend segments by their first tokens; reads the
+     directory's placements at lookup time only.
 
 * ``Engines`` (vLLM engines' own caches, fed by the coordinator's event
   subscriber, read by scoring) is not a consumer either.
@@ -37,6 +39,7 @@ from collections.abc import Callable
 
 from kvmesh.common.hashing import TokenHasher
 
+from .blendindex import BlendIndex
 from .broadcaster import CacheEventBroadcaster
 from .capacity import ServerConfigRegistry
 from .commands import CommandLedger
@@ -101,6 +104,8 @@ class CoreComponents:
         self.broadcaster.register(self.directory)
         self.broadcaster.register(self.capacity)
         self.broadcaster.register(self.eviction)
+        self.blend = BlendIndex(self.directory, enabled=s.enable_blend_lookup)
+        self.broadcaster.register(self.blend)
         self.quiesce = QuiesceLock()
         # Engines' own caches, from their vLLM KV events (not a broadcaster consumer).
         self.engines = Engines(s.chunk_size)

@@ -49,6 +49,7 @@ from kvmesh.common.events import CacheEventBatch, IngestResult, Tier, validate_b
 from kvmesh.common.keys import ObjectKey, salt_with_lora
 
 from . import deletes, reports, scoring, tokens
+from .blendindex import BlendMatch
 from .components import CoreComponents
 from .directory import DEFAULT_LIST_LIMIT
 from .eviction import DeleteDispatcher
@@ -225,6 +226,24 @@ class Coordinator(CoreComponents):
             cache_salt,
             token_ids,
             with_tokens=with_tokens,
+        )
+
+    def blend_lookup(
+        self,
+        model_name: str,
+        world_size: int,
+        cache_salt: str,
+        token_ids: Sequence[int] | np.ndarray,
+        stride: int = 0,
+    ) -> tuple[list[BlendMatch], int]:
+        """CacheBlend segments some node holds inside a prompt (docs/blend.md,
+        "The fleet's blend index"); ``stride`` 0: the configured probe stride."""
+        return self.blend.lookup(
+            model_name,
+            world_size,
+            cache_salt,
+            token_ids,
+            stride or self.settings.blend_probe_stride,
         )
 
     def score_engines(

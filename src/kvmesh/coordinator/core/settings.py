@@ -58,6 +58,10 @@ class CoordinatorSettings:
     resync_retry_interval: float = 1.0
     #: Weights of a matched token for engine scores: engine, local L1, peer L1, L2.
     score_weights: tuple[float, float, float, float] = (1.0, 0.8, 0.6, 0.4)
+    #: Index the nodes' CacheBlend segments for BlendLookup (off, as in LMCache).
+    enable_blend_lookup: bool = False
+    #: Probe stride of a BlendLookup that names none.
+    blend_probe_stride: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -78,6 +82,7 @@ class CoordinatorSettings:
         _check(self.max_victims_per_cycle >= 1, "max_victims_per_cycle", "must be >= 1")
         _check(self.redispatch_after >= 0, "redispatch_after", "must be >= 0")
         _check(self.chunk_size >= 1, "chunk_size", "must be >= 1")
+        _check(self.blend_probe_stride >= 1, "blend_probe_stride", "must be >= 1")
         _check(self.token_binding_cap >= 0, "token_binding_cap", "must be >= 0")
         _check(self.checkpoint_interval >= 0, "checkpoint_interval", "must be >= 0")
         _check(self.quiesce_timeout > 0, "quiesce_timeout", "must be > 0")

@@ -40,6 +40,26 @@ class DirectoryServicer(directory_pb2_grpc.DirectoryServiceServicer):
             )
         raise InvalidArgument("set exactly one of keys or tokens", field="query")
 
+    async def BlendLookup(
+        self, request: directory_pb2.BlendLookupRequest, context: Any
+    ) -> directory_pb2.BlendLookupResponse:
+        q = wire.token_query(request.tokens)
+        matches, probed = self.core.blend_lookup(
+            q.model_name, q.world_size, q.cache_salt, q.token_ids, request.stride
+        )
+        return directory_pb2.BlendLookupResponse(
+            matches=[
+                directory_pb2.BlendMatch(
+                    start_token=m.start,
+                    num_tokens=m.length,
+                    chunk_hash=m.chunk_hash,
+                    ranks=[wire.key_placements(info, False) for info in m.ranks],
+                )
+                for m in matches
+            ],
+            probed_positions=probed,
+        )
+
     async def ListKeys(
         self, request: directory_pb2.ListKeysRequest, context: Any
     ) -> directory_pb2.ListKeysResponse:

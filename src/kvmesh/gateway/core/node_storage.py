@@ -143,8 +143,9 @@ class NodeStorage(Protocol):
     async def find_segments(
         self, row: KeyRow, prompt: Sequence[int] | np.ndarray, stride: int
     ) -> tuple[list[tuple[int, int]], int]:
-        """Segments of the row's model, salt and rank (its hashes unused) that the node
-        indexed, resident inside ``prompt``: ([(start, length)], positions probed)."""
+        """Segments of the row's model, salt and rank (its hashes unused) inside
+        ``prompt`` that the node holds, or (with a coordinator) another node does:
+        ([(start, length)], positions probed)."""
         ...
 
     async def commit_store(self, transaction_id: str) -> int:

@@ -26,9 +26,12 @@ from kvmesh.common.hashing import segment_key
 from kvmesh.common.keys import validate_cache_salt, worker_kv_rank
 
 from .engines import EngineRegistry, RegisteredEngine
-from .node_storage import KeyRow, NodeStorage, PreparedSlots
+from .node_storage import KeyGridSpec, KeyRow, NodeStorage, PreparedSlots
 from .sessions import check_token_count
 from .types import GatewayStats
+
+#: Longest wait for a segment to come in from L2 or a peer before it counts as a miss.
+SEGMENT_FETCH_WAIT_MS = 5_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,14 +110,30 @@ class Segments:
     async def prepare_retrieve(
         self, engine_id: str, cache_salt: str, tokens: Sequence[int] | np.ndarray
     ) -> SegmentSlot:
-        """The segment's slot, read-locked until the commit; none when not resident."""
+        """The segment's slot, read-locked until the commit; none when the node cannot
+        have it in L1 (after loading it from L2 or fetching it from a peer)."""
         _, row, nbytes = self._row(engine_id, cache_salt, tokens)
         slot = self._slot(await self.storage.prepare_retrieve(row, nbytes), nbytes)
+        if not slot.transaction_id and await self._prefetch(row, nbytes):
+            slot = self._slot(await self.storage.prepare_retrieve(row, nbytes), nbytes)
         if slot.transaction_id:
             self.counters.segment_hits += 1
         else:
             self.counters.segment_misses += 1
         return slot
+
+    async def _prefetch(self, row: KeyRow, nbytes: int) -> bool:
+        """Bring a segment missing from L1 in from L2 or a peer (the node's lookup path,
+        one key); whether it arrived. The lookup's lease is ended at once: the
+        retrieve that follows takes its own lock."""
+        grid = KeyGridSpec(row.model_name, row.cache_salt, [row.kv_rank], row.chunk_hashes, nbytes)
+        state = await self.storage.lookup_and_lock(
+            "segment", grid, 1, SEGMENT_FETCH_WAIT_MS, owner=""
+        )
+        try:
+            return state.completed and state.hit_chunks > 0
+        finally:
+            await self.storage.end_lease(state.prefetch_id)
 
     async def lookup(
         self, engine_id: str, cache_salt: str, tokens: Sequence[int] | np.ndarray, stride: int

@@ -14,6 +14,8 @@ FAILED_PRECONDITION, since its keys cannot be moved.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -25,8 +27,18 @@ from kvmesh.kernels.kinds import KVLayoutKind
 from kvmesh.storage.core.copies import ChunkCopier
 from kvmesh.storage.core.manager import StorageManager
 from kvmesh.storage.core.node_lookups import MAX_CHUNK_BYTES
-from kvmesh.storage.core.segment_catalog import SegmentCatalog, checked_segment_tokens
+from kvmesh.storage.core.segment_catalog import (
+    FleetSegments,
+    FleetUnavailable,
+    SegmentCatalog,
+    checked_segment_tokens,
+)
 from kvmesh.storage.core.transfer.layout import KVLayout, chunk_nbytes
+
+#: Longest wait for the coordinator's blend index inside one FindSegments.
+FLEET_FIND_TIMEOUT_S = 2.0
+
+logger = logging.getLogger(__name__)
 
 
 class NodeSegments:
@@ -43,6 +55,9 @@ class NodeSegments:
         self._copier = copier
         self._layout = layout
         self.catalog = SegmentCatalog()
+        #: The coordinator's blend index (a node with a coordinator and P2P); None: local only.
+        self.fleet: FleetSegments | None = None
+        self._fleet_warned = False
 
     def note(
         self, keys: Sequence[ObjectKey], tokens: Sequence[int] | np.ndarray, field: str
@@ -63,6 +78,37 @@ class NodeSegments:
         return self.catalog.find(
             like, prompt, stride, lambda key: self._manager.l1.contains([key])[0]
         )
+
+    async def find_in_fleet(
+        self, like: ObjectKey, prompt: Sequence[int] | np.ndarray, stride: int
+    ) -> tuple[list[tuple[int, int, ObjectKey, bool]], int]:
+        """:meth:`find`, then, where the prompt is still uncovered, the segments other
+        nodes hold (the coordinator's blend index): ``([(start, length, key, here)],
+        probed)``. A coordinator that cannot answer leaves the local matches."""
+        local, probed = self.find(like, prompt, stride)
+        found = [(start, length, key, True) for start, length, key in local]
+        if self.fleet is None:
+            return found, probed
+        tokens = np.asarray(prompt, dtype=np.uint32).tolist()
+        world_size = (like.kv_rank >> 24) or 1
+        try:
+            remote = await asyncio.to_thread(
+                self.fleet.find, like, world_size, tokens, stride, FLEET_FIND_TIMEOUT_S
+            )
+        except FleetUnavailable as exc:
+            if not self._fleet_warned:
+                self._fleet_warned = True
+                logger.warning("segments are found on this node only: %s", exc)
+            return found, probed
+        taken = [(start, start + length) for start, length, _, _ in found]
+        for start, length, chunk_hash in remote:
+            end = start + length
+            if all(end <= a or start >= b for a, b in taken):
+                key = ObjectKey(chunk_hash, like.model_name, like.kv_rank,
+                                like.object_group_id, like.cache_salt)  # fmt: skip
+                found.append((start, length, key, self._manager.l1.contains([key])[0]))
+        found.sort(key=lambda match: match[0])
+        return found, probed
 
     def _checked(
         self,
@@ -139,11 +185,11 @@ class NodeSegments:
                 f"segment.token_ids holds {len(tokens)} tokens, num_tokens is {count}",
                 field="segment.token_ids",
             )
-        checked = checked_segment_tokens(key, tokens, "segment.token_ids") if len(tokens) else None
-        outcome = await self._copier.store_segment(engine_id, key, block_ids, start, count, nbytes)
-        if checked is not None:
-            self.catalog.note(key, checked)
-        return outcome
+        if len(tokens):
+            # Before the copy: the store's cache event reads the catalog (a hint,
+            # dropped by find when the object never arrives).
+            self.catalog.note(key, checked_segment_tokens(key, tokens, "segment.token_ids"))
+        return await self._copier.store_segment(engine_id, key, block_ids, start, count, nbytes)
 
     async def retrieve(
         self, engine_id: str, key: ObjectKey, block_ids: Sequence[int], start: int, count: int

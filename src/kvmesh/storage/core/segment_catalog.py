@@ -2,10 +2,10 @@
 
 A segment (docs/blend.md, "Finding segments in a prompt") is kept under a key
 of its tokens alone, so a prompt that contains it cannot name it without
-knowing where it starts. This catalog indexes every segment of at least
-:data:`FINGERPRINT_TOKENS` tokens stored on this node by its first tokens
-(their raw bytes are the dictionary key: a probe hashes nothing) and finds
-them in a prompt by probing every ``stride``-th position.
+knowing where it starts. This catalog indexes every segment of at least 16
+tokens stored on this node by its first 16 (their raw bytes are the
+dictionary key: a probe hashes nothing) and finds them in a prompt with
+:func:`kvmesh.common.segment_probe.probe`.
 
 An entry is a hint, never trusted: a fingerprint hit is checked against the
 segment's whole key (blake3 of the prompt's tokens there) and against L1, and
@@ -18,19 +18,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
 from kvmesh.common.errors import InvalidArgument
-from kvmesh.common.hashing import segment_key, tokens_to_be_u32
+from kvmesh.common.events import SegmentHead
+from kvmesh.common.hashing import segment_key
 from kvmesh.common.keys import ObjectKey
+from kvmesh.common.segment_probe import SEGMENT_FINGERPRINT_TOKENS, fingerprint, probe
 
-#: Tokens at a segment's start that index it; shorter segments are not found.
-FINGERPRINT_TOKENS = 16
 #: Index entries kept (one per distinct model, salt, rank and first tokens).
 MAX_ENTRIES = 65_536
-#: Longest prompt one find probes.
-MAX_PROMPT_TOKENS = 1 << 20
 
 _Entry = tuple[str, str, int, int, bytes]  # model, salt, kv rank, group, first tokens' bytes
 
@@ -49,6 +48,27 @@ def checked_segment_tokens(
     return array
 
 
+class FleetUnavailable(Exception):
+    """The coordinator's blend index could not answer."""
+
+
+class FleetSegments(Protocol):
+    """The coordinator's blend index (docs/blend.md, "The fleet's blend index")."""
+
+    def find(
+        self,
+        like: ObjectKey,
+        world_size: int,
+        prompt: Sequence[int],
+        stride: int,
+        timeout: float,
+    ) -> list[tuple[int, int, bytes]]:
+        """Segments of ``like``'s model and salt that some node holds inside ``prompt``:
+        ``[(start, length, chunk_hash)]``, in prompt order, not overlapping. Blocking;
+        raises :class:`FleetUnavailable` when the coordinator cannot answer."""
+        ...
+
+
 class SegmentCatalog:
     """Segments by their first tokens; ``find`` locates them in a prompt."""
 
@@ -56,6 +76,15 @@ class SegmentCatalog:
         self._max = max_entries
         # entry -> {segment length: its key}
         self._index: OrderedDict[_Entry, dict[int, ObjectKey]] = OrderedDict()
+        # key -> what the node's cache events say of it (docs/blend.md, "The fleet's blend index")
+        self._heads: dict[ObjectKey, SegmentHead] = {}
+
+    def head_of(self, key: ObjectKey) -> SegmentHead | None:
+        """The first tokens and length of the segment under ``key``, if it is indexed."""
+        return self._heads.get(key)
+
+    def _drop(self, lengths: dict[int, ObjectKey], length: int) -> None:
+        self._heads.pop(lengths.pop(length), None)
 
     def __len__(self) -> int:
         return sum(len(lengths) for lengths in self._index.values())
@@ -66,13 +95,20 @@ class SegmentCatalog:
 
     def note(self, key: ObjectKey, tokens: np.ndarray) -> None:
         """Index a segment (tokens already checked against ``key``); short ones are not."""
-        if tokens.size < FINGERPRINT_TOKENS:
+        if tokens.size < SEGMENT_FINGERPRINT_TOKENS:
             return
-        entry = self._entry(key, tokens_to_be_u32(tokens[:FINGERPRINT_TOKENS]))
-        self._index.setdefault(entry, {})[int(tokens.size)] = key
+        head = tokens[:SEGMENT_FINGERPRINT_TOKENS]
+        entry = self._entry(key, fingerprint(head))
+        lengths = self._index.setdefault(entry, {})
+        if int(tokens.size) in lengths:
+            self._drop(lengths, int(tokens.size))
+        lengths[int(tokens.size)] = key
+        self._heads[key] = SegmentHead(tuple(head.tolist()), int(tokens.size))
         self._index.move_to_end(entry)
         while len(self._index) > self._max:
-            self._index.popitem(last=False)
+            _, dropped = self._index.popitem(last=False)
+            for length in list(dropped):
+                self._drop(dropped, length)
 
     def find(
         self,
@@ -88,38 +124,26 @@ class SegmentCatalog:
         and probing goes on after it). ``stride`` 0 is read as 1.
         """
         tokens = np.asarray(prompt, dtype=np.uint32)
-        if tokens.size > MAX_PROMPT_TOKENS:
-            raise InvalidArgument(
-                f"at most {MAX_PROMPT_TOKENS} tokens per find, got {tokens.size}",
-                field="token_ids",
-            )
-        step = max(1, stride)
-        raw = tokens_to_be_u32(tokens)
-        width = 4 * FINGERPRINT_TOKENS
-        matches: list[tuple[int, int, ObjectKey]] = []
-        probed = at = 0
-        while at + FINGERPRINT_TOKENS <= tokens.size:
-            probed += 1
-            entry = self._entry(like, raw[4 * at : 4 * at + width])
-            lengths = self._index.get(entry)
-            found = 0
-            if lengths:
-                for length in sorted(lengths, reverse=True):
-                    key = lengths[length]
-                    if at + length > tokens.size:
-                        continue
-                    if segment_key(key.model_name, tokens[at : at + length]) != key.chunk_hash:
-                        continue  # the same start, another document: keep it
-                    if resident(key):
-                        found = length
-                        matches.append((at, length, key))
-                        break
-                    del lengths[length]  # the segment left L1: forget it
+        keys: dict[int, ObjectKey] = {}
+        lengths: dict[int, ObjectKey] = {}
+
+        def lengths_at(head: bytes) -> list[int]:
+            nonlocal lengths
+            entry = self._entry(like, head)
+            lengths = self._index.get(entry, {})
+            return sorted(lengths, reverse=True)
+
+        def accept(start: int, length: int) -> bool:
+            key = lengths[length]
+            if segment_key(key.model_name, tokens[start : start + length]) != key.chunk_hash:
+                return False  # the same start, another document: keep it
+            if not resident(key):
+                self._drop(lengths, length)  # the segment left L1: forget it
                 if not lengths:
-                    del self._index[entry]
-            if found:
-                at += found
-                at += -at % step  # the next probe position on the stride
-            else:
-                at += step
-        return matches, probed
+                    self._index.pop(self._entry(like, fingerprint(tokens[start:])), None)
+                return False
+            keys[start] = key
+            return True
+
+        found, probed = probe(tokens, stride, lengths_at, accept)
+        return [(start, length, keys[start]) for start, length in found], probed

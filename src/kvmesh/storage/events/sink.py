@@ -8,9 +8,9 @@ records, so the core never imports the event pipeline.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from kvmesh.common.events import CacheEventEntry, EventType, Tier
+from kvmesh.common.events import CacheEventEntry, EventType, SegmentHead, Tier
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.ports import CapacityModule
 from kvmesh.storage.events.emitter import CacheEventEmitter
@@ -23,6 +23,8 @@ class EmitterSink:
 
     def __init__(self, emitter: CacheEventEmitter) -> None:
         self.emitter = emitter
+        #: A segment's head by key, for STORE entries (the node's segment catalog).
+        self.segment_of: Callable[[ObjectKey], SegmentHead | None] = lambda key: None
 
     def record(
         self,
@@ -32,9 +34,12 @@ class EmitterSink:
         shared: bool,
         entries: Sequence[tuple[ObjectKey, int]],
     ) -> None:
-        self.emitter.record(
-            event_type, tier, backend, shared, [CacheEventEntry(k, size) for k, size in entries]
-        )
+        if event_type is EventType.STORE:
+            head = self.segment_of
+            rows = [CacheEventEntry(k, size, segment=head(k)) for k, size in entries]
+        else:
+            rows = [CacheEventEntry(k, size) for k, size in entries]
+        self.emitter.record(event_type, tier, backend, shared, rows)
 
     def record_capacity(self, modules: Sequence[CapacityModule]) -> None:
         self.emitter.record_capacity(

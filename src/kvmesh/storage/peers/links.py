@@ -31,6 +31,7 @@ from kvmesh.storage.core.peer.ports import (
     PeerUnavailable,
     deliver,
 )
+from kvmesh.storage.core.segment_catalog import FleetUnavailable
 from kvmesh.storage.peer_client import PeerClient
 from kvmesh.storage.peers import tcp_stream
 
@@ -102,6 +103,31 @@ class CoordinatorPeerDirectory:
             self._peers = peers
             self._peers_at = time.monotonic()
         return dict(peers)
+
+    def find(
+        self,
+        like: ObjectKey,
+        world_size: int,
+        prompt: Sequence[int],
+        stride: int,
+        timeout: float,
+    ) -> list[tuple[int, int, bytes]]:
+        """The coordinator's BlendLookup (a
+        :class:`~kvmesh.storage.core.segment_catalog.FleetSegments`)."""
+        request = directory_pb2.BlendLookupRequest(
+            tokens=directory_pb2.TokenQuery(
+                model_name=like.model_name,
+                world_size=world_size,
+                cache_salt=like.cache_salt,
+                token_ids=prompt,
+            ),
+            stride=stride,
+        )
+        try:
+            response = self._directory.blend_lookup(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise FleetUnavailable(f"blend lookup failed: {_describe(exc)}") from None
+        return [(m.start_token, m.num_tokens, m.chunk_hash) for m in response.matches]
 
     def close(self) -> None:
         self._channel.close()

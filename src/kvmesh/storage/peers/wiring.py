@@ -59,9 +59,12 @@ class PeerWiring:
         if config.coordinator_target and config.p2p:
             from kvmesh.storage.peers.links import CoordinatorPeerDirectory, GrpcPeerLink
 
+            directory = CoordinatorPeerDirectory(config.coordinator_target)
+            # FindSegments also finds the segments other nodes hold (fetched by P2P).
+            node.segments.fleet = directory
             self.fetcher = PeerFetcher(
                 node.manager.l1,
-                CoordinatorPeerDirectory(config.coordinator_target),
+                directory,
                 GrpcPeerLink(
                     instance_id,
                     max_message_bytes=config.max_message_bytes,

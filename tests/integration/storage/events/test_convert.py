@@ -21,13 +21,16 @@ from kvmesh.common.convert import (
     batch_to_proto,
     key_from_proto,
     key_to_proto,
+    validated_batch_from_proto,
 )
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import (
+    MAX_SEGMENT_HEAD,
     UNKNOWN_TOKEN_OFFSET,
     CacheEventBatch,
     CacheEventEntry,
     EventType,
+    SegmentHead,
     Tier,
     validate_batch,
 )
@@ -67,11 +70,16 @@ def random_entry(rng: random.Random, event_type: EventType) -> CacheEventEntry:
             rng.choice([0, UINT32_MAX, rng.randint(0, UINT32_MAX)])
             for _ in range(rng.randint(1, 300))
         )
+    segment = None
+    if event_type is EventType.STORE and rng.random() < 0.3:
+        head = tuple(rng.randint(0, UINT32_MAX) for _ in range(rng.randint(1, MAX_SEGMENT_HEAD)))
+        segment = SegmentHead(head, rng.choice([len(head), len(head) + 1, UINT32_MAX]))
     return CacheEventEntry(
         key=random_key(rng),
         size_bytes=rng.choice([0, 1, 4 << 20, INT64_MAX]),
         token_ids=tokens,
         token_offset=rng.choice([UNKNOWN_TOKEN_OFFSET, 0, 256, INT64_MAX]),
+        segment=segment,
     )
 
 
@@ -150,6 +158,20 @@ def test_token_offset_zero_is_a_position_and_absent_is_unknown() -> None:
     assert offsets == [0, UNKNOWN_TOKEN_OFFSET, UNKNOWN_TOKEN_OFFSET]
     wire = batch_to_proto(batch_from_proto(msg))
     assert [e.HasField("token_offset") for e in wire.entries] == [True, False, False]
+
+
+@pytest.mark.parametrize(
+    "segment",
+    [SegmentHead((), 5), SegmentHead((1, 2, 3), 2), SegmentHead(tuple(range(65)), 100)],
+)
+def test_a_bad_segment_head_is_invalid_argument_naming_the_entry(segment: SegmentHead) -> None:
+    bad = CacheEventBatch(
+        "n", 1, 1, EventType.STORE, Tier.L1, "dram", (CacheEventEntry(key(1), 1, segment=segment),)
+    )
+    wire = batch_to_proto(bad)
+    assert wire.entries[0].HasField("segment")  # an empty head still says "a segment"
+    with pytest.raises(InvalidArgument, match=r"entries\[0\]\.segment"):
+        validated_batch_from_proto(wire)
 
 
 def test_invalid_values_still_cross_so_the_coordinator_can_name_them() -> None:

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from kvmesh.api.common.v1 import common_pb2 as kvmesh_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%kvmesh/coordinator/v1/directory.proto\x12\x15kvmesh.coordinator.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dkvmesh/common/v1/common.proto\"[\n\nTokenQuery\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x07\"\x98\x01\n\rLookupRequest\x12.\n\x04keys\x18\x01 \x01(\x0b\x32\x1e.kvmesh.coordinator.v1.KeyListH\x00\x12\x33\n\x06tokens\x18\x02 \x01(\x0b\x32!.kvmesh.coordinator.v1.TokenQueryH\x00\x12\x19\n\x11include_token_ids\x18\x03 \x01(\x08\x42\x07\n\x05query\"4\n\x07KeyList\x12)\n\x04keys\x18\x01 \x03(\x0b\x32\x1b.kvmesh.common.v1.ObjectKey\"\xd8\x01\n\rKeyPlacements\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.kvmesh.common.v1.ObjectKey\x12/\n\nplacements\x18\x02 \x03(\x0b\x32\x1b.kvmesh.common.v1.Placement\x12\x14\n\x0c\x61\x63\x63\x65ss_count\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\x07\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12/\n\x0blast_access\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"u\n\x0eLookupResponse\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\r\x12\x35\n\x07results\x18\x02 \x03(\x0b\x32$.kvmesh.coordinator.v1.KeyPlacements\x12\x1c\n\x14\x63\x61\x63hed_prefix_chunks\x18\x03 \x01(\r\"\x84\x01\n\x0fListKeysRequest\x12$\n\x04tier\x18\x01 \x01(\x0e\x32\x16.kvmesh.common.v1.Tier\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\"}\n\x10ListKeysResponse\x12\x32\n\x04keys\x18\x01 \x03(\x0b\x32$.kvmesh.coordinator.v1.KeyPlacements\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x12\n\x05total\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x08\n\x06_total\"\x11\n\x0fGetStatsRequest\"\xc5\x02\n\x10GetStatsResponse\x12\x10\n\x08num_keys\x18\x01 \x01(\x04\x12\x16\n\x0enum_placements\x18\x02 \x01(\x04\x12\x15\n\rl1_placements\x18\x03 \x01(\x04\x12\x15\n\rl1_size_bytes\x18\x04 \x01(\x04\x12\x15\n\rl2_placements\x18\x05 \x01(\x04\x12\x15\n\rl2_size_bytes\x18\x06 \x01(\x04\x12Z\n\x13l1_keys_by_instance\x18\x07 \x03(\x0b\x32=.kvmesh.coordinator.v1.GetStatsResponse.L1KeysByInstanceEntry\x12\x16\n\x0etoken_bindings\x18\x08 \x01(\x04\x1a\x37\n\x15L1KeysByInstanceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x1a\n\x18ListIngestCursorsRequest\"\xdf\x01\n\x0cIngestCursor\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x10\n\x08last_seq\x18\x03 \x01(\x03\x12\x14\n\x0cgap_detected\x18\x04 \x01(\x08\x12\x18\n\x10\x62\x61tches_admitted\x18\x05 \x01(\x04\x12\x19\n\x11\x62\x61tches_duplicate\x18\x06 \x01(\x04\x12\x15\n\rbatches_stale\x18\x07 \x01(\x04\x12\x31\n\rlast_admitted\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"Q\n\x19ListIngestCursorsResponse\x12\x34\n\x07\x63ursors\x18\x01 \x03(\x0b\x32#.kvmesh.coordinator.v1.IngestCursor\"\xe7\x01\n\x13ScoreEnginesRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x07\x12\x14\n\x0c\x63hunk_hashes\x18\x03 \x03(\x0c\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x0f\n\x07lora_id\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x12\n\nengine_ids\x18\x08 \x03(\t\x12\x33\n\x07weights\x18\t \x01(\x0b\x32\".kvmesh.coordinator.v1.TierWeights\"\x8b\x01\n\x0bTierWeights\x12\x13\n\x06\x65ngine\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\x08local_l1\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x14\n\x07peer_l1\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x0f\n\x02l2\x18\x04 \x01(\x01H\x03\x88\x01\x01\x42\t\n\x07_engineB\x0b\n\t_local_l1B\n\n\x08_peer_l1B\x05\n\x03_l2\"\xc0\x01\n\x0b\x45ngineScore\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x15\n\rengine_tokens\x18\x02 \x01(\r\x12\x17\n\x0flocal_l1_tokens\x18\x03 \x01(\r\x12\x16\n\x0epeer_l1_tokens\x18\x04 \x01(\r\x12\x11\n\tl2_tokens\x18\x05 \x01(\r\x12\x15\n\rprefix_tokens\x18\x06 \x01(\r\x12\r\n\x05score\x18\x07 \x01(\x01\x12\r\n\x05known\x18\x08 \x01(\x08\x12\x0e\n\x06synced\x18\t \x01(\x08\"\xa3\x01\n\x14ScoreEnginesResponse\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\r\x12\x12\n\nchunk_size\x18\x02 \x01(\r\x12\x32\n\x06scores\x18\x03 \x03(\x0b\x32\".kvmesh.coordinator.v1.EngineScore\x12\x33\n\x07weights\x18\x04 \x01(\x0b\x32\".kvmesh.coordinator.v1.TierWeights2\x84\x04\n\x10\x44irectoryService\x12U\n\x06Lookup\x12$.kvmesh.coordinator.v1.LookupRequest\x1a%.kvmesh.coordinator.v1.LookupResponse\x12[\n\x08ListKeys\x12&.kvmesh.coordinator.v1.ListKeysRequest\x1a\'.kvmesh.coordinator.v1.ListKeysResponse\x12[\n\x08GetStats\x12&.kvmesh.coordinator.v1.GetStatsRequest\x1a\'.kvmesh.coordinator.v1.GetStatsResponse\x12v\n\x11ListIngestCursors\x12/.kvmesh.coordinator.v1.ListIngestCursorsRequest\x1a\x30.kvmesh.coordinator.v1.ListIngestCursorsResponse\x12g\n\x0cScoreEngines\x12*.kvmesh.coordinator.v1.ScoreEnginesRequest\x1a+.kvmesh.coordinator.v1.ScoreEnginesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%kvmesh/coordinator/v1/directory.proto\x12\x15kvmesh.coordinator.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dkvmesh/common/v1/common.proto\"W\n\x12\x42lendLookupRequest\x12\x31\n\x06tokens\x18\x01 \x01(\x0b\x32!.kvmesh.coordinator.v1.TokenQuery\x12\x0e\n\x06stride\x18\x02 \x01(\r\"~\n\nBlendMatch\x12\x13\n\x0bstart_token\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nchunk_hash\x18\x03 \x01(\x0c\x12\x33\n\x05ranks\x18\x04 \x03(\x0b\x32$.kvmesh.coordinator.v1.KeyPlacements\"c\n\x13\x42lendLookupResponse\x12\x32\n\x07matches\x18\x01 \x03(\x0b\x32!.kvmesh.coordinator.v1.BlendMatch\x12\x18\n\x10probed_positions\x18\x02 \x01(\r\"[\n\nTokenQuery\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x12\n\ncache_salt\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x07\"\x98\x01\n\rLookupRequest\x12.\n\x04keys\x18\x01 \x01(\x0b\x32\x1e.kvmesh.coordinator.v1.KeyListH\x00\x12\x33\n\x06tokens\x18\x02 \x01(\x0b\x32!.kvmesh.coordinator.v1.TokenQueryH\x00\x12\x19\n\x11include_token_ids\x18\x03 \x01(\x08\x42\x07\n\x05query\"4\n\x07KeyList\x12)\n\x04keys\x18\x01 \x03(\x0b\x32\x1b.kvmesh.common.v1.ObjectKey\"\xd8\x01\n\rKeyPlacements\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.kvmesh.common.v1.ObjectKey\x12/\n\nplacements\x18\x02 \x03(\x0b\x32\x1b.kvmesh.common.v1.Placement\x12\x14\n\x0c\x61\x63\x63\x65ss_count\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\x07\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12/\n\x0blast_access\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"u\n\x0eLookupResponse\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\r\x12\x35\n\x07results\x18\x02 \x03(\x0b\x32$.kvmesh.coordinator.v1.KeyPlacements\x12\x1c\n\x14\x63\x61\x63hed_prefix_chunks\x18\x03 \x01(\r\"\x84\x01\n\x0fListKeysRequest\x12$\n\x04tier\x18\x01 \x01(\x0e\x32\x16.kvmesh.common.v1.Tier\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\"}\n\x10ListKeysResponse\x12\x32\n\x04keys\x18\x01 \x03(\x0b\x32$.kvmesh.coordinator.v1.KeyPlacements\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x12\n\x05total\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x08\n\x06_total\"\x11\n\x0fGetStatsRequest\"\xc5\x02\n\x10GetStatsResponse\x12\x10\n\x08num_keys\x18\x01 \x01(\x04\x12\x16\n\x0enum_placements\x18\x02 \x01(\x04\x12\x15\n\rl1_placements\x18\x03 \x01(\x04\x12\x15\n\rl1_size_bytes\x18\x04 \x01(\x04\x12\x15\n\rl2_placements\x18\x05 \x01(\x04\x12\x15\n\rl2_size_bytes\x18\x06 \x01(\x04\x12Z\n\x13l1_keys_by_instance\x18\x07 \x03(\x0b\x32=.kvmesh.coordinator.v1.GetStatsResponse.L1KeysByInstanceEntry\x12\x16\n\x0etoken_bindings\x18\x08 \x01(\x04\x1a\x37\n\x15L1KeysByInstanceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x1a\n\x18ListIngestCursorsRequest\"\xdf\x01\n\x0cIngestCursor\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x10\n\x08last_seq\x18\x03 \x01(\x03\x12\x14\n\x0cgap_detected\x18\x04 \x01(\x08\x12\x18\n\x10\x62\x61tches_admitted\x18\x05 \x01(\x04\x12\x19\n\x11\x62\x61tches_duplicate\x18\x06 \x01(\x04\x12\x15\n\rbatches_stale\x18\x07 \x01(\x04\x12\x31\n\rlast_admitted\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"Q\n\x19ListIngestCursorsResponse\x12\x34\n\x07\x63ursors\x18\x01 \x03(\x0b\x32#.kvmesh.coordinator.v1.IngestCursor\"\xe7\x01\n\x13ScoreEnginesRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x07\x12\x14\n\x0c\x63hunk_hashes\x18\x03 \x03(\x0c\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x0f\n\x07lora_id\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x12\n\nengine_ids\x18\x08 \x03(\t\x12\x33\n\x07weights\x18\t \x01(\x0b\x32\".kvmesh.coordinator.v1.TierWeights\"\x8b\x01\n\x0bTierWeights\x12\x13\n\x06\x65ngine\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x15\n\x08local_l1\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x14\n\x07peer_l1\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x0f\n\x02l2\x18\x04 \x01(\x01H\x03\x88\x01\x01\x42\t\n\x07_engineB\x0b\n\t_local_l1B\n\n\x08_peer_l1B\x05\n\x03_l2\"\xc0\x01\n\x0b\x45ngineScore\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x15\n\rengine_tokens\x18\x02 \x01(\r\x12\x17\n\x0flocal_l1_tokens\x18\x03 \x01(\r\x12\x16\n\x0epeer_l1_tokens\x18\x04 \x01(\r\x12\x11\n\tl2_tokens\x18\x05 \x01(\r\x12\x15\n\rprefix_tokens\x18\x06 \x01(\r\x12\r\n\x05score\x18\x07 \x01(\x01\x12\r\n\x05known\x18\x08 \x01(\x08\x12\x0e\n\x06synced\x18\t \x01(\x08\"\xa3\x01\n\x14ScoreEnginesResponse\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\r\x12\x12\n\nchunk_size\x18\x02 \x01(\r\x12\x32\n\x06scores\x18\x03 \x03(\x0b\x32\".kvmesh.coordinator.v1.EngineScore\x12\x33\n\x07weights\x18\x04 \x01(\x0b\x32\".kvmesh.coordinator.v1.TierWeights2\xea\x04\n\x10\x44irectoryService\x12U\n\x06Lookup\x12$.kvmesh.coordinator.v1.LookupRequest\x1a%.kvmesh.coordinator.v1.LookupResponse\x12[\n\x08ListKeys\x12&.kvmesh.coordinator.v1.ListKeysRequest\x1a\'.kvmesh.coordinator.v1.ListKeysResponse\x12[\n\x08GetStats\x12&.kvmesh.coordinator.v1.GetStatsRequest\x1a\'.kvmesh.coordinator.v1.GetStatsResponse\x12v\n\x11ListIngestCursors\x12/.kvmesh.coordinator.v1.ListIngestCursorsRequest\x1a\x30.kvmesh.coordinator.v1.ListIngestCursorsResponse\x12g\n\x0cScoreEngines\x12*.kvmesh.coordinator.v1.ScoreEnginesRequest\x1a+.kvmesh.coordinator.v1.ScoreEnginesResponse\x12\x64\n\x0b\x42lendLookup\x12).kvmesh.coordinator.v1.BlendLookupRequest\x1a*.kvmesh.coordinator.v1.BlendLookupResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,40 +35,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETSTATSRESPONSE_L1KEYSBYINSTANCEENTRY']._loaded_options = None
   _globals['_GETSTATSRESPONSE_L1KEYSBYINSTANCEENTRY']._serialized_options = b'8\001'
-  _globals['_TOKENQUERY']._serialized_start=128
-  _globals['_TOKENQUERY']._serialized_end=219
-  _globals['_LOOKUPREQUEST']._serialized_start=222
-  _globals['_LOOKUPREQUEST']._serialized_end=374
-  _globals['_KEYLIST']._serialized_start=376
-  _globals['_KEYLIST']._serialized_end=428
-  _globals['_KEYPLACEMENTS']._serialized_start=431
-  _globals['_KEYPLACEMENTS']._serialized_end=647
-  _globals['_LOOKUPRESPONSE']._serialized_start=649
-  _globals['_LOOKUPRESPONSE']._serialized_end=766
-  _globals['_LISTKEYSREQUEST']._serialized_start=769
-  _globals['_LISTKEYSREQUEST']._serialized_end=901
-  _globals['_LISTKEYSRESPONSE']._serialized_start=903
-  _globals['_LISTKEYSRESPONSE']._serialized_end=1028
-  _globals['_GETSTATSREQUEST']._serialized_start=1030
-  _globals['_GETSTATSREQUEST']._serialized_end=1047
-  _globals['_GETSTATSRESPONSE']._serialized_start=1050
-  _globals['_GETSTATSRESPONSE']._serialized_end=1375
-  _globals['_GETSTATSRESPONSE_L1KEYSBYINSTANCEENTRY']._serialized_start=1320
-  _globals['_GETSTATSRESPONSE_L1KEYSBYINSTANCEENTRY']._serialized_end=1375
-  _globals['_LISTINGESTCURSORSREQUEST']._serialized_start=1377
-  _globals['_LISTINGESTCURSORSREQUEST']._serialized_end=1403
-  _globals['_INGESTCURSOR']._serialized_start=1406
-  _globals['_INGESTCURSOR']._serialized_end=1629
-  _globals['_LISTINGESTCURSORSRESPONSE']._serialized_start=1631
-  _globals['_LISTINGESTCURSORSRESPONSE']._serialized_end=1712
-  _globals['_SCOREENGINESREQUEST']._serialized_start=1715
-  _globals['_SCOREENGINESREQUEST']._serialized_end=1946
-  _globals['_TIERWEIGHTS']._serialized_start=1949
-  _globals['_TIERWEIGHTS']._serialized_end=2088
-  _globals['_ENGINESCORE']._serialized_start=2091
-  _globals['_ENGINESCORE']._serialized_end=2283
-  _globals['_SCOREENGINESRESPONSE']._serialized_start=2286
-  _globals['_SCOREENGINESRESPONSE']._serialized_end=2449
-  _globals['_DIRECTORYSERVICE']._serialized_start=2452
-  _globals['_DIRECTORYSERVICE']._serialized_end=2968
+  _globals['_BLENDLOOKUPREQUEST']._serialized_start=128
+  _globals['_BLENDLOOKUPREQUEST']._serialized_end=215
+  _globals['_BLENDMATCH']._serialized_start=217
+  _globals['_BLENDMATCH']._serialized_end=343
+  _globals['_BLENDLOOKUPRESPONSE']._serialized_start=345
+  _globals['_BLENDLOOKUPRESPONSE']._serialized_end=444
+  _globals['_TOKENQUERY']._serialized_start=446
+  _globals['_TOKENQUERY']._serialized_end=537
+  _globals['_LOOKUPREQUEST']._serialized_start=540
+  _globals['_LOOKUPREQUEST']._serialized_end=692
+  _globals['_KEYLIST']._serialized_start=694
+  _globals['_KEYLIST']._serialized_end=746
+  _globals['_KEYPLACEMENTS']._serialized_start=749
+  _globals['_KEYPLACEMENTS']._serialized_end=965
+  _globals['_LOOKUPRESPONSE']._serialized_start=967
+  _globals['_LOOKUPRESPONSE']._serialized_end=1084
+  _globals['_LISTKEYSREQUEST']._serialized_start=1087
+  _globals['_LISTKEYSREQUEST']._serialized_end=1219
+  _globals['_LISTKEYSRESPONSE']._serialized_start=1221
+  _globals['_LISTKEYSRESPONSE']._serialized_end=1346
+  _globals['_GETSTATSREQUEST']._serialized_start=1348
+  _globals['_GETSTATSREQUEST']._serialized_end=1365
+  _globals['_GETSTATSRESPONSE']._serialized_start=1368
+  _globals['_GETSTATSRESPONSE']._serialized_end=1693
+  _globals['_GETSTATSRESPONSE_L1KEYSBYINSTANCEENTRY']._serialized_start=1638
+  _globals['_GETSTATSRESPONSE_L1KEYSBYINSTANCEENTRY']._serialized_end=1693
+  _globals['_LISTINGESTCURSORSREQUEST']._serialized_start=1695
+  _globals['_LISTINGESTCURSORSREQUEST']._serialized_end=1721
+  _globals['_INGESTCURSOR']._serialized_start=1724
+  _globals['_INGESTCURSOR']._serialized_end=1947
+  _globals['_LISTINGESTCURSORSRESPONSE']._serialized_start=1949
+  _globals['_LISTINGESTCURSORSRESPONSE']._serialized_end=2030
+  _globals['_SCOREENGINESREQUEST']._serialized_start=2033
+  _globals['_SCOREENGINESREQUEST']._serialized_end=2264
+  _globals['_TIERWEIGHTS']._serialized_start=2267
+  _globals['_TIERWEIGHTS']._serialized_end=2406
+  _globals['_ENGINESCORE']._serialized_start=2409
+  _globals['_ENGINESCORE']._serialized_end=2601
+  _globals['_SCOREENGINESRESPONSE']._serialized_start=2604
+  _globals['_SCOREENGINESRESPONSE']._serialized_end=2767
+  _globals['_DIRECTORYSERVICE']._serialized_start=2770
+  _globals['_DIRECTORYSERVICE']._serialized_end=3388
 # @@protoc_insertion_point(module_scope)

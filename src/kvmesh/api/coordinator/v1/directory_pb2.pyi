@@ -23,6 +23,92 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class BlendLookupRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    STRIDE_FIELD_NUMBER: _builtins.int
+    stride: _builtins.int
+    """Probe every stride-th position; 0: the coordinator's --blend-probe-stride."""
+    @_builtins.property
+    def tokens(self) -> Global___TokenQuery:
+        """model_name, world_size (0 is read as 1), cache_salt and the whole prompt."""
+
+    def __init__(
+        self,
+        *,
+        tokens: Global___TokenQuery | None = ...,
+        stride: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tokens", b"tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stride", b"stride", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlendLookupRequest: _TypeAlias = BlendLookupRequest  # noqa: Y015
+
+@_typing.final
+class BlendMatch(_message.Message):
+    """A segment found in the prompt: tokens [start_token, start_token + num_tokens)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_TOKEN_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    CHUNK_HASH_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    start_token: _builtins.int
+    num_tokens: _builtins.int
+    chunk_hash: _builtins.bytes
+    """The segment key's hash (kvmesh.common.hashing.segment_key)."""
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___KeyPlacements]:
+        """One per kv rank of world_size, each with its placements."""
+
+    def __init__(
+        self,
+        *,
+        start_token: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+        chunk_hash: _builtins.bytes = ...,
+        ranks: _abc.Iterable[Global___KeyPlacements] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_hash", b"chunk_hash", "num_tokens", b"num_tokens", "ranks", b"ranks", "start_token", b"start_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlendMatch: _TypeAlias = BlendMatch  # noqa: Y015
+
+@_typing.final
+class BlendLookupResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MATCHES_FIELD_NUMBER: _builtins.int
+    PROBED_POSITIONS_FIELD_NUMBER: _builtins.int
+    probed_positions: _builtins.int
+    """Positions whose fingerprint was looked up."""
+    @_builtins.property
+    def matches(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlendMatch]:
+        """In prompt order, not overlapping."""
+
+    def __init__(
+        self,
+        *,
+        matches: _abc.Iterable[Global___BlendMatch] | None = ...,
+        probed_positions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["matches", b"matches", "probed_positions", b"probed_positions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlendLookupResponse: _TypeAlias = BlendLookupResponse  # noqa: Y015
+
+@_typing.final
 class TokenQuery(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

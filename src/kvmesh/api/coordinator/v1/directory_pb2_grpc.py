@@ -59,6 +59,11 @@ class DirectoryServiceStub:
                 request_serializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ScoreEnginesRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ScoreEnginesResponse.FromString,
                 _registered_method=True)
+        self.BlendLookup = channel.unary_unary(
+                '/kvmesh.coordinator.v1.DirectoryService/BlendLookup',
+                request_serializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.BlendLookupRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.BlendLookupResponse.FromString,
+                _registered_method=True)
 
 
 class DirectoryServiceServicer:
@@ -118,6 +123,23 @@ class DirectoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BlendLookup(self, request, context):
+        """CacheBlend segments (documents stored under keys of their tokens alone,
+        docs/blend.md) that some node holds, found anywhere inside a prompt: the
+        nodes' STORE events index every segment of at least 16 tokens by its
+        first 16; the prompt is probed at every stride-th position, a hit is
+        checked against the segment's whole key and the directory (a placement
+        for every kv rank of world_size), and matches do not overlap (the
+        earliest start, then the longest segment, wins). Each match names where
+        its keys are, so a node can fetch it from a peer. Errors:
+        FAILED_PRECONDITION (the coordinator runs without --enable-blend-lookup),
+        INVALID_ARGUMENT (no model_name, a bad salt, world_size above 255, more
+        than 1 000 000 tokens). Deadline: 2 s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DirectoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +167,11 @@ def add_DirectoryServiceServicer_to_server(servicer, server):
                     servicer.ScoreEngines,
                     request_deserializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ScoreEnginesRequest.FromString,
                     response_serializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ScoreEnginesResponse.SerializeToString,
+            ),
+            'BlendLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.BlendLookup,
+                    request_deserializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.BlendLookupRequest.FromString,
+                    response_serializer=kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.BlendLookupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -282,6 +309,33 @@ class DirectoryService:
             '/kvmesh.coordinator.v1.DirectoryService/ScoreEngines',
             kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ScoreEnginesRequest.SerializeToString,
             kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.ScoreEnginesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BlendLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.coordinator.v1.DirectoryService/BlendLookup',
+            kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.BlendLookupRequest.SerializeToString,
+            kvmesh_dot_coordinator_dot_v1_dot_directory__pb2.BlendLookupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,6 +66,19 @@ class DirectoryServiceStub:
     weight, more than 1 000 000 tokens, 100 000 chunk hashes or 1 024
     engines). Deadline: 1 s.
     """
+    BlendLookup: _grpc.UnaryUnaryMultiCallable[_directory_pb2.BlendLookupRequest, _directory_pb2.BlendLookupResponse]
+    """CacheBlend segments (documents stored under keys of their tokens alone,
+    docs/blend.md) that some node holds, found anywhere inside a prompt: the
+    nodes' STORE events index every segment of at least 16 tokens by its
+    first 16; the prompt is probed at every stride-th position, a hit is
+    checked against the segment's whole key and the directory (a placement
+    for every kv rank of world_size), and matches do not overlap (the
+    earliest start, then the longest segment, wins). Each match names where
+    its keys are, so a node can fetch it from a peer. Errors:
+    FAILED_PRECONDITION (the coordinator runs without --enable-blend-lookup),
+    INVALID_ARGUMENT (no model_name, a bad salt, world_size above 255, more
+    than 1 000 000 tokens). Deadline: 2 s.
+    """
 
 @_typing.type_check_only
 class DirectoryServiceAsyncStub(DirectoryServiceStub):
@@ -102,6 +115,19 @@ class DirectoryServiceAsyncStub(DirectoryServiceStub):
     model name or salt, a chunk hash that is not 32 bytes, a negative
     weight, more than 1 000 000 tokens, 100 000 chunk hashes or 1 024
     engines). Deadline: 1 s.
+    """
+    BlendLookup: _aio.UnaryUnaryMultiCallable[_directory_pb2.BlendLookupRequest, _directory_pb2.BlendLookupResponse]  # type: ignore[assignment]
+    """CacheBlend segments (documents stored under keys of their tokens alone,
+    docs/blend.md) that some node holds, found anywhere inside a prompt: the
+    nodes' STORE events index every segment of at least 16 tokens by its
+    first 16; the prompt is probed at every stride-th position, a hit is
+    checked against the segment's whole key and the directory (a placement
+    for every kv rank of world_size), and matches do not overlap (the
+    earliest start, then the longest segment, wins). Each match names where
+    its keys are, so a node can fetch it from a peer. Errors:
+    FAILED_PRECONDITION (the coordinator runs without --enable-blend-lookup),
+    INVALID_ARGUMENT (no model_name, a bad salt, world_size above 255, more
+    than 1 000 000 tokens). Deadline: 2 s.
     """
 
 class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -166,6 +192,25 @@ class DirectoryServiceServicer(metaclass=_abc_1.ABCMeta):
         model name or salt, a chunk hash that is not 32 bytes, a negative
         weight, more than 1 000 000 tokens, 100 000 chunk hashes or 1 024
         engines). Deadline: 1 s.
+        """
+
+    @_abc_1.abstractmethod
+    def BlendLookup(
+        self,
+        request: _directory_pb2.BlendLookupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_directory_pb2.BlendLookupResponse, _abc.Awaitable[_directory_pb2.BlendLookupResponse]]:
+        """CacheBlend segments (documents stored under keys of their tokens alone,
+        docs/blend.md) that some node holds, found anywhere inside a prompt: the
+        nodes' STORE events index every segment of at least 16 tokens by its
+        first 16; the prompt is probed at every stride-th position, a hit is
+        checked against the segment's whole key and the directory (a placement
+        for every kv rank of world_size), and matches do not overlap (the
+        earliest start, then the longest segment, wins). Each match names where
+        its keys are, so a node can fetch it from a peer. Errors:
+        FAILED_PRECONDITION (the coordinator runs without --enable-blend-lookup),
+        INVALID_ARGUMENT (no model_name, a bad salt, world_size above 255, more
+        than 1 000 000 tokens). Deadline: 2 s.
         """
 
 def add_DirectoryServiceServicer_to_server(servicer: DirectoryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -25,19 +25,21 @@ _sym_db = _symbol_database.Default()
 from kvmesh.api.common.v1 import common_pb2 as kvmesh_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/events/v1/events.proto\x12\x10kvmesh.events.v1\x1a\x1dkvmesh/common/v1/common.proto\"\x8e\x01\n\x0f\x43\x61\x63heEventEntry\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.kvmesh.common.v1.ObjectKey\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x07\x12\x19\n\x0ctoken_offset\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x0f\n\r_token_offset\"\xcd\x02\n\x0f\x43\x61\x63heEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x0b\n\x03seq\x18\x03 \x01(\x03\x12\x34\n\nevent_type\x18\x04 \x01(\x0e\x32 .kvmesh.events.v1.CacheEventType\x12$\n\x04tier\x18\x05 \x01(\x0e\x32\x16.kvmesh.common.v1.Tier\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x0e\n\x06shared\x18\x07 \x01(\x08\x12\n\n\x02ts\x18\x08 \x01(\x01\x12\x16\n\x0e\x63\x61pacity_bytes\x18\t \x01(\x03\x12\x19\n\x11\x63\x61pacity_revision\x18\n \x01(\x03\x12\x32\n\x07\x65ntries\x18\x0b \x03(\x0b\x32!.kvmesh.events.v1.CacheEventEntry\x12\x13\n\x0btraceparent\x18\x0c \x01(\t*\xa5\x01\n\x0e\x43\x61\x63heEventType\x12 \n\x1c\x43\x41\x43HE_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x43\x41\x43HE_EVENT_TYPE_STORE\x10\x01\x12\x1b\n\x17\x43\x41\x43HE_EVENT_TYPE_DELETE\x10\x02\x12\x1b\n\x17\x43\x41\x43HE_EVENT_TYPE_ACCESS\x10\x03\x12\x1b\n\x17\x43\x41\x43HE_EVENT_TYPE_CONFIG\x10\x04*\x8b\x01\n\x0cIngestResult\x12\x1d\n\x19INGEST_RESULT_UNSPECIFIED\x10\x00\x12\x1a\n\x16INGEST_RESULT_ADMITTED\x10\x01\x12\x1b\n\x17INGEST_RESULT_DUPLICATE\x10\x02\x12#\n\x1fINGEST_RESULT_STALE_INCARNATION\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/events/v1/events.proto\x12\x10kvmesh.events.v1\x1a\x1dkvmesh/common/v1/common.proto\"\xbe\x01\n\x0f\x43\x61\x63heEventEntry\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.kvmesh.common.v1.ObjectKey\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x07\x12\x19\n\x0ctoken_offset\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12.\n\x07segment\x18\x05 \x01(\x0b\x32\x1d.kvmesh.events.v1.SegmentHeadB\x0f\n\r_token_offset\"6\n\x0bSegmentHead\x12\x13\n\x0bhead_tokens\x18\x01 \x03(\x07\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\"\xcd\x02\n\x0f\x43\x61\x63heEventBatch\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12\x0b\n\x03seq\x18\x03 \x01(\x03\x12\x34\n\nevent_type\x18\x04 \x01(\x0e\x32 .kvmesh.events.v1.CacheEventType\x12$\n\x04tier\x18\x05 \x01(\x0e\x32\x16.kvmesh.common.v1.Tier\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x0e\n\x06shared\x18\x07 \x01(\x08\x12\n\n\x02ts\x18\x08 \x01(\x01\x12\x16\n\x0e\x63\x61pacity_bytes\x18\t \x01(\x03\x12\x19\n\x11\x63\x61pacity_revision\x18\n \x01(\x03\x12\x32\n\x07\x65ntries\x18\x0b \x03(\x0b\x32!.kvmesh.events.v1.CacheEventEntry\x12\x13\n\x0btraceparent\x18\x0c \x01(\t*\xa5\x01\n\x0e\x43\x61\x63heEventType\x12 \n\x1c\x43\x41\x43HE_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x43\x41\x43HE_EVENT_TYPE_STORE\x10\x01\x12\x1b\n\x17\x43\x41\x43HE_EVENT_TYPE_DELETE\x10\x02\x12\x1b\n\x17\x43\x41\x43HE_EVENT_TYPE_ACCESS\x10\x03\x12\x1b\n\x17\x43\x41\x43HE_EVENT_TYPE_CONFIG\x10\x04*\x8b\x01\n\x0cIngestResult\x12\x1d\n\x19INGEST_RESULT_UNSPECIFIED\x10\x00\x12\x1a\n\x16INGEST_RESULT_ADMITTED\x10\x01\x12\x1b\n\x17INGEST_RESULT_DUPLICATE\x10\x02\x12#\n\x1fINGEST_RESULT_STALE_INCARNATION\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.api.events.v1.events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CACHEEVENTTYPE']._serialized_start=564
-  _globals['_CACHEEVENTTYPE']._serialized_end=729
-  _globals['_INGESTRESULT']._serialized_start=732
-  _globals['_INGESTRESULT']._serialized_end=871
+  _globals['_CACHEEVENTTYPE']._serialized_start=668
+  _globals['_CACHEEVENTTYPE']._serialized_end=833
+  _globals['_INGESTRESULT']._serialized_start=836
+  _globals['_INGESTRESULT']._serialized_end=975
   _globals['_CACHEEVENTENTRY']._serialized_start=83
-  _globals['_CACHEEVENTENTRY']._serialized_end=225
-  _globals['_CACHEEVENTBATCH']._serialized_start=228
-  _globals['_CACHEEVENTBATCH']._serialized_end=561
+  _globals['_CACHEEVENTENTRY']._serialized_end=273
+  _globals['_SEGMENTHEAD']._serialized_start=275
+  _globals['_SEGMENTHEAD']._serialized_end=329
+  _globals['_CACHEEVENTBATCH']._serialized_start=332
+  _globals['_CACHEEVENTBATCH']._serialized_end=665
 # @@protoc_insertion_point(module_scope)

@@ -95,6 +95,7 @@ class CacheEventEntry(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TOKEN_OFFSET_FIELD_NUMBER: _builtins.int
+    SEGMENT_FIELD_NUMBER: _builtins.int
     size_bytes: _builtins.int
     """Bytes committed; meaningful for STORE only. Invariant: >= 0."""
     token_offset: _builtins.int
@@ -109,6 +110,13 @@ class CacheEventEntry(_message.Message):
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The chunk's tokens, when the emitter still knows them (STORE only)."""
 
+    @_builtins.property
+    def segment(self) -> Global___SegmentHead:
+        """Set when the object is a CacheBlend segment (a document under a key of
+        its tokens alone; docs/blend.md): the coordinator's blend index finds it
+        inside other prompts by its first tokens (STORE only).
+        """
+
     def __init__(
         self,
         *,
@@ -116,16 +124,42 @@ class CacheEventEntry(_message.Message):
         size_bytes: _builtins.int = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         token_offset: _builtins.int | None = ...,
+        segment: Global___SegmentHead | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_token_offset", b"_token_offset", "key", b"key", "token_offset", b"token_offset"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_token_offset", b"_token_offset", "key", b"key", "segment", b"segment", "token_offset", b"token_offset"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_token_offset", b"_token_offset", "key", b"key", "size_bytes", b"size_bytes", "token_ids", b"token_ids", "token_offset", b"token_offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_token_offset", b"_token_offset", "key", b"key", "segment", b"segment", "size_bytes", b"size_bytes", "token_ids", b"token_ids", "token_offset", b"token_offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__token_offset: _TypeAlias = _typing.Literal["token_offset"]  # noqa: Y015
     _WhichOneofArgType__token_offset: _TypeAlias = _typing.Literal["_token_offset", b"_token_offset"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__token_offset) -> _WhichOneofReturnType__token_offset | None: ...
 
 Global___CacheEventEntry: _TypeAlias = CacheEventEntry  # noqa: Y015
+
+@_typing.final
+class SegmentHead(_message.Message):
+    """A segment's length and its first tokens (at most 64; at least 1 and at most num_tokens)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEAD_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    num_tokens: _builtins.int
+    @_builtins.property
+    def head_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        head_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        num_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["head_tokens", b"head_tokens", "num_tokens", b"num_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SegmentHead: _TypeAlias = SegmentHead  # noqa: Y015
 
 @_typing.final
 class CacheEventBatch(_message.Message):

@@ -487,20 +487,26 @@ class FoundSegment(_message.Message):
     START_TOKEN_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     CHUNK_HASH_FIELD_NUMBER: _builtins.int
+    ON_THIS_NODE_FIELD_NUMBER: _builtins.int
     start_token: _builtins.int
     num_tokens: _builtins.int
     chunk_hash: _builtins.bytes
     """Its key's hash (kvmesh.common.hashing.segment_key)."""
+    on_this_node: _builtins.bool
+    """False: another node holds it (the coordinator's blend index); a
+    LookupAndLock of its key fetches it (P2P).
+    """
     def __init__(
         self,
         *,
         start_token: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
         chunk_hash: _builtins.bytes = ...,
+        on_this_node: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_hash", b"chunk_hash", "num_tokens", b"num_tokens", "start_token", b"start_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_hash", b"chunk_hash", "num_tokens", b"num_tokens", "on_this_node", b"on_this_node", "start_token", b"start_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -311,9 +311,12 @@ class StorageServiceServicer:
         by their first 16; the prompt is probed at every stride-th position (0 is
         read as 1); a hit is checked against the segment's whole key and L1, and
         matches do not overlap (the earliest start, then the longest segment,
-        wins). Index entries whose object left L1 are dropped on the way. Holds no
-        locks. Errors: INVALID_ARGUMENT (no model_name, too many tokens).
-        Deadline: 10 s.
+        wins). Index entries whose object left L1 are dropped on the way. A node
+        with a coordinator (and P2P on) also asks the coordinator's BlendLookup
+        for the segments other nodes hold, where the prompt is still uncovered
+        (on_this_node = false); a coordinator that cannot answer leaves the local
+        matches. Holds no locks. Errors: INVALID_ARGUMENT (no model_name, too
+        many tokens). Deadline: 10 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -142,9 +142,12 @@ class StorageServiceStub:
     by their first 16; the prompt is probed at every stride-th position (0 is
     read as 1); a hit is checked against the segment's whole key and L1, and
     matches do not overlap (the earliest start, then the longest segment,
-    wins). Index entries whose object left L1 are dropped on the way. Holds no
-    locks. Errors: INVALID_ARGUMENT (no model_name, too many tokens).
-    Deadline: 10 s.
+    wins). Index entries whose object left L1 are dropped on the way. A node
+    with a coordinator (and P2P on) also asks the coordinator's BlendLookup
+    for the segments other nodes hold, where the prompt is still uncovered
+    (on_this_node = false); a coordinator that cannot answer leaves the local
+    matches. Holds no locks. Errors: INVALID_ARGUMENT (no model_name, too
+    many tokens). Deadline: 10 s.
     """
     ReleaseLocks: _grpc.UnaryUnaryMultiCallable[_storage_pb2.ReleaseLocksRequest, _storage_pb2.ReleaseLocksResponse]
     """Releases `count` read locks on each key of the grid (default 1).
@@ -319,9 +322,12 @@ class StorageServiceAsyncStub(StorageServiceStub):
     by their first 16; the prompt is probed at every stride-th position (0 is
     read as 1); a hit is checked against the segment's whole key and L1, and
     matches do not overlap (the earliest start, then the longest segment,
-    wins). Index entries whose object left L1 are dropped on the way. Holds no
-    locks. Errors: INVALID_ARGUMENT (no model_name, too many tokens).
-    Deadline: 10 s.
+    wins). Index entries whose object left L1 are dropped on the way. A node
+    with a coordinator (and P2P on) also asks the coordinator's BlendLookup
+    for the segments other nodes hold, where the prompt is still uncovered
+    (on_this_node = false); a coordinator that cannot answer leaves the local
+    matches. Holds no locks. Errors: INVALID_ARGUMENT (no model_name, too
+    many tokens). Deadline: 10 s.
     """
     ReleaseLocks: _aio.UnaryUnaryMultiCallable[_storage_pb2.ReleaseLocksRequest, _storage_pb2.ReleaseLocksResponse]  # type: ignore[assignment]
     """Releases `count` read locks on each key of the grid (default 1).
@@ -565,9 +571,12 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         by their first 16; the prompt is probed at every stride-th position (0 is
         read as 1); a hit is checked against the segment's whole key and L1, and
         matches do not overlap (the earliest start, then the longest segment,
-        wins). Index entries whose object left L1 are dropped on the way. Holds no
-        locks. Errors: INVALID_ARGUMENT (no model_name, too many tokens).
-        Deadline: 10 s.
+        wins). Index entries whose object left L1 are dropped on the way. A node
+        with a coordinator (and P2P on) also asks the coordinator's BlendLookup
+        for the segments other nodes hold, where the prompt is still uncovered
+        (on_this_node = false); a coordinator that cannot answer leaves the local
+        matches. Holds no locks. Errors: INVALID_ARGUMENT (no model_name, too
+        many tokens). Deadline: 10 s.
         """
 
     @_abc_1.abstractmethod
