@@ -41,6 +41,9 @@ class GatewayClient(SyncClient):
         "PrepareSegmentStore": CallPolicy(timeout=10.0, idempotent=False),
         "PrepareSegmentRetrieve": CallPolicy(timeout=10.0, idempotent=False),
         "LookupSegments": CallPolicy(timeout=10.0, idempotent=True),
+        "StoreSegment": CallPolicy(timeout=30.0, idempotent=True),
+        # Writes the same bytes again and holds no lock past the call: safe to retry.
+        "RetrieveSegment": CallPolicy(timeout=30.0, idempotent=True),
     }
 
     @functools.cached_property
@@ -387,3 +390,28 @@ class GatewayClient(SyncClient):
             timeout,
             wait_for_ready,
         )
+
+    def store_segment(
+        self,
+        request: gateway_pb2.StoreSegmentRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.StoreSegmentResponse:
+        """``StoreSegment``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "StoreSegment", request, gateway_pb2.StoreSegmentResponse, timeout, wait_for_ready
+        )
+
+    def retrieve_segment(
+        self,
+        request: gateway_pb2.RetrieveSegmentRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.RetrieveSegmentResponse:
+        """``RetrieveSegment``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "RetrieveSegment", request, gateway_pb2.RetrieveSegmentResponse, timeout,
+            wait_for_ready,
+        )  # fmt: skip

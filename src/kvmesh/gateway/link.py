@@ -28,6 +28,31 @@ def _caller_deadline() -> float | None:
     return None if left is None else max(left, 0.001)
 
 
+def _placement(
+    engine_id: str,
+    row: KeyRow,
+    block_ids: Sequence[int],
+    start_token: int,
+    num_tokens: int,
+    tokens: Sequence[int] | np.ndarray = (),
+) -> storage_pb2.SegmentPlacement:
+    """The storage placement of the one segment key of ``row``."""
+    (chunk_hash,) = row.chunk_hashes
+    return storage_pb2.SegmentPlacement(
+        engine_id=engine_id,
+        key=common_pb2.ObjectKey(
+            chunk_hash=chunk_hash,
+            model_name=row.model_name,
+            kv_rank=row.kv_rank,
+            cache_salt=row.cache_salt,
+        ),
+        block_ids=block_ids,
+        start_token=start_token,
+        num_tokens=num_tokens,
+        token_ids=tokens,
+    )
+
+
 def _row(row: KeyRow) -> common_pb2.ChunkKeys:
     return common_pb2.ChunkKeys(
         model_name=row.model_name,
@@ -193,6 +218,38 @@ class GrpcNodeStorage:
             response.already_cached_chunks,
             response.skipped_chunks,
         )
+
+    async def store_segment(
+        self,
+        engine_id: str,
+        row: KeyRow,
+        block_ids: Sequence[int],
+        start_token: int,
+        tokens: Sequence[int] | np.ndarray,
+    ) -> StoreOutcome:
+        response = await self.client.store_segment(
+            storage_pb2.StoreSegmentRequest(
+                segment=_placement(engine_id, row, block_ids, start_token, len(tokens), tokens)
+            ),
+            timeout=_caller_deadline(),
+        )
+        return StoreOutcome(response.outcome)
+
+    async def retrieve_segment(
+        self,
+        engine_id: str,
+        row: KeyRow,
+        block_ids: Sequence[int],
+        start_token: int,
+        num_tokens: int,
+    ) -> bool:
+        response = await self.client.retrieve_segment(
+            storage_pb2.RetrieveSegmentRequest(
+                segment=_placement(engine_id, row, block_ids, start_token, num_tokens)
+            ),
+            timeout=_caller_deadline(),
+        )
+        return response.found
 
     async def find_segments(
         self, row: KeyRow, prompt: Sequence[int] | np.ndarray, stride: int

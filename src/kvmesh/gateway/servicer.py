@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.common.node_types import StoreOutcome
 from kvmesh.gateway import wire
 from kvmesh.gateway.core import Gateway
 
@@ -225,13 +226,40 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         matches, probed = await self.core.lookup_segments(
             request.engine_id, request.cache_salt, wire.tokens(request.token_ids), request.stride
         )
+        prefix = 0
+        for start, length in matches:
+            if start != prefix:
+                break
+            prefix += length
         return gateway_pb2.LookupSegmentsResponse(
             matches=[
                 gateway_pb2.SegmentMatch(start_token=start, num_tokens=length)
                 for start, length in matches
             ],
             probed_positions=probed,
+            prefix_tokens=prefix,
         )
+
+    async def StoreSegment(
+        self, request: gateway_pb2.StoreSegmentRequest, context: Any
+    ) -> gateway_pb2.StoreSegmentResponse:
+        s = request.segment
+        outcome = await self.core.store_segment(
+            s.engine_id, s.cache_salt, wire.tokens(s.token_ids), s.block_ids, s.start_token
+        )
+        return gateway_pb2.StoreSegmentResponse(
+            stored=outcome is StoreOutcome.STORED,
+            already_cached=outcome is StoreOutcome.ALREADY_CACHED,
+        )
+
+    async def RetrieveSegment(
+        self, request: gateway_pb2.RetrieveSegmentRequest, context: Any
+    ) -> gateway_pb2.RetrieveSegmentResponse:
+        s = request.segment
+        found = await self.core.retrieve_segment(
+            s.engine_id, s.cache_salt, wire.tokens(s.token_ids), s.block_ids, s.start_token
+        )
+        return gateway_pb2.RetrieveSegmentResponse(found=found)
 
     async def CommitRetrieve(
         self, request: gateway_pb2.CommitRetrieveRequest, context: Any

@@ -117,6 +117,30 @@ class LocalNodeStorage:
         )
         return PreparedSlots(txn, slots, cached, skipped)
 
+    async def store_segment(
+        self,
+        engine_id: str,
+        row: KeyRow,
+        block_ids: Sequence[int],
+        start_token: int,
+        tokens: Sequence[int] | np.ndarray,
+    ) -> StoreOutcome:
+        (key,) = _row_keys(row)
+        return await self.node.segments.store(
+            engine_id, key, block_ids, start_token, len(tokens), tokens
+        )
+
+    async def retrieve_segment(
+        self,
+        engine_id: str,
+        row: KeyRow,
+        block_ids: Sequence[int],
+        start_token: int,
+        num_tokens: int,
+    ) -> bool:
+        (key,) = _row_keys(row)
+        return await self.node.segments.retrieve(engine_id, key, block_ids, start_token, num_tokens)
+
     async def find_segments(
         self, row: KeyRow, prompt: Sequence[int] | np.ndarray, stride: int
     ) -> tuple[list[tuple[int, int]], int]:

@@ -16,11 +16,13 @@ from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.common.hashing import segment_key
+from kvmesh.common.keys import worker_kv_rank
 from kvmesh.engine.llama import SequenceKV
 from kvmesh.engine.segment_store import SegmentStore
 from kvmesh.kernels.rope import RopeParams, apply_rope
 from tests.integration.gateway.conftest import StackFactory
 from tests.integration.gateway.support import MODEL, Stack, code_of
+from tests.support.waiting import wait_until
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 16
 ROPE = RopeParams(head_dim=HEAD_DIM, base=10000.0)
@@ -223,3 +225,25 @@ def test_a_lookup_of_a_bad_prompt_is_refused_by_name(stack: Stack) -> None:
     assert code_of(info.value) == "INVALID_ARGUMENT"
     empty = stack.client.lookup_segments(gateway_pb2.LookupSegmentsRequest(engine_id="ctx"))
     assert (list(empty.matches), empty.probed_positions) == ([], 0)
+
+
+def test_a_segment_gone_from_l1_is_read_back_from_l2(make_stack: StackFactory) -> None:
+    # An object loaded from L2 is temporary (freed with its last reader): the read must
+    # hold it before the lookup that loaded it lets go.
+    stack = make_stack(storage={"l2": ["disk"]})
+    doc = _doc(600, 24)
+    kv, raw = _segment(len(doc), start=3, seed=7)
+    with _store(stack) as store:
+        assert store.put(doc, kv, source_start=3)
+        wait_until(lambda: len(stack.node.l2_hashes()) == 1)
+        wait_until(lambda: stack.locked() == 0)  # the write-through read is over
+        (chunk_hash,) = stack.l1()
+        key = common_pb2.ObjectKey(chunk_hash=chunk_hash, model_name=MODEL,
+                                   kv_rank=worker_kv_rank(1, 0))  # fmt: skip
+        assert stack.delete([key]) == (1, 0)
+        got = store.get(doc)
+        assert got is not None
+        zero = torch.arange(len(doc))
+        torch.testing.assert_close(got.keys[0], apply_rope(raw[0], zero, ROPE))
+        assert torch.equal(got.values[2], kv.values[2])
+        assert stack.locked() == 0

@@ -3,7 +3,8 @@ prompt on node B (the coordinator's blend index), fetched from A (P2P) and writt
 B's engine at another position with its keys re-RoPEd.
 
 Real processes: ``kvmesh coordinator --enable-blend-lookup`` and two ``kvmesh storage``
-nodes; the oracle is RoPE applied directly to the raw keys at B's position.
+nodes; the oracle is RoPE applied directly to the raw keys at B's position
+(tests.integration.storage.documents).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvmesh.api.common.v1 import common_pb2
@@ -22,26 +22,15 @@ from kvmesh.common.keys import worker_kv_rank
 from kvmesh.coordinator.client import DirectoryClient
 from kvmesh.kernels.rope import RopeParams, apply_rope
 from tests.integration.p2p.conftest import running_fleet
-from tests.integration.storage.support import BLOCK_SIZE, HEAD_DIM, KV_HEADS, MODEL, NUM_LAYERS
+from tests.integration.storage.documents import ROPE, Document
+from tests.integration.storage.support import HEAD_DIM, KV_HEADS, MODEL, NUM_LAYERS
 from tests.support.waiting import wait_until
 
-ROPE = common_pb2.RopeParameters(base=10000.0, style=common_pb2.ROPE_STYLE_NEOX)
-PARAMS = RopeParams(head_dim=HEAD_DIM, base=10000.0)
 RANK = worker_kv_rank(1, 0)
 DOCUMENT = list(range(5000, 5040))  # 40 tokens
 TABLE_A, START_A = [3, 4, 5, 6], 13  # tokens 13..52 of a request on A
 TABLE_B, START_B = [20, 21, 22, 23, 24], 29  # tokens 29..68 of a request on B
 SEGMENT_BYTES = 2 * NUM_LAYERS * len(DOCUMENT) * KV_HEADS * HEAD_DIM * 2
-
-
-def _roped(raw: np.ndarray[Any, Any], start: int) -> np.ndarray[Any, Any]:
-    positions = torch.arange(start, start + raw.shape[1])
-    layers = [apply_rope(torch.from_numpy(layer), positions, PARAMS) for layer in raw]
-    return torch.stack(layers).to(torch.float16).numpy()
-
-
-def _rows(table: list[int], start: int) -> list[tuple[int, int]]:
-    return [(table[t // BLOCK_SIZE], t % BLOCK_SIZE) for t in range(start, start + len(DOCUMENT))]
 
 
 def _key() -> common_pb2.ObjectKey:
@@ -76,14 +65,8 @@ def test_a_document_computed_on_one_node_is_served_on_another(
             node.storage.RegisterEngineMemory(
                 node.engine.register_request(layout=node.engine.layout(rope=ROPE)), timeout=30
             )
-        rng = np.random.default_rng(4)
-        shape = (NUM_LAYERS, len(DOCUMENT), KV_HEADS, HEAD_DIM)
-        raw_k = rng.standard_normal(shape).astype(np.float32)
-        values = rng.standard_normal(shape).astype(np.float16)
-        at_a = _roped(raw_k, START_A)
-        for t, (block, row) in enumerate(_rows(TABLE_A, START_A)):
-            a.engine.kv[:, 0, block, row] = at_a[:, t]
-            a.engine.kv[:, 1, block, row] = values[:, t]
+        document = Document(len(DOCUMENT), seed=4)
+        document.write(a.engine, TABLE_A, START_A)
         placement = _placement(a.engine.engine_id, TABLE_A, START_A)
         placement.token_ids.extend(DOCUMENT)
         stored = a.storage.StoreSegment(storage_pb2.StoreSegmentRequest(segment=placement))
@@ -129,13 +112,7 @@ def test_a_document_computed_on_one_node_is_served_on_another(
             timeout=30,
         )
         assert served.found
-        got = np.stack(
-            [np.asarray(b.engine.kv[:, :, blk, r]) for blk, r in _rows(TABLE_B, START_B)], axis=2
-        )
-        np.testing.assert_allclose(
-            got[:, 0].astype(np.float32), _roped(raw_k, START_B).astype(np.float32), atol=1e-2
-        )
-        assert np.array_equal(got[:, 1], values)
+        document.assert_at(b.engine, TABLE_B, START_B)
         assert b.read_locked() == 0
 
 

@@ -1,8 +1,8 @@
 """StoreSegment / RetrieveSegment over a real socket: a document's K/V moved between
 positions of two requests, keys re-RoPEd with the parameters registered with the layout.
 
-The oracle is RoPE applied directly (kvmesh.kernels.rope.apply_rope) to the raw
-keys at each position: what a full prefill would have written there.
+The oracle is RoPE applied directly to the raw keys at each position
+(tests.integration.storage.documents): what a full prefill would have written there.
 """
 
 from __future__ import annotations
@@ -13,27 +13,22 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-import torch
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.common.hashing import segment_key
-from kvmesh.kernels.rope import RopeParams, apply_rope
 from tests.integration.storage.conftest import NodeFactory
+from tests.integration.storage.documents import ROPE, Document
 from tests.integration.storage.support import (
     ALREADY,
     BLOCK_SIZE,
     HEAD_DIM,
-    KV_HEADS,
     MODEL,
-    NUM_LAYERS,
     STORED,
     Engine,
     Node,
 )
 
-ROPE = common_pb2.RopeParameters(base=10000.0, style=common_pb2.ROPE_STYLE_NEOX)
-PARAMS = RopeParams(head_dim=HEAD_DIM, base=10000.0)
 TABLE_A = [5, 9, 2, 40]  # request A: tokens 0..63
 TABLE_B = [11, 3, 60, 7, 30, 31]  # request B: tokens 0..95
 START_A, START_B, COUNT = 21, 50, 37
@@ -63,47 +58,13 @@ def _retrieve(node: Node, placement: storage_pb2.SegmentPlacement) -> bool:
     return bool(node.call("retrieve_segment", request).found)
 
 
-def _rows(table: list[int], start: int, count: int) -> list[tuple[int, int]]:
-    """(block, row) of each token of ``[start, start + count)`` in a request's table."""
-    return [(table[t // BLOCK_SIZE], t % BLOCK_SIZE) for t in range(start, start + count)]
-
-
-def _write(engine: Engine, table: list[int], start: int, k: Any, v: Any) -> None:
-    """Put raw keys roped at ``start..`` and values into the request's tokens."""
-    roped = _roped(k, start)
-    for t, (block, row) in enumerate(_rows(table, start, len(k[0]))):
-        engine.kv[:, 0, block, row] = roped[:, t]
-        engine.kv[:, 1, block, row] = v[:, t]
-
-
-def _roped(k: Any, start: int) -> np.ndarray[Any, Any]:
-    """``k`` ([layers, tokens, heads, dim]) roped at ``start..``, as fp16."""
-    positions = torch.arange(start, start + k.shape[1])
-    out = [apply_rope(torch.from_numpy(layer), positions, PARAMS) for layer in k]
-    return torch.stack(out).to(torch.float16).numpy()
-
-
-def _read(engine: Engine, table: list[int], start: int, count: int) -> np.ndarray[Any, Any]:
-    """[layers, 2, tokens, heads, dim] of the request's tokens."""
-    picked = [np.asarray(engine.kv[:, :, b, r]) for b, r in _rows(table, start, count)]
-    return np.stack(picked, axis=2)
-
-
-def _document(seed: int = 3) -> tuple[Any, Any]:
-    rng = np.random.default_rng(seed)
-    shape = (NUM_LAYERS, COUNT, KV_HEADS, HEAD_DIM)
-    return rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(
-        np.float16
-    )
-
-
 def test_a_document_stored_at_one_position_is_served_at_another(
     make_node: NodeFactory, engine: Engine
 ) -> None:
     node = make_node()
     _register(node, engine)
-    k, v = _document()
-    _write(engine, TABLE_A, START_A, k, v)
+    document = Document(COUNT)
+    document.write(engine, TABLE_A, START_A)
     key = os.urandom(32)
     assert _store(node, _placement(engine, key, TABLE_A, START_A)) == STORED
     assert _store(node, _placement(engine, key, TABLE_A, START_A)) == ALREADY
@@ -111,11 +72,7 @@ def test_a_document_stored_at_one_position_is_served_at_another(
     engine.fill(TABLE_B, 7.0)  # request B's blocks hold something else
     assert _retrieve(node, _placement(engine, key, TABLE_B, START_B))
 
-    got = _read(engine, TABLE_B, START_B, COUNT)
-    want_k = _roped(k, START_B)
-    np.testing.assert_allclose(got[:, 0].astype(np.float32), want_k.astype(np.float32),
-                               atol=1e-2, rtol=0)  # fmt: skip
-    assert np.array_equal(got[:, 1], v)  # values carry no position
+    document.assert_at(engine, TABLE_B, START_B)
     # B's other tokens (before 50 and after 86, in the same blocks) are untouched.
     others = [t for t in range(len(TABLE_B) * BLOCK_SIZE) if not START_B <= t < START_B + COUNT]
     rest = np.stack([engine.kv[:, :, TABLE_B[t // BLOCK_SIZE], t % BLOCK_SIZE] for t in others])

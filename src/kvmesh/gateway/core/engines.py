@@ -273,11 +273,16 @@ class EngineRegistry:
 
     # ------------------------------------------------------------------ queries
 
-    def get(self, engine_id: str, engine_driven: bool) -> RegisteredEngine:
-        """The engine a data-path call names, of the right kind (refreshes its liveness)."""
+    def get(self, engine_id: str, engine_driven: bool | None) -> RegisteredEngine:
+        """The engine a data-path call names, of the right kind (None: either kind);
+        refreshes its liveness."""
         engine = self._engines.get(engine_id)
-        if engine is None or engine.engine_driven != engine_driven:
-            kind = "an engine-driven context" if engine_driven else "its KV cache"
+        if engine is None or engine_driven not in (None, engine.engine_driven):
+            kind = {
+                True: "an engine-driven context",
+                False: "its KV cache",
+                None: "its KV cache or an engine-driven context",
+            }[engine_driven]
             raise FailedPrecondition(
                 f"engine {engine_id!r} has not registered {kind}",
                 reason="ENGINE_NOT_REGISTERED",

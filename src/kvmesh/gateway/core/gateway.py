@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvmesh.common.hashing import TokenHasher
+from kvmesh.common.node_types import StoreOutcome
 
 from .engines import EngineRegistry
 from .lookups import LookupLocks
@@ -249,6 +250,32 @@ class Gateway:
     ) -> tuple[list[tuple[int, int]], int]:
         """Stored CacheBlend segments inside a prompt: ([(start, length)], positions probed)."""
         return await self.segments.lookup(engine_id, cache_salt, tokens, stride)
+
+    async def store_segment(
+        self,
+        engine_id: str,
+        cache_salt: str,
+        tokens: Sequence[int] | np.ndarray,
+        block_ids: Sequence[int],
+        start_token: int,
+    ) -> StoreOutcome:
+        """A document of a registered engine's request into its CacheBlend segment."""
+        return await self.segments.store_placed(
+            engine_id, cache_salt, tokens, block_ids, start_token
+        )
+
+    async def retrieve_segment(
+        self,
+        engine_id: str,
+        cache_salt: str,
+        tokens: Sequence[int] | np.ndarray,
+        block_ids: Sequence[int],
+        start_token: int,
+    ) -> bool:
+        """A document's CacheBlend segment into a registered engine's request."""
+        return await self.segments.retrieve_placed(
+            engine_id, cache_salt, tokens, block_ids, start_token
+        )
 
     async def clear(self, force: bool) -> int:
         """Drop this node's L1 objects."""

@@ -140,6 +140,30 @@ class NodeStorage(Protocol):
         is one CacheBlend segment of these tokens, which the node indexes."""
         ...
 
+    async def store_segment(
+        self,
+        engine_id: str,
+        row: KeyRow,
+        block_ids: Sequence[int],
+        start_token: int,
+        tokens: Sequence[int] | np.ndarray,
+    ) -> StoreOutcome:
+        """Gather a request's tokens ``[start_token, +len(tokens))`` into the one segment
+        object of ``row`` (keys moved to 0..), indexed by ``tokens``."""
+        ...
+
+    async def retrieve_segment(
+        self,
+        engine_id: str,
+        row: KeyRow,
+        block_ids: Sequence[int],
+        start_token: int,
+        num_tokens: int,
+    ) -> bool:
+        """Scatter the resident segment of ``row`` into a request at ``start_token`` (keys
+        moved there); False (nothing written) when it is not in L1."""
+        ...
+
     async def find_segments(
         self, row: KeyRow, prompt: Sequence[int] | np.ndarray, stride: int
     ) -> tuple[list[tuple[int, int]], int]:

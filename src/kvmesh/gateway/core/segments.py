@@ -16,7 +16,8 @@ restart loses nothing and every gateway of a node sees every segment.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ import numpy as np
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.hashing import segment_key
 from kvmesh.common.keys import validate_cache_salt, worker_kv_rank
+from kvmesh.common.node_types import StoreOutcome
 
 from .engines import EngineRegistry, RegisteredEngine
 from .node_storage import KeyGridSpec, KeyRow, NodeStorage, PreparedSlots
@@ -114,32 +116,92 @@ class Segments:
         have it in L1 (after loading it from L2 or fetching it from a peer)."""
         _, row, nbytes = self._row(engine_id, cache_salt, tokens)
         slot = self._slot(await self.storage.prepare_retrieve(row, nbytes), nbytes)
-        if not slot.transaction_id and await self._prefetch(row, nbytes):
-            slot = self._slot(await self.storage.prepare_retrieve(row, nbytes), nbytes)
+        if not slot.transaction_id:
+            async with self._fetched(row, nbytes) as arrived:
+                if arrived:  # read-locked by the retrieve before the lease ends
+                    slot = self._slot(await self.storage.prepare_retrieve(row, nbytes), nbytes)
         if slot.transaction_id:
             self.counters.segment_hits += 1
         else:
             self.counters.segment_misses += 1
         return slot
 
-    async def _prefetch(self, row: KeyRow, nbytes: int) -> bool:
+    @contextlib.asynccontextmanager
+    async def _fetched(self, row: KeyRow, nbytes: int) -> AsyncIterator[bool]:
         """Bring a segment missing from L1 in from L2 or a peer (the node's lookup path,
-        one key); whether it arrived. The lookup's lease is ended at once: the
-        retrieve that follows takes its own lock."""
+        one key) and hold it there under the lookup's lease while the block runs;
+        yields whether it arrived. An object loaded from L2 is temporary (freed with
+        its last reader), so the lease ends only after the caller took its own lock."""
         grid = KeyGridSpec(row.model_name, row.cache_salt, [row.kv_rank], row.chunk_hashes, nbytes)
         state = await self.storage.lookup_and_lock(
             "segment", grid, 1, SEGMENT_FETCH_WAIT_MS, owner=""
         )
         try:
-            return state.completed and state.hit_chunks > 0
+            yield state.completed and state.hit_chunks > 0
         finally:
             await self.storage.end_lease(state.prefetch_id)
+
+    def _placed_row(
+        self, engine_id: str, cache_salt: str, tokens: Sequence[int] | np.ndarray
+    ) -> KeyRow:
+        """The one-key row of a segment of an engine that registered its KV cache."""
+        engine = self.engines.get(engine_id, engine_driven=False)
+        validate_cache_salt(cache_salt)
+        if len(tokens) == 0:
+            raise InvalidArgument("a segment needs at least one token", field="segment.token_ids")
+        check_token_count(len(tokens), self.max_tokens)
+        spec = engine.spec
+        key = segment_key(spec.model_name, np.asarray(tokens, dtype=np.uint32))
+        rank = worker_kv_rank(spec.world_size, spec.worker_id)
+        return KeyRow(spec.model_name, cache_salt, rank, [key])
+
+    async def store_placed(
+        self,
+        engine_id: str,
+        cache_salt: str,
+        tokens: Sequence[int] | np.ndarray,
+        block_ids: Sequence[int],
+        start_token: int,
+    ) -> StoreOutcome:
+        """Gather a document out of a registered engine's request into its segment."""
+        row = self._placed_row(engine_id, cache_salt, tokens)
+        outcome = await self.storage.store_segment(engine_id, row, block_ids, start_token, tokens)
+        if outcome is StoreOutcome.STORED:
+            self.counters.segment_stores += 1
+        return outcome
+
+    async def retrieve_placed(
+        self,
+        engine_id: str,
+        cache_salt: str,
+        tokens: Sequence[int] | np.ndarray,
+        block_ids: Sequence[int],
+        start_token: int,
+    ) -> bool:
+        """Write a document's segment into a registered engine's request (loading it from
+        L2 or a peer first when it is not in L1); whether it was found."""
+        row = self._placed_row(engine_id, cache_salt, tokens)
+        count = len(tokens)
+        found = await self.storage.retrieve_segment(engine_id, row, block_ids, start_token, count)
+        if not found:
+            engine = self.engines.get(engine_id, engine_driven=False)
+            nbytes = engine.chunk_bytes // self.chunk_size * count
+            async with self._fetched(row, nbytes) as arrived:
+                if arrived:
+                    found = await self.storage.retrieve_segment(
+                        engine_id, row, block_ids, start_token, count
+                    )
+        if found:
+            self.counters.segment_hits += 1
+        else:
+            self.counters.segment_misses += 1
+        return found
 
     async def lookup(
         self, engine_id: str, cache_salt: str, tokens: Sequence[int] | np.ndarray, stride: int
     ) -> tuple[list[tuple[int, int]], int]:
         """Stored segments in the prompt ``tokens``: ([(start, length)], positions probed)."""
-        engine = self.engines.get(engine_id, engine_driven=True)
+        engine = self.engines.get(engine_id, engine_driven=None)
         validate_cache_salt(cache_salt)
         check_token_count(len(tokens), self.max_tokens)
         spec = engine.spec

@@ -175,7 +175,7 @@ class NodeSegments:
         block_ids: Sequence[int],
         start: int,
         count: int,
-        tokens: Sequence[int] = (),
+        tokens: Sequence[int] | np.ndarray = (),
     ) -> StoreOutcome:
         """Gather tokens ``[start, start + count)`` into a new object under ``key``;
         with its ``tokens``, also index it for :meth:`find`."""

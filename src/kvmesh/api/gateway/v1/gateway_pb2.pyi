@@ -36,6 +36,128 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class SegmentPlacement(_message.Message):
+    """A document placed in a request of an engine that registered its KV cache."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    START_TOKEN_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    cache_salt: _builtins.str
+    start_token: _builtins.int
+    """Where the document starts in the request."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The document's tokens (its key is these alone, with the model and the salt)."""
+
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The request's block table from its token 0."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        start_token: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "cache_salt", b"cache_salt", "engine_id", b"engine_id", "start_token", b"start_token", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SegmentPlacement: _TypeAlias = SegmentPlacement  # noqa: Y015
+
+@_typing.final
+class StoreSegmentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def segment(self) -> Global___SegmentPlacement: ...
+    def __init__(
+        self,
+        *,
+        segment: Global___SegmentPlacement | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoreSegmentRequest: _TypeAlias = StoreSegmentRequest  # noqa: Y015
+
+@_typing.final
+class StoreSegmentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORED_FIELD_NUMBER: _builtins.int
+    ALREADY_CACHED_FIELD_NUMBER: _builtins.int
+    stored: _builtins.bool
+    already_cached: _builtins.bool
+    def __init__(
+        self,
+        *,
+        stored: _builtins.bool = ...,
+        already_cached: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_cached", b"already_cached", "stored", b"stored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoreSegmentResponse: _TypeAlias = StoreSegmentResponse  # noqa: Y015
+
+@_typing.final
+class RetrieveSegmentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def segment(self) -> Global___SegmentPlacement: ...
+    def __init__(
+        self,
+        *,
+        segment: Global___SegmentPlacement | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetrieveSegmentRequest: _TypeAlias = RetrieveSegmentRequest  # noqa: Y015
+
+@_typing.final
+class RetrieveSegmentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    """False: no node holds the segment; nothing was written."""
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetrieveSegmentResponse: _TypeAlias = RetrieveSegmentResponse  # noqa: Y015
+
+@_typing.final
 class PromptRange(_message.Message):
     """The token range of a request that an engine call is about."""
 
@@ -1348,21 +1470,29 @@ class LookupSegmentsResponse(_message.Message):
 
     MATCHES_FIELD_NUMBER: _builtins.int
     PROBED_POSITIONS_FIELD_NUMBER: _builtins.int
+    PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
     probed_positions: _builtins.int
     """Positions whose fingerprint was looked up."""
+    prefix_tokens: _builtins.int
+    """The prefix hit: tokens from position 0 that matches cover without a gap
+    (a segment at 0 is exact: nothing precedes it).
+    """
     @_builtins.property
     def matches(self) -> _containers.RepeatedCompositeFieldContainer[Global___SegmentMatch]:
-        """In prompt order, not overlapping."""
+        """In prompt order, not overlapping. A segment's keys are stored at
+        positions 0..; the target position of match m is m.start_token.
+        """
 
     def __init__(
         self,
         *,
         matches: _abc.Iterable[Global___SegmentMatch] | None = ...,
         probed_positions: _builtins.int = ...,
+        prefix_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["matches", b"matches", "probed_positions", b"probed_positions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["matches", b"matches", "prefix_tokens", b"prefix_tokens", "probed_positions", b"probed_positions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -144,6 +144,16 @@ class GatewayServiceStub:
                 request_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.LookupSegmentsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.LookupSegmentsResponse.FromString,
                 _registered_method=True)
+        self.StoreSegment = channel.unary_unary(
+                '/kvmesh.gateway.v1.GatewayService/StoreSegment',
+                request_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.StoreSegmentRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.StoreSegmentResponse.FromString,
+                _registered_method=True)
+        self.RetrieveSegment = channel.unary_unary(
+                '/kvmesh.gateway.v1.GatewayService/RetrieveSegment',
+                request_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveSegmentRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveSegmentResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -383,7 +393,9 @@ class GatewayServiceServicer:
 
     def LookupSegments(self, request, context):
         """Finds stored segments inside a prompt whose document boundaries the
-        engine does not know, through the storage node's FindSegments: every
+        engine does not know (engine_id: an engine-driven context or an engine
+        that registered its KV cache), through the storage node's FindSegments
+        (with a coordinator, also those other nodes hold): every
         segment stored on the node with at least 16 tokens (through any gateway,
         before or after a gateway restart) is indexed by its first 16; the prompt is
         probed at every stride-th position (0 is read as 1), a fingerprint hit is
@@ -391,6 +403,36 @@ class GatewayServiceServicer:
         not overlap (the earliest start, then the longest segment, wins). Index
         entries whose segment left L1 are dropped on the way. Holds no locks.
         Errors: as PrepareSegmentRetrieve. Deadline: 10 s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreSegment(self, request, context):
+        """CacheBlend for an engine whose KV cache the node maps (RegisterKVCache
+        with layout.rope set, docs/blend.md): the node gathers tokens
+        [start_token, start_token + len(token_ids)) of a request from the
+        engine's blocks (block_ids: the request's block table from token 0;
+        start_token need not be block-aligned) into one segment object keyed by
+        the model, the salt and token_ids alone, with its keys rotated back to
+        position 0, and indexes it for LookupSegments. Already cached: left as
+        it is. Errors: FAILED_PRECONDITION (engine_id has not registered its KV
+        cache, or registered it without RoPE parameters), INVALID_ARGUMENT (no
+        tokens, more than max_tokens, a bad cache_salt, too few block ids, a
+        block id out of range, an MLA layout). Deadline: 30 s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetrieveSegment(self, request, context):
+        """Writes the stored segment of token_ids into tokens [start_token, ...) of
+        a request's blocks, its keys rotated to start_token.., the blocks' other
+        tokens left as they were. A segment not in the node's L1 is first loaded
+        from L2 or fetched from a peer that holds it (with a coordinator); found
+        = false when it is nowhere, and nothing is written. Errors: as
+        StoreSegment, and INVALID_ARGUMENT for a block id written twice.
+        Deadline: 30 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -508,6 +550,16 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.LookupSegments,
                     request_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.LookupSegmentsRequest.FromString,
                     response_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.LookupSegmentsResponse.SerializeToString,
+            ),
+            'StoreSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreSegment,
+                    request_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.StoreSegmentRequest.FromString,
+                    response_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.StoreSegmentResponse.SerializeToString,
+            ),
+            'RetrieveSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetrieveSegment,
+                    request_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveSegmentRequest.FromString,
+                    response_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveSegmentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1104,6 +1156,60 @@ class GatewayService:
             '/kvmesh.gateway.v1.GatewayService/LookupSegments',
             kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.LookupSegmentsRequest.SerializeToString,
             kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.LookupSegmentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.gateway.v1.GatewayService/StoreSegment',
+            kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.StoreSegmentRequest.SerializeToString,
+            kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.StoreSegmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetrieveSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.gateway.v1.GatewayService/RetrieveSegment',
+            kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveSegmentRequest.SerializeToString,
+            kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveSegmentResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -197,7 +197,9 @@ class GatewayServiceStub:
     """
     LookupSegments: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.LookupSegmentsRequest, _gateway_pb2.LookupSegmentsResponse]
     """Finds stored segments inside a prompt whose document boundaries the
-    engine does not know, through the storage node's FindSegments: every
+    engine does not know (engine_id: an engine-driven context or an engine
+    that registered its KV cache), through the storage node's FindSegments
+    (with a coordinator, also those other nodes hold): every
     segment stored on the node with at least 16 tokens (through any gateway,
     before or after a gateway restart) is indexed by its first 16; the prompt is
     probed at every stride-th position (0 is read as 1), a fingerprint hit is
@@ -205,6 +207,28 @@ class GatewayServiceStub:
     not overlap (the earliest start, then the longest segment, wins). Index
     entries whose segment left L1 are dropped on the way. Holds no locks.
     Errors: as PrepareSegmentRetrieve. Deadline: 10 s.
+    """
+    StoreSegment: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.StoreSegmentRequest, _gateway_pb2.StoreSegmentResponse]
+    """CacheBlend for an engine whose KV cache the node maps (RegisterKVCache
+    with layout.rope set, docs/blend.md): the node gathers tokens
+    [start_token, start_token + len(token_ids)) of a request from the
+    engine's blocks (block_ids: the request's block table from token 0;
+    start_token need not be block-aligned) into one segment object keyed by
+    the model, the salt and token_ids alone, with its keys rotated back to
+    position 0, and indexes it for LookupSegments. Already cached: left as
+    it is. Errors: FAILED_PRECONDITION (engine_id has not registered its KV
+    cache, or registered it without RoPE parameters), INVALID_ARGUMENT (no
+    tokens, more than max_tokens, a bad cache_salt, too few block ids, a
+    block id out of range, an MLA layout). Deadline: 30 s.
+    """
+    RetrieveSegment: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RetrieveSegmentRequest, _gateway_pb2.RetrieveSegmentResponse]
+    """Writes the stored segment of token_ids into tokens [start_token, ...) of
+    a request's blocks, its keys rotated to start_token.., the blocks' other
+    tokens left as they were. A segment not in the node's L1 is first loaded
+    from L2 or fetched from a peer that holds it (with a coordinator); found
+    = false when it is nowhere, and nothing is written. Errors: as
+    StoreSegment, and INVALID_ARGUMENT for a block id written twice.
+    Deadline: 30 s.
     """
 
 @_typing.type_check_only
@@ -360,7 +384,9 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """
     LookupSegments: _aio.UnaryUnaryMultiCallable[_gateway_pb2.LookupSegmentsRequest, _gateway_pb2.LookupSegmentsResponse]  # type: ignore[assignment]
     """Finds stored segments inside a prompt whose document boundaries the
-    engine does not know, through the storage node's FindSegments: every
+    engine does not know (engine_id: an engine-driven context or an engine
+    that registered its KV cache), through the storage node's FindSegments
+    (with a coordinator, also those other nodes hold): every
     segment stored on the node with at least 16 tokens (through any gateway,
     before or after a gateway restart) is indexed by its first 16; the prompt is
     probed at every stride-th position (0 is read as 1), a fingerprint hit is
@@ -368,6 +394,28 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     not overlap (the earliest start, then the longest segment, wins). Index
     entries whose segment left L1 are dropped on the way. Holds no locks.
     Errors: as PrepareSegmentRetrieve. Deadline: 10 s.
+    """
+    StoreSegment: _aio.UnaryUnaryMultiCallable[_gateway_pb2.StoreSegmentRequest, _gateway_pb2.StoreSegmentResponse]  # type: ignore[assignment]
+    """CacheBlend for an engine whose KV cache the node maps (RegisterKVCache
+    with layout.rope set, docs/blend.md): the node gathers tokens
+    [start_token, start_token + len(token_ids)) of a request from the
+    engine's blocks (block_ids: the request's block table from token 0;
+    start_token need not be block-aligned) into one segment object keyed by
+    the model, the salt and token_ids alone, with its keys rotated back to
+    position 0, and indexes it for LookupSegments. Already cached: left as
+    it is. Errors: FAILED_PRECONDITION (engine_id has not registered its KV
+    cache, or registered it without RoPE parameters), INVALID_ARGUMENT (no
+    tokens, more than max_tokens, a bad cache_salt, too few block ids, a
+    block id out of range, an MLA layout). Deadline: 30 s.
+    """
+    RetrieveSegment: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RetrieveSegmentRequest, _gateway_pb2.RetrieveSegmentResponse]  # type: ignore[assignment]
+    """Writes the stored segment of token_ids into tokens [start_token, ...) of
+    a request's blocks, its keys rotated to start_token.., the blocks' other
+    tokens left as they were. A segment not in the node's L1 is first loaded
+    from L2 or fetched from a peer that holds it (with a coordinator); found
+    = false when it is nowhere, and nothing is written. Errors: as
+    StoreSegment, and INVALID_ARGUMENT for a block id written twice.
+    Deadline: 30 s.
     """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -652,7 +700,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.LookupSegmentsResponse, _abc.Awaitable[_gateway_pb2.LookupSegmentsResponse]]:
         """Finds stored segments inside a prompt whose document boundaries the
-        engine does not know, through the storage node's FindSegments: every
+        engine does not know (engine_id: an engine-driven context or an engine
+        that registered its KV cache), through the storage node's FindSegments
+        (with a coordinator, also those other nodes hold): every
         segment stored on the node with at least 16 tokens (through any gateway,
         before or after a gateway restart) is indexed by its first 16; the prompt is
         probed at every stride-th position (0 is read as 1), a fingerprint hit is
@@ -660,6 +710,40 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         not overlap (the earliest start, then the longest segment, wins). Index
         entries whose segment left L1 are dropped on the way. Holds no locks.
         Errors: as PrepareSegmentRetrieve. Deadline: 10 s.
+        """
+
+    @_abc_1.abstractmethod
+    def StoreSegment(
+        self,
+        request: _gateway_pb2.StoreSegmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.StoreSegmentResponse, _abc.Awaitable[_gateway_pb2.StoreSegmentResponse]]:
+        """CacheBlend for an engine whose KV cache the node maps (RegisterKVCache
+        with layout.rope set, docs/blend.md): the node gathers tokens
+        [start_token, start_token + len(token_ids)) of a request from the
+        engine's blocks (block_ids: the request's block table from token 0;
+        start_token need not be block-aligned) into one segment object keyed by
+        the model, the salt and token_ids alone, with its keys rotated back to
+        position 0, and indexes it for LookupSegments. Already cached: left as
+        it is. Errors: FAILED_PRECONDITION (engine_id has not registered its KV
+        cache, or registered it without RoPE parameters), INVALID_ARGUMENT (no
+        tokens, more than max_tokens, a bad cache_salt, too few block ids, a
+        block id out of range, an MLA layout). Deadline: 30 s.
+        """
+
+    @_abc_1.abstractmethod
+    def RetrieveSegment(
+        self,
+        request: _gateway_pb2.RetrieveSegmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.RetrieveSegmentResponse, _abc.Awaitable[_gateway_pb2.RetrieveSegmentResponse]]:
+        """Writes the stored segment of token_ids into tokens [start_token, ...) of
+        a request's blocks, its keys rotated to start_token.., the blocks' other
+        tokens left as they were. A segment not in the node's L1 is first loaded
+        from L2 or fetched from a peer that holds it (with a coordinator); found
+        = false when it is nowhere, and nothing is written. Errors: as
+        StoreSegment, and INVALID_ARGUMENT for a block id written twice.
+        Deadline: 30 s.
         """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
