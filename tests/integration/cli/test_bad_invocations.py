@@ -262,6 +262,11 @@ ROWS = [
         ["weight l2 must be a finite number >= 0"],
     ),
     Row(
+        "coordinator-blend-probe-stride-zero",
+        ["coordinator", "--port", "0", "--blend-probe-stride", "0"],
+        ["blend_probe_stride must be >= 1"],
+    ),
+    Row(
         "coordinator-publish-endpoint-in-use",
         ["coordinator", "--port", "0", "--publish-events-endpoint", "tcp://256.0.0.1:5"],
         ["tcp://256.0.0.1:5"],
