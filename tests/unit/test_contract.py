@@ -64,7 +64,7 @@ SERVICES = {
         "kvmesh/coordinator/v1/policy.proto",
         "kvmesh.api.coordinator.v1.policy_pb2",
         "kvmesh.coordinator.servicers.policy:PolicyServicer",
-        "kvmesh.coordinator.client:PolicyClient",
+        "kvmesh.coordinator.operator_client:PolicyClient",
     ),
     "kvmesh.coordinator.v1.EngineService": (
         "kvmesh/coordinator/v1/engines.proto",
@@ -76,7 +76,7 @@ SERVICES = {
         "kvmesh/coordinator/v1/admin.proto",
         "kvmesh.api.coordinator.v1.admin_pb2",
         "kvmesh.coordinator.servicers.admin:AdminServicer",
-        "kvmesh.coordinator.client:AdminClient",
+        "kvmesh.coordinator.operator_client:AdminClient",
     ),
 }
 

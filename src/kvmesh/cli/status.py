@@ -23,7 +23,8 @@ from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.coordinator.v1 import admin_pb2, directory_pb2, membership_pb2, policy_pb2
 from kvmesh.cli import fleetfile
 from kvmesh.cli.plainjson import plain
-from kvmesh.coordinator.client import AdminClient, DirectoryClient, MembershipClient, PolicyClient
+from kvmesh.coordinator.client import DirectoryClient, MembershipClient
+from kvmesh.coordinator.operator_client import AdminClient, PolicyClient
 from kvmesh.rpc.client import create_channel
 
 DEFAULT_COORDINATOR = "127.0.0.1:8300"

@@ -17,7 +17,7 @@ from kvmesh.common.keys import ObjectKey
 from kvmesh.common.node_types import PrefetchState, StoreOutcome
 from kvmesh.gateway.core.node_storage import KeyGridSpec, KeyRow, PreparedSlots
 from kvmesh.storage.core.node import StorageNode
-from kvmesh.storage.servicer import handle_from_proto, layout_from_proto
+from kvmesh.storage.wire import handle_from_proto, layout_from_proto
 
 
 def _row_keys(row: KeyRow) -> list[ObjectKey]:

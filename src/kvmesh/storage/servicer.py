@@ -2,167 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
 from kvmesh.common.convert import key_from_proto, key_to_proto
-from kvmesh.common.dtypes import torch_dtype
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import Tier
-from kvmesh.common.keys import CHUNK_HASH_BYTES, ObjectKey
-from kvmesh.common.node_types import PrefetchState, Slot
-from kvmesh.kernels.rope_params import RopeParams, RopeStyle
+from kvmesh.common.keys import ObjectKey
+from kvmesh.storage import wire
 from kvmesh.storage.core.node import StorageNode
-from kvmesh.storage.core.transfer.cuda_ipc import CudaIpcHandle
-from kvmesh.storage.core.transfer.engine import KVHandle
-from kvmesh.storage.core.transfer.layout import KVLayout
-from kvmesh.storage.core.transfer.shm import SharedMemoryHandle
 
-LAYOUT_KINDS = {
-    common_pb2.KV_LAYOUT_KIND_FLASH_ATTN: "flash_attn",
-    common_pb2.KV_LAYOUT_KIND_FLASHINFER: "flashinfer",
-    common_pb2.KV_LAYOUT_KIND_MLA: "mla",
-    common_pb2.KV_LAYOUT_KIND_VLLM_CPU: "vllm_cpu",
-    common_pb2.KV_LAYOUT_KIND_VLLM_CPU_AMX: "vllm_cpu_amx",
-}
 MAX_PAGE_SIZE = 10_000
-
-
-def layout_from_proto(layout: common_pb2.KVLayout) -> KVLayout:
-    """A KVLayout, or InvalidArgument naming the bad field."""
-    kind = LAYOUT_KINDS.get(layout.kind)
-    if kind is None:
-        raise InvalidArgument("layout.kind must be specified", field="layout.kind")
-    dtype = torch_dtype(layout.dtype)
-    if dtype is None:
-        raise InvalidArgument("layout.dtype must be specified", field="layout.dtype")
-    return KVLayout(
-        kind,
-        layout.num_layers,
-        layout.num_blocks,
-        layout.block_size,
-        layout.kv_heads,
-        layout.head_dim,
-        dtype,
-        rope=rope_from_proto(layout) if layout.HasField("rope") else None,
-    )
-
-
-ROPE_STYLES = {
-    common_pb2.ROPE_STYLE_UNSPECIFIED: RopeStyle.NEOX,
-    common_pb2.ROPE_STYLE_NEOX: RopeStyle.NEOX,
-    common_pb2.ROPE_STYLE_GPTJ: RopeStyle.GPTJ,
-}
-
-
-def rope_from_proto(layout: common_pb2.KVLayout) -> RopeParams:
-    """The layout's RoPE parameters, or InvalidArgument naming ``layout.rope``."""
-    style = ROPE_STYLES.get(layout.rope.style)
-    if style is None:
-        raise InvalidArgument(f"unknown layout.rope.style {layout.rope.style}", field="layout.rope")
-    try:
-        return RopeParams(
-            head_dim=layout.head_dim,
-            base=layout.rope.base,
-            rotary_dim=layout.rope.rotary_dim or None,
-            style=style,
-        )
-    except ValueError as exc:
-        raise InvalidArgument(f"layout.rope: {exc}", field="layout.rope") from None
-
-
-def handle_from_proto(handle: common_pb2.MemoryHandle, index: int) -> KVHandle:
-    """One layer's handle, or InvalidArgument when neither kind is set."""
-    which = handle.WhichOneof("kind")
-    if which == "shared_memory":
-        shm = handle.shared_memory
-        return SharedMemoryHandle(shm.path, shm.offset_bytes, shm.size_bytes)
-    if which == "cuda_ipc":
-        ipc = handle.cuda_ipc
-        return CudaIpcHandle(
-            device_index=-1,
-            ipc_handle=ipc.memory_handle,
-            storage_size_bytes=ipc.storage_size_bytes,
-            storage_offset_bytes=ipc.storage_offset_bytes,
-            ref_counter_handle=ipc.ref_counter_handle,
-            ref_counter_offset=ipc.ref_counter_offset,
-            event_handle=ipc.event_handle,
-            event_sync_required=ipc.event_sync_required,
-            shape=tuple(ipc.shape),
-            stride=tuple(ipc.stride),
-            tensor_offset=ipc.storage_offset_elements,
-            device_uuid=ipc.device_uuid,
-        )
-    raise InvalidArgument(f"layers[{index}] sets no memory handle", field=f"layers[{index}]")
-
-
-def _hashes(values: Sequence[bytes], field: str) -> list[bytes]:
-    out = list(values)
-    for i, h in enumerate(out):
-        if len(h) != CHUNK_HASH_BYTES:
-            raise InvalidArgument(
-                f"{field}[{i}] must be {CHUNK_HASH_BYTES} bytes, got {len(h)}", field=field
-            )
-    return out
-
-
-def row_keys(row: common_pb2.ChunkKeys, field: str = "keys") -> list[ObjectKey]:
-    """The keys of a ChunkKeys row."""
-    hashes = _hashes(row.chunk_hashes, f"{field}.chunk_hashes")
-    return [
-        ObjectKey(h, row.model_name, row.kv_rank, row.object_group_id, row.cache_salt)
-        for h in hashes
-    ]
-
-
-def grid_rows(grid: common_pb2.KeyGrid, field: str = "keys") -> list[list[ObjectKey]]:
-    """The keys of a KeyGrid, one row per kv rank."""
-    hashes = _hashes(grid.chunk_hashes, f"{field}.chunk_hashes")
-    return [
-        [ObjectKey(h, grid.model_name, rank, grid.object_group_id, grid.cache_salt) for h in hashes]
-        for rank in grid.kv_ranks
-    ]
-
-
-def _placement(
-    segment: storage_pb2.SegmentPlacement,
-) -> tuple[str, ObjectKey, list[int], int, int]:
-    """A SegmentPlacement's (engine_id, key, block_ids, start_token, num_tokens)."""
-    if not segment.HasField("key"):
-        raise InvalidArgument("segment.key must be set", field="segment.key")
-    return (segment.engine_id, key_from_proto(segment.key), list(segment.block_ids),
-            segment.start_token, segment.num_tokens)  # fmt: skip
-
-
-def _tier(value: int, *, allow_all: bool) -> Tier | None:
-    if value == common_pb2.TIER_L1:
-        return Tier.L1
-    if value == common_pb2.TIER_L2:
-        return Tier.L2
-    if value == common_pb2.TIER_ALL and allow_all:
-        return None
-    allowed = "TIER_L1, TIER_L2 or TIER_ALL" if allow_all else "TIER_L1 or TIER_L2"
-    raise InvalidArgument(f"tier must be {allowed}", field="tier")
-
-
-def _status(status: PrefetchState) -> tuple[bool, storage_pb2.PrefetchResult]:
-    return status.completed, storage_pb2.PrefetchResult(
-        hit_chunks=status.hit_chunks,
-        l1_hit_chunks=status.l1_hit_chunks,
-        l2_hit_chunks=status.l2_hit_chunks,
-        lease_ttl_ms=status.lease_ttl_ms,
-    )
-
-
-def _slot(slot: Slot) -> storage_pb2.Slot:
-    return storage_pb2.Slot(
-        chunk_index=slot.chunk_index,
-        region=common_pb2.SharedMemoryHandle(
-            path=slot.path, offset_bytes=slot.offset_bytes, size_bytes=slot.size_bytes
-        ),
-    )
 
 
 class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
@@ -179,8 +30,8 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
         self, request: storage_pb2.RegisterEngineMemoryRequest, context: Any
     ) -> storage_pb2.RegisterEngineMemoryResponse:
         await self.node.load_copies()  # torch, at the first registration: off the event loop
-        layout = layout_from_proto(request.layout)
-        handles = [handle_from_proto(h, i) for i, h in enumerate(request.layers)]
+        layout = wire.layout_from_proto(request.layout)
+        handles = [wire.handle_from_proto(h, i) for i, h in enumerate(request.layers)]
         already = self.node.register_engine(request.engine_id, layout, handles)
         return storage_pb2.RegisterEngineMemoryResponse(
             already_registered=already, instance_id=self.instance_id
@@ -197,7 +48,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.StoreChunksResponse:
         outcomes = await self.node.store_chunks(
             request.engine_id,
-            row_keys(request.keys),
+            wire.row_keys(request.keys),
             request.block_ids,
             request.chunk_tokens,
             request.producer_event_handle,
@@ -211,13 +62,13 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.LookupAndLockResponse:
         status = await self.node.lookup_and_lock(
             request.request_id,
-            grid_rows(request.keys),
+            wire.grid_rows(request.keys),
             request.num_kv_readers,
             request.wait_timeout_ms,
             request.chunk_bytes,
             owner=request.owner,
         )
-        completed, result = _status(status)
+        completed, result = wire.prefetch_result(status)
         return storage_pb2.LookupAndLockResponse(
             prefetch_id=status.prefetch_id, completed=completed, result=result
         )
@@ -226,7 +77,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
         self, request: storage_pb2.GetPrefetchStatusRequest, context: Any
     ) -> storage_pb2.GetPrefetchStatusResponse:
         status = await self.node.prefetch_status(request.prefetch_id, request.wait_timeout_ms)
-        completed, result = _status(status)
+        completed, result = wire.prefetch_result(status)
         return storage_pb2.GetPrefetchStatusResponse(completed=completed, result=result)
 
     async def ReleasePrefetch(
@@ -267,7 +118,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     ) -> storage_pb2.RetrieveChunksResponse:
         retrieved = await self.node.retrieve_chunks(
             request.engine_id,
-            row_keys(request.keys),
+            wire.row_keys(request.keys),
             request.block_ids,
             request.chunk_tokens,
             request.skip_first_n_tokens,
@@ -280,14 +131,14 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
         self, request: storage_pb2.StoreSegmentRequest, context: Any
     ) -> storage_pb2.StoreSegmentResponse:
         outcome = await self.node.segments.store(
-            *_placement(request.segment), request.segment.token_ids
+            *wire.segment_placement(request.segment), request.segment.token_ids
         )
         return storage_pb2.StoreSegmentResponse(outcome=storage_pb2.StoreOutcome.ValueType(outcome))
 
     async def RetrieveSegment(
         self, request: storage_pb2.RetrieveSegmentRequest, context: Any
     ) -> storage_pb2.RetrieveSegmentResponse:
-        found = await self.node.segments.retrieve(*_placement(request.segment))
+        found = await self.node.segments.retrieve(*wire.segment_placement(request.segment))
         return storage_pb2.RetrieveSegmentResponse(found=found)
 
     async def FindSegments(
@@ -311,20 +162,20 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     async def ReleaseLocks(
         self, request: storage_pb2.ReleaseLocksRequest, context: Any
     ) -> storage_pb2.ReleaseLocksResponse:
-        keys = [k for row in grid_rows(request.keys) for k in row]
+        keys = [k for row in wire.grid_rows(request.keys) for k in row]
         released, skipped = self.node.release_locks(keys, request.count)
         return storage_pb2.ReleaseLocksResponse(released_keys=released, skipped_keys=skipped)
 
     async def TouchKeys(
         self, request: storage_pb2.TouchKeysRequest, context: Any
     ) -> storage_pb2.TouchKeysResponse:
-        keys = [k for row in grid_rows(request.keys) for k in row]
+        keys = [k for row in wire.grid_rows(request.keys) for k in row]
         return storage_pb2.TouchKeysResponse(touched_keys=self.node.touch(keys))
 
     async def DeleteKeys(
         self, request: storage_pb2.DeleteKeysRequest, context: Any
     ) -> storage_pb2.DeleteKeysResponse:
-        tier = _tier(request.tier, allow_all=True)
+        tier = wire.tier_of(request.tier, allow_all=True)
         keys = [key_from_proto(k) for k in request.keys]
         deleted, skipped = self.node.delete(keys, tier, request.backend, request.force)
         return storage_pb2.DeleteKeysResponse(deleted=deleted, skipped=skipped)
@@ -390,7 +241,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     async def ListObjects(
         self, request: storage_pb2.ListObjectsRequest, context: Any
     ) -> storage_pb2.ListObjectsResponse:
-        tier = _tier(request.tier, allow_all=True)
+        tier = wire.tier_of(request.tier, allow_all=True)
         page_size = request.page_size or 500
         if page_size > MAX_PAGE_SIZE:
             raise InvalidArgument(f"page_size must be <= {MAX_PAGE_SIZE}", field="page_size")
@@ -424,7 +275,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     async def SetQuota(
         self, request: storage_pb2.SetQuotaRequest, context: Any
     ) -> storage_pb2.SetQuotaResponse:
-        tier = _tier(request.tier, allow_all=False)
+        tier = wire.tier_of(request.tier, allow_all=False)
         assert tier is not None
         self.node.check_salt(request.cache_salt)
         self.node.apply_quota(request.cache_salt, tier, request.limit_bytes)
@@ -433,7 +284,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     async def GetQuota(
         self, request: storage_pb2.GetQuotaRequest, context: Any
     ) -> storage_pb2.GetQuotaResponse:
-        tier = _tier(request.tier, allow_all=False)
+        tier = wire.tier_of(request.tier, allow_all=False)
         assert tier is not None
         self.node.check_salt(request.cache_salt)
         return storage_pb2.GetQuotaResponse(usage=self._salt_usage(request.cache_salt, tier))
@@ -452,7 +303,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     async def DeleteQuota(
         self, request: storage_pb2.DeleteQuotaRequest, context: Any
     ) -> storage_pb2.DeleteQuotaResponse:
-        tier = _tier(request.tier, allow_all=False)
+        tier = wire.tier_of(request.tier, allow_all=False)
         assert tier is not None
         self.node.check_salt(request.cache_salt)
         _, limit = self.node.salt_usage(request.cache_salt, tier)
@@ -463,7 +314,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     async def ListQuotas(
         self, request: storage_pb2.ListQuotasRequest, context: Any
     ) -> storage_pb2.ListQuotasResponse:
-        tier = _tier(request.tier, allow_all=False)
+        tier = wire.tier_of(request.tier, allow_all=False)
         assert tier is not None
         salts = self.node.salts(tier)
         return storage_pb2.ListQuotasResponse(salts=[self._salt_usage(s, tier) for s in salts])
@@ -471,7 +322,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     async def PrepareStore(
         self, request: storage_pb2.PrepareStoreRequest, context: Any
     ) -> storage_pb2.PrepareStoreResponse:
-        keys = row_keys(request.keys)
+        keys = wire.row_keys(request.keys)
         # Growing L1 for these slots happens off the event loop (it maps memory).
         await self.node.manager.make_room([request.chunk_bytes] * len(keys))
         txn, slots, cached, skipped = self.node.prepare_store(
@@ -479,7 +330,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
         )
         return storage_pb2.PrepareStoreResponse(
             transaction_id=txn,
-            slots=[_slot(s) for s in slots],
+            slots=[wire.slot_to_proto(s) for s in slots],
             already_cached_chunks=cached,
             skipped_chunks=skipped,
         )
@@ -493,9 +344,9 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
     async def PrepareRetrieve(
         self, request: storage_pb2.PrepareRetrieveRequest, context: Any
     ) -> storage_pb2.PrepareRetrieveResponse:
-        txn, slots = self.node.prepare_retrieve(row_keys(request.keys), request.chunk_bytes)
+        txn, slots = self.node.prepare_retrieve(wire.row_keys(request.keys), request.chunk_bytes)
         return storage_pb2.PrepareRetrieveResponse(
-            transaction_id=txn, slots=[_slot(s) for s in slots]
+            transaction_id=txn, slots=[wire.slot_to_proto(s) for s in slots]
         )
 
     async def CommitRetrieve(

@@ -41,13 +41,8 @@ from kvmesh.api.events.v1 import events_pb2
 from kvmesh.common.hashing import TokenHasher
 from kvmesh.common.keys import worker_kv_rank
 from kvmesh.coordinator.app import CoordinatorApp
-from kvmesh.coordinator.client import (
-    AdminClient,
-    DirectoryClient,
-    EventIngestClient,
-    MembershipClient,
-    PolicyClient,
-)
+from kvmesh.coordinator.client import DirectoryClient, EventIngestClient, MembershipClient
+from kvmesh.coordinator.operator_client import AdminClient, PolicyClient
 from kvmesh.rpc.client import create_channel
 from kvmesh.rpc.interceptors import error_info
 from kvmesh.rpc.server import Server

@@ -17,9 +17,10 @@ import pytest
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.events.v1 import events_pb2
-from kvmesh.common.convert import UniformEntries, batch_from_proto, validated_batch_from_proto
+from kvmesh.common.convert import batch_from_proto, validated_batch_from_proto
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import CacheEventBatch, validate_batch
+from kvmesh.common.uniform_batches import UniformEntries
 
 Mutation = Callable[[events_pb2.CacheEventEntry, random.Random], object]
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from kvmesh.common.convert import UniformEntries
 from kvmesh.common.events import CacheEventBatch, CacheEventEntry, EventType, Tier
 from kvmesh.common.keys import ObjectKey
+from kvmesh.common.uniform_batches import UniformEntries
 from kvmesh.coordinator.core import Coordinator, CoordinatorSettings
 from kvmesh.coordinator.core.directory import writes
 from kvmesh.coordinator.core.keyspace import EncodedBatch

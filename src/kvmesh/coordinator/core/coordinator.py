@@ -230,21 +230,16 @@ class Coordinator(CoreComponents):
 
     def blend_lookup(
         self,
-        model_name: str,
+        model: str,
         world_size: int,
-        cache_salt: str,
-        token_ids: Sequence[int] | np.ndarray,
+        salt: str,
+        prompt: Sequence[int] | np.ndarray,
         stride: int = 0,
     ) -> tuple[list[BlendMatch], int]:
-        """CacheBlend segments some node holds inside a prompt (docs/blend.md,
-        "The fleet's blend index"); ``stride`` 0: the configured probe stride."""
-        return self.blend.lookup(
-            model_name,
-            world_size,
-            cache_salt,
-            token_ids,
-            stride or self.settings.blend_probe_stride,
-        )
+        """CacheBlend segments held somewhere inside a prompt (docs/blend.md, "The fleet's
+        blend index"); ``stride`` 0: the configured probe stride."""
+        stride = stride or self.settings.blend_probe_stride
+        return self.blend.lookup(model, world_size, salt, prompt, stride)
 
     def score_engines(
         self,

@@ -57,7 +57,7 @@ class ColumnarEntries(Protocol):
     """A batch's entries that differ only in their chunk hash, as columns.
 
     Entry ``i`` is ``template`` with ``chunk_hashes[i]`` as its key's chunk
-    hash. ``kvmesh.common.convert.UniformEntries`` (the servicer's fast
+    hash. ``kvmesh.common.uniform_batches.UniformEntries`` (the servicer's fast
     conversion) has this shape and is also a ``Sequence[CacheEventEntry]``,
     so a batch carrying it reads the same to every other caller.
     """
