@@ -32,6 +32,9 @@ def test_bench_serve_reports_every_arrangement() -> None:
     for name in ("vllm_alone", "floor", "kvmesh"):
         figures = result["arrangements"][name]
         assert all(figures[key] > 0 for key in KEYS), (name, figures)
+        # The split of a TTFT from vLLM's own request timings: a prefill always takes time.
+        assert figures["query_prefill_ms_mean"] > 0, (name, figures)
+        assert figures["query_queue_ms_mean"] >= 0, (name, figures)
     mesh = result["arrangements"]["kvmesh"]
     # Each document is 4 chunks; the query round finds at least the ones vLLM evicted.
     assert mesh["tokens_from_kvmesh"] >= 1024

@@ -135,8 +135,31 @@ def _run_rounds(
             progress.count(answered)
             progress.say(f"{name}: {label} {a.index + 1}: TTFT {1e3 * a.ttft_s:.0f} ms")
 
+        before = metrics(server.metrics_url)
         answers, elapsed = run_round(send, len(prompts), args.concurrency, show)
-        out[label] = ttft_summary(answers, elapsed)
+        out[label] = {
+            **ttft_summary(answers, elapsed),
+            **_phases(before, metrics(server.metrics_url)),
+        }
+    return out
+
+
+#: vLLM's per-request histograms that split a TTFT: waiting to be scheduled (the
+#: connector's lookup included), then scheduled until the first token (the load
+#: from kvmesh and the forward pass).
+PHASES = {
+    "queue_ms_mean": "vllm:request_queue_time_seconds",
+    "prefill_ms_mean": "vllm:request_prefill_time_seconds",
+}
+
+
+def _phases(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean milliseconds per request of each of :data:`PHASES` over a round."""
+    out = {}
+    for key, series in PHASES.items():
+        count = after.get(f"{series}_count", 0.0) - before.get(f"{series}_count", 0.0)
+        total = after.get(f"{series}_sum", 0.0) - before.get(f"{series}_sum", 0.0)
+        out[key] = round(1e3 * total / count, 1) if count else 0.0
     return out
 
 
@@ -201,6 +224,11 @@ def _arrangement(
             "query_ttft_p90_ms": summaries["query"]["ttft_p90_ms"],
             "query_ttft_max_ms": summaries["query"]["ttft_max_ms"],
             "query_round_s": summaries["query"]["round_s"],
+            # TTFT split by vLLM's own request timings (queue, then prefill).
+            "warmup_queue_ms_mean": summaries["warmup"]["queue_ms_mean"],
+            "warmup_prefill_ms_mean": summaries["warmup"]["prefill_ms_mean"],
+            "query_queue_ms_mean": summaries["query"]["queue_ms_mean"],
+            "query_prefill_ms_mean": summaries["query"]["prefill_ms_mean"],
             "cached_tokens": summaries["warmup"]["cached_tokens"]
             + summaries["query"]["cached_tokens"],
             "preemptions": _preemptions(server) - vllm_before,
