@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -37,6 +38,8 @@ from kvmesh.storage.core.transfer.layout import KVLayout, chunk_nbytes
 
 #: Longest wait for the coordinator's blend index inside one FindSegments.
 FLEET_FIND_TIMEOUT_S = 2.0
+#: After the coordinator's blend index failed, finds stay local this long.
+FLEET_RETRY_S = 30.0
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,9 @@ class NodeSegments:
         self.catalog = SegmentCatalog()
         #: The coordinator's blend index (a node with a coordinator and P2P); None: local only.
         self.fleet: FleetSegments | None = None
-        self._fleet_warned = False
+        #: While the coordinator cannot answer, finds stay local until then (monotonic).
+        self._fleet_down_until = 0.0
+        self._clock = time.monotonic
 
     def note(
         self, keys: Sequence[ObjectKey], tokens: Sequence[int] | np.ndarray, field: str
@@ -87,18 +92,21 @@ class NodeSegments:
         probed)``. A coordinator that cannot answer leaves the local matches."""
         local, probed = self.find(like, prompt, stride)
         found = [(start, length, key, True) for start, length, key in local]
-        if self.fleet is None:
+        if self.fleet is None or self._clock() < self._fleet_down_until:
             return found, probed
         tokens = np.asarray(prompt, dtype=np.uint32).tolist()
-        world_size = (like.kv_rank >> 24) or 1
+        world_size = (like.kv_rank >> 24) or 1  # the packed kv rank's top byte
         try:
             remote = await asyncio.to_thread(
                 self.fleet.find, like, world_size, tokens, stride, FLEET_FIND_TIMEOUT_S
             )
         except FleetUnavailable as exc:
-            if not self._fleet_warned:
-                self._fleet_warned = True
-                logger.warning("segments are found on this node only: %s", exc)
+            # A coordinator that is down (or runs without the index) costs one call per
+            # FLEET_RETRY_S, not a timeout per lookup.
+            self._fleet_down_until = self._clock() + FLEET_RETRY_S
+            logger.warning(
+                "segments are found on this node only for %.0f s: %s", FLEET_RETRY_S, exc
+            )
             return found, probed
         taken = [(start, start + length) for start, length, _, _ in found]
         for start, length, chunk_hash in remote:
