@@ -126,6 +126,30 @@ def test_tile_scatter_matches_the_reference_and_leaves_skipped_blocks(
             assert torch.equal(layer[block], old[block])
 
 
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("kind", TILED)
+def test_scatter_streams_to_aligned_layers_and_stores_to_the_others(
+    kind: KVLayoutKind, offset: int, backend: str
+) -> None:
+    # The native scatters write whole lines with streaming stores when the layer is
+    # aligned and with ordinary stores otherwise: both match the reference.
+    shape = paged_layer_shape(kind, NUM_BLOCKS, 32, KV_HEADS, 64)
+    gen = torch.Generator().manual_seed(4)
+    numel = int(torch.Size(shape).numel())
+    layers = []
+    for _ in range(2):
+        backing = torch.randn(numel + offset, generator=gen).to(torch.bfloat16)
+        layers.append(backing[offset:].view(shape))
+    fast_kv = PagedKVCache(layers, kind)
+    ref_kv = PagedKVCache([t.clone() for t in layers], kind)
+    assert (layers[0].data_ptr() % 32 == 0) is (offset == 0)
+    ids, tokens = chunks_for(fast_kv, 2, 3)
+    srcs = [torch.randn(fast_kv.chunk_shape(n), generator=gen).to(torch.bfloat16) for n in tokens]
+    scatter_chunks(fast_kv, ids, srcs)
+    ref_scatter_chunks(ref_kv, ids, srcs)
+    assert all(torch.equal(a, b) for a, b in zip(fast_kv.layers, ref_kv.layers, strict=True))
+
+
 def test_amx_needs_16_token_and_16_dim_tiles() -> None:
     from kvmesh.common.errors import InvalidArgument
 
