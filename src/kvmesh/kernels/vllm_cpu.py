@@ -7,10 +7,11 @@ One layer is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; inside one
   ``[block_size][head_dim]``. On the CPU the native kernel
   (``kvmesh_vec_tiles``: 8x8 transposes with SSE2 for K, a run per token for V)
   moves a layer in one call (measured 16 MiB: 5 ms on one thread, 3 ms on two,
-  against 7-10 ms for the torch path below); a scatter writes whole lines
-  with streaming stores (four transposes give 8 dims 32 tokens each), which
-  took SmolLM2's 31 chunks from 3.6 to 4.8 GB/s on one thread (a same-run
-  memcpy: 7.3). Without it, each plane is read through a
+  against 7-10 ms for the torch path below); both directions write whole
+  lines with streaming stores (a scatter: four transposes give 8 dims 32
+  tokens each; a gather: each token's head run whole), which took SmolLM2's
+  31 chunks (174 MiB) on one thread from 3.6 to 4.5 GB/s (scatter) and 3.4 to
+  5.2 (gather), against a same-run memcpy of 7.2. Without it, each plane is read through a
   strided view ``[num_blocks, block_size, kv_heads, head_dim]`` over the same
   memory: one indexed copy per (layer, plane) moves all of a chunk's whole
   blocks, and a partial last block takes one more slice copy.
@@ -20,10 +21,11 @@ One layer is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; inside one
   elements, which no strided view or run copy expresses. On the CPU the
   native kernel (``kvmesh_amx_tiles`` in ``_native/ntcopy.c``, with AVX2 for
   2-byte elements) moves them in one pass per layer on the calling thread
-  (measured 16 MiB: 4-6 ms; a scatter writes whole lines with streaming stores
-  and prefetches the next tile's rows, which took SmolLM2's 31 chunks, 174 MiB,
-  from 4.2 to 5.7 GB/s on one thread and from 6.8 to 8.9 on two, against a
-  same-run memcpy of 7.3; torch
+  (measured 16 MiB: 4-6 ms; both directions write whole lines with streaming
+  stores, and a scatter prefetches the next tile's rows, which took SmolLM2's
+  31 chunks, 174 MiB, on one thread from 4.2 to 5.8 GB/s (scatter) and 3.7
+  to 5.7 (gather), on two from 6.8 to 8.1 and 6.0 to 8.3, against a same-run
+  memcpy of 7.3; torch
   takes 17-22 ms on two threads and twice that beside a busy engine); without
   it (an install built without it, or a GPU) each plane moves through a table
   of element offsets (:func:`head_offsets`), one indexed read or write per

@@ -128,11 +128,11 @@ def test_tile_scatter_matches_the_reference_and_leaves_skipped_blocks(
 
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("kind", TILED)
-def test_scatter_streams_to_aligned_layers_and_stores_to_the_others(
+def test_copies_stream_to_aligned_memory_and_store_to_the_rest(
     kind: KVLayoutKind, offset: int, backend: str
 ) -> None:
-    # The native scatters write whole lines with streaming stores when the layer is
-    # aligned and with ordinary stores otherwise: both match the reference.
+    # The native copies write whole lines with streaming stores when the memory they
+    # write is aligned and with ordinary stores otherwise: both match the reference.
     shape = paged_layer_shape(kind, NUM_BLOCKS, 32, KV_HEADS, 64)
     gen = torch.Generator().manual_seed(4)
     numel = int(torch.Size(shape).numel())
@@ -148,6 +148,16 @@ def test_scatter_streams_to_aligned_layers_and_stores_to_the_others(
     scatter_chunks(fast_kv, ids, srcs)
     ref_scatter_chunks(ref_kv, ids, srcs)
     assert all(torch.equal(a, b) for a, b in zip(fast_kv.layers, ref_kv.layers, strict=True))
+    # The gather streams into aligned chunks in the same way.
+    outs = []
+    for n in tokens:
+        size = int(torch.Size(fast_kv.chunk_shape(n)).numel())
+        outs.append(torch.zeros(size + offset, dtype=torch.bfloat16)[offset:].view(
+            fast_kv.chunk_shape(n)))  # fmt: skip
+    gather_chunks(fast_kv, ids, outs)
+    want = [torch.zeros(fast_kv.chunk_shape(n), dtype=torch.bfloat16) for n in tokens]
+    ref_gather_chunks(ref_kv, ids, want)
+    assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True))
 
 
 def test_amx_needs_16_token_and_16_dim_tiles() -> None:

@@ -329,9 +329,10 @@ KVMESH_EXPORT int kvmesh_copy_runs(const void *src_base, void *dst_base,
  *
  * A scatter into a 32-byte aligned layer writes every whole tile line with
  * streaming stores (the reasons are the run copy's, at the top of this file)
- * and prefetches the source rows of the tile after next: SmolLM2's shape, 31
- * chunks (174 MiB), one thread, 4.2 -> 5.7 GB/s, two threads 6.8 -> 8.9 GB/s,
- * against a same-run memcpy of 7.3 GB/s.
+ * and prefetches the source rows of the tile after next; a gather into
+ * aligned chunk rows streams each token's head run whole. SmolLM2's shape, 31
+ * chunks (174 MiB), one thread: scatter 4.2 -> 5.8 GB/s, gather 3.7 -> 5.7;
+ * two threads: 6.8 -> 8.1 and 6.0 -> 8.3; a same-run memcpy: 7.3 GB/s.
  */
 __attribute__((target("avx2"))) static void amx_transpose8(__m256i r[8]) {
     __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
@@ -371,6 +372,10 @@ __attribute__((target("avx2"))) static void amx_tiles_u16_avx2(
      * when the layer is 32-byte aligned (always, for vLLM's page-aligned
      * tensors): no read for ownership of lines the copy overwrites whole. */
     const int stream = !gather && ((uintptr_t)lay % 32) == 0;
+    /* A gather streams whole lines of the chunk's rows the same way, a token's
+     * head (hd elements) at a time, when every such run is whole lines. */
+    const int gstream = gather && ((uintptr_t)kr % 64) == 0 && ((uintptr_t)vr % 64) == 0 &&
+                        (row_len * 2) % 64 == 0 && (hd * 2) % 64 == 0 && hd <= 256;
     for (int64_t j = 0; j < n_blocks; j++) {
         int64_t count = n_tokens - j * bs < bs ? n_tokens - j * bs : bs;
         if (count <= 0 || (!gather && j < skip_blocks)) continue;
@@ -382,6 +387,28 @@ __attribute__((target("avx2"))) static void amx_tiles_u16_avx2(
             for (int64_t t0 = 0; t0 < count; t0 += 16) {
                 int64_t n = count - t0 < 16 ? count - t0 : 16;
                 uint16_t *tile = region + (t0 / 16) * 16 * hd;
+                if (n == 16 && gstream) {
+                    uint32_t *t32 = (uint32_t *)tile;
+                    uint32_t *r32 = (uint32_t *)(rows_k + t0 * row_len);
+                    int64_t dst_stride = row_len / 2, groups = hd / 16;
+                    for (int64_t half = 0; half < 16; half += 8) {
+                        __m256i buf[16][8]; /* [unit group][token]: 8 tokens' whole runs */
+                        for (int64_t g = 0; g < groups; g++) {
+                            __m256i r[8];
+                            for (int i = 0; i < 8; i++)
+                                r[i] = _mm256_loadu_si256(
+                                    (const __m256i *)(t32 + (8 * g + i) * 16 + half));
+                            amx_transpose8(r);
+                            for (int k = 0; k < 8; k++) buf[g][k] = r[k];
+                        }
+                        for (int k = 0; k < 8; k++) {
+                            uint32_t *row = r32 + (half + k) * dst_stride;
+                            for (int64_t g = 0; g < groups; g++)
+                                _mm256_stream_si256((__m256i *)(row + 8 * g), buf[g][k]);
+                        }
+                    }
+                    continue;
+                }
                 if (n == 16 && stream) {
                     /* Two 8x8 transposes (tokens 0-7, 8-15) give each tile row (one
                      * dim pair, 16 tokens) whole: one line, two streaming stores. */
@@ -433,7 +460,25 @@ __attribute__((target("avx2"))) static void amx_tiles_u16_avx2(
                     }
                 }
             }
-            for (int64_t t = 0; t < count; t += 2) {
+            for (int64_t t = 0; gstream && t + 1 < count; t += 2) {
+                /* V: a token pair's 16-dim tiles, taken apart into the two rows' whole runs. */
+                uint16_t *r0 = rows_v + t * row_len, *r1 = r0 + row_len;
+                __m256i w0[16], w1[16];
+                for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+                    uint16_t *tile = vregion + (d0 / 16) * 16 * bs + (t / 2) * 32;
+                    __m256i o0 = _mm256_loadu_si256((const __m256i *)tile);
+                    __m256i o1 = _mm256_loadu_si256((const __m256i *)(tile + 16));
+                    __m256i lo = _mm256_shuffle_epi8(_mm256_permute2x128_si256(o0, o1, 0x20), odd_even);
+                    __m256i hi = _mm256_shuffle_epi8(_mm256_permute2x128_si256(o0, o1, 0x31), odd_even);
+                    w0[d0 / 16] = _mm256_unpacklo_epi64(lo, hi);
+                    w1[d0 / 16] = _mm256_unpackhi_epi64(lo, hi);
+                }
+                for (int64_t g = 0; g < hd / 16; g++)
+                    _mm256_stream_si256((__m256i *)(r0 + 16 * g), w0[g]);
+                for (int64_t g = 0; g < hd / 16; g++)
+                    _mm256_stream_si256((__m256i *)(r1 + 16 * g), w1[g]);
+            }
+            for (int64_t t = gstream ? count - count % 2 : 0; t < count; t += 2) {
                 if (stream && t % 16 == 0 && t + 32 <= count)
                     for (int i = 16; i < 32; i++)
                         for (int64_t off = 0; off < hd * 2; off += 64)
@@ -475,7 +520,7 @@ __attribute__((target("avx2"))) static void amx_tiles_u16_avx2(
             }
         }
     }
-    if (stream) _mm_sfence(); /* streaming stores are weakly ordered */
+    if (stream || gstream) _mm_sfence(); /* streaming stores are weakly ordered */
 }
 
 static int amx_tiles_simd(void *layer, void *k_rows, void *v_rows, const int64_t *blocks,
@@ -546,10 +591,13 @@ KVMESH_EXPORT int kvmesh_amx_tiles(void *layer, void *k_rows, void *v_rows,
                         if (gather) rows_k[t * row_len + d] = region[d * bs + t];          \
                         else region[d * bs + t] = rows_k[t * row_len + d];                 \
                     }                                                                      \
-                int64_t v0 = simd && !gather                                               \
-                                 ? vec_v_scatter_stream_u16((uint16_t *)(region + bs * hd),        \
-                                                            (uint16_t *)rows_v, count, hd, row_len) \
-                                 : 0;                                                      \
+                int64_t v0 = !simd   ? 0                                                   \
+                             : gather ? vec_v_gather_stream_u16((uint16_t *)(region + bs * hd),    \
+                                                                (uint16_t *)rows_v, count, hd,     \
+                                                                row_len)                           \
+                                      : vec_v_scatter_stream_u16((uint16_t *)(region + bs * hd),   \
+                                                                 (uint16_t *)rows_v, count, hd,    \
+                                                                 row_len);                         \
                 for (int64_t t = v0; t < count; t++) {                                     \
                     T *v = region + bs * hd + t * hd;                                      \
                     if (gather) memcpy(rows_v + t * row_len, v, (size_t)hd * sizeof(T));   \
@@ -616,14 +664,54 @@ static int64_t vec_v_scatter_stream_u16(uint16_t *vregion, const uint16_t *rows,
     return count;
 }
 
+/* Gather of K for whole groups of 8 tokens with streaming stores: hd / 8
+ * transposes give each token its head's hd elements, whole lines of its chunk
+ * row. Needs the rows' runs whole aligned lines (hd * 2 and row_len * 2
+ * multiples of 64, rows 64-byte aligned) and hd <= 256; returns the tokens done. */
+static int64_t vec_k_gather_stream_u16(const uint16_t *region, uint16_t *rows, int64_t count,
+                                       int64_t bs, int64_t hd, int64_t row_len) {
+    if ((hd * 2) % 64 || (row_len * 2) % 64 || ((uintptr_t)rows % 64) || hd > 256) return 0;
+    int64_t whole = count - count % 8;
+    __m128i buf[32][8];
+    for (int64_t t0 = 0; t0 < whole; t0 += 8) {
+        for (int64_t d0 = 0; d0 < hd; d0 += 8) {
+            __m128i r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = _mm_loadu_si128((const __m128i *)(region + (d0 + i) * bs + t0));
+            vec_transpose8x8_u16(r);
+            for (int k = 0; k < 8; k++) buf[d0 / 8][k] = r[k];
+        }
+        for (int k = 0; k < 8; k++) {
+            __m128i *line = (__m128i *)(rows + (t0 + k) * row_len);
+            for (int64_t g = 0; g < hd / 8; g++) _mm_stream_si128(line + g, buf[g][k]);
+        }
+    }
+    return whole;
+}
+
+/* Gather of V with streaming stores (each token's hd elements: whole aligned lines of
+ * its chunk row, under the same conditions as the K gather); returns the tokens done. */
+static int64_t vec_v_gather_stream_u16(const uint16_t *vregion, uint16_t *rows, int64_t count,
+                                       int64_t hd, int64_t row_len) {
+    if ((hd * 2) % 64 || (row_len * 2) % 64 || ((uintptr_t)rows % 64)) return 0;
+    for (int64_t t = 0; t < count; t++) {
+        const __m128i *src = (const __m128i *)(vregion + t * hd);
+        __m128i *dst = (__m128i *)(rows + t * row_len);
+        for (int64_t i = 0; i < hd / 8; i++) _mm_stream_si128(dst + i, _mm_loadu_si128(src + i));
+    }
+    return count;
+}
+
 /* K of one (block, head), 2-byte elements, whole groups of 8 tokens; returns the
  * first token left for the element loop. Needs hd a multiple of 8. A scatter
- * into an aligned region takes the streaming path for whole groups of 32. */
+ * into an aligned region takes the streaming path for whole groups of 32, a
+ * gather into aligned rows one for every group. */
 static int64_t vec_k_u16(uint16_t *region, uint16_t *rows, int64_t count, int64_t bs,
                          int64_t hd, int64_t row_len, int gather) {
     if (hd % 8) return 0;
     int64_t whole = count - count % 8;
-    int64_t start = gather ? 0 : vec_k_scatter_stream_u16(region, rows, whole, bs, hd, row_len);
+    int64_t start = gather ? vec_k_gather_stream_u16(region, rows, whole, bs, hd, row_len)
+                           : vec_k_scatter_stream_u16(region, rows, whole, bs, hd, row_len);
     __m128i r[8];
     for (int64_t t0 = start; t0 < whole; t0 += 8)
         for (int64_t d0 = 0; d0 < hd; d0 += 8) {
@@ -655,6 +743,11 @@ static int64_t vec_v_scatter_stream_u16(uint16_t *vregion, const uint16_t *rows,
     (void)vregion; (void)rows; (void)count; (void)hd; (void)row_len;
     return 0;
 }
+static int64_t vec_v_gather_stream_u16(const uint16_t *vregion, uint16_t *rows, int64_t count,
+                                       int64_t hd, int64_t row_len) {
+    (void)vregion; (void)rows; (void)count; (void)hd; (void)row_len;
+    return 0;
+}
 #define VEC_SIMD_OK 0
 #endif
 
@@ -668,7 +761,7 @@ KVMESH_EXPORT int kvmesh_vec_tiles(void *layer, void *k_rows, void *v_rows,
     case 2:
         VEC_TILE_COPY(uint16_t);
 #ifdef KVMESH_X86
-        if (simd && !gather) _mm_sfence(); /* the streaming stores above are weakly ordered */
+        if (simd) _mm_sfence(); /* the streaming stores above are weakly ordered */
 #endif
         return 0;
     case 4: simd = 0; VEC_TILE_COPY(uint32_t); return 0;
