@@ -170,7 +170,7 @@ def batch_to_proto(batch: CacheEventBatch) -> events_pb2.CacheEventBatch:
 
 
 def _entries_from_proto(
-    wire_entries: Iterable[events_pb2.CacheEventEntry],
+    wire_entries: Iterable[events_pb2.CacheEventEntry], stores: bool
 ) -> tuple[tuple[CacheEventEntry, ...], bool]:
     """The core form of a batch's entries, and whether they passed the quick entry checks.
 
@@ -221,7 +221,7 @@ def _entries_from_proto(
             if len(chunk_hash) != hash_len or size < 0 or offset < unknown:
                 clean = False
         segment = None
-        if wire.HasField("segment"):
+        if stores and wire.HasField("segment"):  # segment heads ride on STOREs only
             segment = SegmentHead(tuple(wire.segment.head_tokens[:]), wire.segment.num_tokens)
             if not segment_head_ok(segment):
                 clean = False
@@ -243,7 +243,7 @@ def _entries_from_proto(
 
 
 def _entry_template(
-    wire: events_pb2.CacheEventEntry, chunk_hash: bytes
+    wire: events_pb2.CacheEventEntry, chunk_hash: bytes, stores: bool
 ) -> tuple[CacheEventEntry, bool]:
     """The core form of one wire entry (with ``chunk_hash``) and whether it passed the checks."""
     k = wire.key
@@ -254,7 +254,7 @@ def _entry_template(
     offset = wire.token_offset
     if not offset and not wire.HasField("token_offset"):
         offset = UNKNOWN_TOKEN_OFFSET
-    segment = _segment_from_proto(wire)
+    segment = _segment_from_proto(wire) if stores else None
     entry = CacheEventEntry(
         ObjectKey(chunk_hash, model, k.kv_rank, k.object_group_id, salt),
         size,
@@ -300,12 +300,25 @@ def _convert(
     entries: Sequence[CacheEventEntry] | None = None
     clean = True
     if columns and n >= UNIFORM_MIN_ENTRIES:
-        hashes = uniform_hashes(msg)
+        header = events_pb2.CacheEventBatch(
+            instance_id=instance_id,
+            incarnation=incarnation,
+            seq=seq,
+            event_type=raw_type,
+            tier=raw_tier,
+            backend=backend,
+            shared=shared,
+            ts=ts,
+            capacity_bytes=capacity_bytes,
+            capacity_revision=capacity_revision,
+        ).SerializeToString()
+        hashes = uniform_hashes(msg, header, traceparent)
         if hashes is not None:
-            template, clean = _entry_template(wire_entries[0], hashes[0])
+            stores = event_type is EventType.STORE
+            template, clean = _entry_template(wire_entries[0], hashes[0], stores)
             entries = UniformEntries(hashes, template)
     if entries is None:
-        entries, clean = _entries_from_proto(wire_entries)
+        entries, clean = _entries_from_proto(wire_entries, event_type is EventType.STORE)
     batch = CacheEventBatch(
         instance_id=instance_id,
         incarnation=incarnation,

@@ -106,26 +106,20 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def uniform_hashes(msg: events_pb2.CacheEventBatch) -> Sequence[bytes] | None:
-    """The chunk hashes of ``msg`` when its entries differ only in them, else None."""
-    entries = msg.entries
-    fields = events_pb2.CacheEventBatch(
-        instance_id=msg.instance_id,
-        incarnation=msg.incarnation,
-        seq=msg.seq,
-        event_type=msg.event_type,
-        tier=msg.tier,
-        backend=msg.backend,
-        shared=msg.shared,
-        ts=msg.ts,
-        capacity_bytes=msg.capacity_bytes,
-        capacity_revision=msg.capacity_revision,
-    ).SerializeToString()
+def uniform_hashes(
+    msg: events_pb2.CacheEventBatch, header: bytes, traceparent: str
+) -> Sequence[bytes] | None:
+    """The chunk hashes of ``msg`` when its entries differ only in them, else None.
+
+    ``header`` is the wire form of ``msg``'s fields 1-10 and ``traceparent`` its
+    field 12, both from the values the caller has already read off ``msg``.
+    """
     trailer = b""
-    if msg.traceparent:
-        raw = msg.traceparent.encode()
+    if traceparent:
+        raw = traceparent.encode()
         trailer = _TRACEPARENT_TAG + _varint(len(raw)) + raw
-    return _hashes_in(msg, entries[0], len(entries), fields, trailer)
+    entries = msg.entries
+    return _hashes_in(msg, entries[0], len(entries), header, trailer)
 
 
 def _hashes_in(
