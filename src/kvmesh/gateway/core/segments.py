@@ -67,16 +67,24 @@ class Segments:
         self.max_tokens = max_tokens
 
     def _row(
-        self, engine_id: str, cache_salt: str, tokens: Sequence[int] | np.ndarray
+        self,
+        engine_id: str,
+        cache_salt: str,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        engine_driven: bool = True,
+        field: str = "token_ids",
     ) -> tuple[RegisteredEngine, KeyRow, int]:
-        """The engine, the segment's one-key row and the segment's object size."""
-        engine = self.engines.get(engine_id, engine_driven=True)
+        """The engine (an engine-driven context, or one that registered its KV cache),
+        the segment's one-key row and the segment's object size."""
+        engine = self.engines.get(engine_id, engine_driven=engine_driven)
         validate_cache_salt(cache_salt)
         count = len(tokens)
         if count == 0:
-            raise InvalidArgument("a segment needs at least one token", field="token_ids")
+            raise InvalidArgument("a segment needs at least one token", field=field)
         check_token_count(count, self.max_tokens)
-        if engine.chunk_shape[0] != 2:
+        # An MLA context has one plane (a registered engine's layout is checked by storage).
+        if engine.chunk_shape and engine.chunk_shape[0] != 2:
             raise InvalidArgument(
                 "segments need a K/V context (an MLA context has one plane)", field="engine_id"
             )
@@ -141,20 +149,6 @@ class Segments:
         finally:
             await self.storage.end_lease(state.prefetch_id)
 
-    def _placed_row(
-        self, engine_id: str, cache_salt: str, tokens: Sequence[int] | np.ndarray
-    ) -> KeyRow:
-        """The one-key row of a segment of an engine that registered its KV cache."""
-        engine = self.engines.get(engine_id, engine_driven=False)
-        validate_cache_salt(cache_salt)
-        if len(tokens) == 0:
-            raise InvalidArgument("a segment needs at least one token", field="segment.token_ids")
-        check_token_count(len(tokens), self.max_tokens)
-        spec = engine.spec
-        key = segment_key(spec.model_name, np.asarray(tokens, dtype=np.uint32))
-        rank = worker_kv_rank(spec.world_size, spec.worker_id)
-        return KeyRow(spec.model_name, cache_salt, rank, [key])
-
     async def store_placed(
         self,
         engine_id: str,
@@ -164,7 +158,9 @@ class Segments:
         start_token: int,
     ) -> StoreOutcome:
         """Gather a document out of a registered engine's request into its segment."""
-        row = self._placed_row(engine_id, cache_salt, tokens)
+        _, row, _ = self._row(
+            engine_id, cache_salt, tokens, engine_driven=False, field="segment.token_ids"
+        )
         outcome = await self.storage.store_segment(engine_id, row, block_ids, start_token, tokens)
         if outcome is StoreOutcome.STORED:
             self.counters.segment_stores += 1
@@ -180,12 +176,12 @@ class Segments:
     ) -> bool:
         """Write a document's segment into a registered engine's request (loading it from
         L2 or a peer first when it is not in L1); whether it was found."""
-        row = self._placed_row(engine_id, cache_salt, tokens)
+        _, row, nbytes = self._row(
+            engine_id, cache_salt, tokens, engine_driven=False, field="segment.token_ids"
+        )
         count = len(tokens)
         found = await self.storage.retrieve_segment(engine_id, row, block_ids, start_token, count)
         if not found:
-            engine = self.engines.get(engine_id, engine_driven=False)
-            nbytes = engine.chunk_bytes // self.chunk_size * count
             async with self._fetched(row, nbytes) as arrived:
                 if arrived:
                     found = await self.storage.retrieve_segment(
