@@ -17,6 +17,7 @@ storage node that is down, and waits refused well inside the caller's deadline.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -513,7 +514,14 @@ def test_calls_that_need_a_stopped_storage_node_answer_unavailable(
         "clear": gateway_pb2.ClearRequest(),
     }  # fmt: skip
     thread.stop(stack.node.server, grace=0)
-    error = stack.error(method, requests[method], timeout=10.0)
+    # Hold the stopped node's port (bound, not listening: connections are refused), so
+    # a server another test starts meanwhile cannot take it and answer in its place
+    # (a loaded CI run once saw the clear succeed that way).
+    host, _, port = stack.node.server.target.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
+        holder.bind((host, int(port)))
+        error = stack.error(method, requests[method], timeout=10.0)
     assert code_of(error) == "UNAVAILABLE"
     # The engine's memory was not touched.
     assert np.array_equal(np.asarray(base.engine.kv), base.before)
