@@ -9,6 +9,7 @@ kvmesh's chained chunk hashes give. Failure knobs let tests break it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,10 @@ class FakeGateway:
     retrieve_limit: int | None = None
     #: Store/Retrieve answer FAILED_PRECONDITION this many times (a restarted gateway).
     forget_engine: int = 0
+    #: Retrieve calls (counted from 0) that raise UNAVAILABLE.
+    failing_retrieves: set[int] = field(default_factory=set)
+    #: While not set, a Retrieve of a layer range that does not start at layer 0 waits.
+    later_parts_gate: threading.Event | None = None
     calls: list[tuple[str, Any]] = field(default_factory=list)
     #: The deadline (``timeout``) each RegisterKVCache, Store and Retrieve was sent with.
     deadlines: list[tuple[str, float | None]] = field(default_factory=list)
@@ -55,6 +60,8 @@ class FakeGateway:
     layers: list[torch.Tensor] = field(default_factory=list)
     registered: bool = False
     _polls: dict[str, int] = field(default_factory=dict)
+    #: Each request's tokens, as the gateway's session keeps them.
+    _tokens: dict[str, list[int]] = field(default_factory=dict)
     _lookups: dict[str, int] = field(default_factory=dict)
 
     def _enter(self, name: str, request: Any) -> None:
@@ -192,9 +199,19 @@ class FakeGateway:
     def retrieve(self, request: Any, *, timeout: float | None = None, **_: Any) -> Any:
         self._enter("Retrieve", request)
         self.deadlines.append(("Retrieve", timeout))
+        if len(self.requests("Retrieve")) - 1 in self.failing_retrieves:
+            raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, "this Retrieve fails")
         self._check_engine()
         rng = request.range
-        tokens = list(rng.token_ids)
+        tokens = list(rng.token_ids) or self._tokens.get(rng.request_id, [])
+        self._tokens[rng.request_id] = tokens
+        start, end = (
+            (request.layers.start, request.layers.end)
+            if request.HasField("layers")
+            else (0, len(self.layers))
+        )
+        if start > 0 and self.later_parts_gate is not None:
+            self.later_parts_gate.wait(10)
         first, last = rng.start_token // self.chunk_size, rng.end_token // self.chunk_size
         skip_blocks = request.skip_first_n_tokens // self.layers[0].shape[2]
         done = 0
@@ -207,7 +224,7 @@ class FakeGateway:
             blocks = self._blocks_of_chunk(request.block_ids, i)
             bpc = blocks.numel()
             keep = slice(max(0, skip_blocks - i * bpc), bpc)
-            for layer, saved in zip(self.layers, self.chunks[key], strict=True):
+            for layer, saved in list(zip(self.layers, self.chunks[key], strict=True))[start:end]:
                 layer.index_copy_(1, blocks[keep], saved[:, keep])
             done += 1
         return gateway_pb2.RetrieveResponse(

@@ -84,7 +84,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "pool every round's prompts and each round's own ratios are listed too (on a shared "
         "VM whose speed drifts within minutes, a ratio within one round is the fair one)",
     )
+    parser.add_argument(
+        "--omp-bind",
+        default="",
+        help="VLLM_CPU_OMP_THREADS_BIND of every arrangement (default: every core, so the "
+        "figures are vLLM's fastest; 0 leaves the other cores to kvmesh, as bench serve "
+        "does on 2 cores)",
+    )
+    parser.add_argument(
+        "--connector-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a kv_connector_extra_config key for the kvmesh arrangements (repeatable), "
+        "e.g. load_by_layer=false",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def connector_options(pairs: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` pairs as a dict; SystemExit naming a pair without ``=``."""
+    options = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"--connector-option {pair!r}: expected KEY=VALUE")
+        options[key] = value
+    return options
 
 
 def _prompts(count: int, tokens: int, seed: int, vocab: int = 32000) -> list[list[int]]:
@@ -119,6 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"kvmesh bench vllm: --prompt-tokens must be >= {MIN_PROMPT_TOKENS}, --prompts and "
             "--rounds >= 1"
         )
+    options = connector_options(args.connector_option)
     progress = Progress.for_args("vllm", args)
     with progress, tempfile.TemporaryDirectory(prefix="kvmesh-bench-vllm-") as tmp:
         progress.say(
@@ -140,6 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # would compete with it); each figure is then one request's own time.
             "gap_s": args.gap_s,
             "kv_cache_gib": args.kv_cache_gib,
+            "omp_bind": args.omp_bind,
         }
         fleet = None
         gateway = args.gateway
@@ -160,7 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for index in range(args.rounds):
                 # A model name of the round's own: nothing an earlier round stored can hit.
-                spec = {**base, "connector": {"model_name": f"bench-vllm-{uuid.uuid4().hex[:8]}"}}
+                name = f"bench-vllm-{uuid.uuid4().hex[:8]}"
+                spec = {**base, "connector": {**options, "model_name": name}}
                 step = f"round {index + 1}/{args.rounds}"
                 runs = f"{len(prompts) + 1} prompts"
                 progress.phase(f"{step}: cold: vLLM alone, prefix caching off ({runs})")
@@ -189,6 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     warm = [r for one in rounds for r in one["warm"]]
     result: dict[str, Any] = {
         "prompt_tokens": args.prompt_tokens,
+        "connector_options": options,
         **_figures({"cold": cold, "floor": floor, "miss": miss, "warm": warm}),
         "tokens_from_cache": min(r["cached_tokens"] for r in warm),
         "prefix_cache_tokens": min(r["cached_tokens"] for r in floor),

@@ -20,6 +20,7 @@ from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.common.dtypes import proto_of_torch
 from kvmesh.connector.base import ConnectorBase
 from kvmesh.connector.heartbeat import Heartbeat
+from kvmesh.connector.layered import LayeredLoad, layer_groups
 from kvmesh.connector.metadata import ConnectorMetadata, RetrieveOp, StoreOp
 from kvmesh.connector.types import (
     ConnectorError,
@@ -63,6 +64,7 @@ class WorkerHooks(ConnectorBase):
         self._pool: ThreadPoolExecutor | None = None
         self._loads: list[_Transfer] = []
         self._load_ops: list[RetrieveOp] = []
+        self._layered: list[LayeredLoad] = []
         self._saves: list[_Transfer] = []
         self._load_error_blocks: set[int] = set()
         self._registered = False
@@ -252,24 +254,63 @@ class WorkerHooks(ConnectorBase):
 
     def _retrieve(self, op: RetrieveOp, producer_event: bytes = b"") -> list[int]:
         """Run one retrieve; the block ids it could not fill (empty on success)."""
-        skip_blocks = op.skip_first_n_tokens // self.config.block_size
+        return self._missing(op, self._send_retrieve(op, producer_event))
+
+    def _retrieve_by_layer(
+        self, op: RetrieveOp, producer_event: bytes, parts: LayeredLoad
+    ) -> list[int]:
+        """Run one retrieve as parts by layers, in order (see :mod:`.layered`); the block
+        ids some part could not fill. A failed part ends the load: the rest are not sent."""
+        fewest: int | None = None
+        try:
+            for i, layers in enumerate(parts.groups):
+                got = self._send_retrieve(op, producer_event, layers, with_tokens=i == 0)
+                fewest = got if fewest is None or got is None else min(fewest, got)
+                if got is None:
+                    break
+                parts.part_done(i)
+        finally:
+            parts.finish()
+        return self._missing(op, fewest)
+
+    def _send_retrieve(
+        self,
+        op: RetrieveOp,
+        producer_event: bytes,
+        layers: tuple[int, int] | None = None,
+        *,
+        with_tokens: bool = True,
+    ) -> int | None:
+        """One Retrieve call; the chunks it copied, None when it failed."""
         if not self._registered:
             logger.debug("retrieve of %s while the engine is not registered", op.request_id)
-            return list(op.block_ids[skip_blocks:])
+            return None
+        rng = self._prompt_range(op)
+        if not with_tokens:
+            del rng.token_ids[:]  # an earlier part sent them: the gateway's session keeps them
         request = gateway_pb2.RetrieveRequest(
             engine_id=self.engine_id,
-            range=self._prompt_range(op),
+            range=rng,
             block_ids=op.block_ids,
             skip_first_n_tokens=op.skip_first_n_tokens,
             producer_event_handle=producer_event,
         )
+        if layers is not None:
+            request.layers.start, request.layers.end = layers
         try:
             resp = self.client.retrieve(request, timeout=self._timeout)
         except grpc.RpcError as exc:
             if not self._forgotten("retrieve", exc):
                 logger.warning("retrieve of %s failed: %s", op.request_id, rpc_failure(exc))
+            return None
+        return int(resp.retrieved_chunks)
+
+    def _missing(self, op: RetrieveOp, chunks: int | None) -> list[int]:
+        """The op's block ids that ``chunks`` retrieved chunks leave unfilled (all: None)."""
+        skip_blocks = op.skip_first_n_tokens // self.config.block_size
+        if chunks is None:
             return list(op.block_ids[skip_blocks:])
-        loaded = resp.retrieved_chunks * self.chunk_size
+        loaded = chunks * self.chunk_size
         if op.start + loaded >= op.end:
             return []
         first_missing = max(loaded // self.config.block_size, skip_blocks)
@@ -304,17 +345,40 @@ class WorkerHooks(ConnectorBase):
             )
         return []
 
-    def start_load_kv(self, metadata: ConnectorMetadata, producer_event: bytes = b"") -> None:
+    def start_load_kv(
+        self, metadata: ConnectorMetadata, producer_event: bytes = b"", *, by_layer: bool = False
+    ) -> None:
         """Start the step's retrieves (before the forward pass).
 
         ``producer_event`` (GPU): IPC handle of a CUDA event recorded on the
         engine's stream; storage's copies into the blocks wait for it.
+        ``by_layer``: send each retrieve in parts by layers (:mod:`.layered`);
+        the engine then calls :meth:`wait_for_layer` before each layer reads
+        its KV, and :meth:`wait_for_load` before it reports the step.
         """
         self._require(KVConnectorRole.WORKER)
+        groups = self._layer_groups() if by_layer else None
         for op in metadata.retrieve_ops:
-            future = self._executor().submit(self._retrieve, op, producer_event)
+            if groups is None:
+                future = self._executor().submit(self._retrieve, op, producer_event)
+            else:
+                parts = LayeredLoad(groups)
+                self._layered.append(parts)
+                future = self._executor().submit(self._retrieve_by_layer, op, producer_event, parts)
             self._loads.append(_Transfer(op.request_id, future))
             self._load_ops.append(op)
+
+    def _layer_groups(self) -> list[tuple[int, int]] | None:
+        """The parts of a load by layers for the registered layout (None: one whole part)."""
+        registration = self._registration
+        if registration is None or registration.layout.num_layers < 2:
+            return None
+        return layer_groups(registration.layout.num_layers)
+
+    def wait_for_layer(self, layer: int | None) -> None:
+        """Block until every started load has written ``layer`` (None: every layer)."""
+        for parts in self._layered:
+            parts.wait_for_layer(layer)
 
     def wait_for_load(self) -> set[str]:
         """Wait for the started retrieves; the ids of requests whose load fell short."""
@@ -330,6 +394,7 @@ class WorkerHooks(ConnectorBase):
                 self._load_error_blocks.update(missing)
         self._loads = []
         self._load_ops = []
+        self._layered = []
         return failed
 
     def note_load_errors(self, block_ids: Iterable[int]) -> None:
@@ -347,6 +412,7 @@ class WorkerHooks(ConnectorBase):
                 transfer.future.result()
         self._loads = []
         self._load_ops = []
+        self._layered = []
         for op in ops:
             skip = op.skip_first_n_tokens // self.config.block_size
             self._load_error_blocks.update(op.block_ids[skip:])

@@ -182,19 +182,20 @@ class GrpcNodeStorage:
         skip_first_n_tokens: int,
         lease_id: str,
         producer_event: bytes = b"",
+        layers: tuple[int, int] | None = None,
     ) -> int:
-        response = await self.client.retrieve_chunks(
-            storage_pb2.RetrieveChunksRequest(
-                engine_id=engine_id,
-                keys=_row(row),
-                block_ids=block_ids,
-                chunk_tokens=chunk_tokens,
-                skip_first_n_tokens=skip_first_n_tokens,
-                lease_id=lease_id,
-                producer_event_handle=producer_event,
-            ),
-            timeout=_caller_deadline(),
+        request = storage_pb2.RetrieveChunksRequest(
+            engine_id=engine_id,
+            keys=_row(row),
+            block_ids=block_ids,
+            chunk_tokens=chunk_tokens,
+            skip_first_n_tokens=skip_first_n_tokens,
+            lease_id=lease_id,
+            producer_event_handle=producer_event,
         )
+        if layers is not None:
+            request.layers.start, request.layers.end = layers
+        response = await self.client.retrieve_chunks(request, timeout=_caller_deadline())
         return response.retrieved_chunks
 
     async def touch(self, grid: KeyGridSpec) -> None:

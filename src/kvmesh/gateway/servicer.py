@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvmesh.common import layer_range
 from kvmesh.common.node_types import StoreOutcome
 from kvmesh.gateway import wire
 from kvmesh.gateway.core import Gateway
@@ -30,6 +31,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             forward,
             wire.layout_fingerprint(request),
             chunk_bytes=wire.chunk_bytes(request.layout, self.core.chunk_size),
+            num_layers=request.layout.num_layers,
         )
         return gateway_pb2.RegisterKVCacheResponse(
             chunk_size=self.core.chunk_size,
@@ -111,6 +113,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             request.block_ids,
             request.skip_first_n_tokens,
             request.producer_event_handle,
+            layer_range.from_request(request),
         )
         return gateway_pb2.RetrieveResponse(
             retrieved_chunks=chunks, retrieved_tokens=chunks * self.core.chunk_size

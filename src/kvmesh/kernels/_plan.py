@@ -91,7 +91,7 @@ def check_chunk_tensor(kv: PagedKVCache, chunk: object, field: str) -> int:
             f"{kv.chunk_shape(max(int(num_tokens), 1))} for this KV cache",
             field=field,
         )
-    if not chunk.is_contiguous():
+    if not chunk.is_contiguous() and not (kv.kind.is_vllm_cpu and planes_contiguous(chunk)):
         raise InvalidArgument(f"{field} must be contiguous", field=field)
     if chunk.device != kv.device and {chunk.device.type, kv.device.type} != {"cpu", "cuda"}:
         raise InvalidArgument(
@@ -172,3 +172,10 @@ def plan_chunks(
                 written.add(b)
         plans.append(ChunkPlan(num_tokens, used, skip, chunk))
     return plans
+
+
+def planes_contiguous(chunk: torch.Tensor) -> bool:
+    """True when each ``chunk[plane, layer]`` is contiguous: the chunk may be a slice of a
+    larger chunk's layers (kernels/layer_range.py), which the per-layer kernels take as is."""
+    _, _, tokens, hidden = chunk.shape
+    return (hidden == 1 or chunk.stride(3) == 1) and (tokens == 1 or chunk.stride(2) == hidden)

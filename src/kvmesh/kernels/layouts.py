@@ -181,6 +181,7 @@ class PagedKVCache:
         self._row_views: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._row_views_lock = threading.Lock()
         self._void_views: dict[tuple[int | str, int], npt.NDArray[Any]] = {}
+        self._sub_caches: dict[tuple[int, int], PagedKVCache] = {}
         logger.debug(
             "paged KV cache %s: %d layers x %s %s on %s (fused=%s)",
             kind.name,
@@ -190,6 +191,19 @@ class PagedKVCache:
             self.device,
             self._fused,
         )
+
+    def sub_layers(self, start: int, end: int) -> PagedKVCache:
+        """The cache of layers ``[start, end)`` only (their tensors shared; made once per range).
+
+        The caller checks the range (:func:`kvmesh.kernels.layer_range.check_layer_range`).
+        """
+        if (start, end) == (0, self.num_layers):
+            return self
+        sub = self._sub_caches.get((start, end))
+        if sub is None:
+            sub = PagedKVCache(self.layers[start:end], self.kind)
+            self._sub_caches[(start, end)] = sub  # a benign race: equal caches, last one wins
+        return sub
 
     @property
     def fused(self) -> bool:

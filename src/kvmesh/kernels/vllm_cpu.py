@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from kvmesh.kernels import native
-from kvmesh.kernels._plan import ChunkPlan
+from kvmesh.kernels._plan import ChunkPlan, planes_contiguous
 from kvmesh.kernels.kinds import KVLayoutKind
 from kvmesh.kernels.layouts import PagedKVCache
 
@@ -206,7 +206,7 @@ def _native_pieces(
 ) -> list[Callable[[], None]] | None:
     """One call of the native kernel per layer of ``plan``, or None when it cannot run."""
     chunk = plan.chunk
-    if kv.device.type != "cpu" or chunk.device.type != "cpu" or not chunk.is_contiguous():
+    if kv.device.type != "cpu" or chunk.device.type != "cpu" or not planes_contiguous(chunk):
         return None
     lib = native.library()
     if lib is None:

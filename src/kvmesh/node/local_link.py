@@ -92,6 +92,7 @@ class LocalNodeStorage:
         skip_first_n_tokens: int,
         lease_id: str,
         producer_event: bytes = b"",
+        layers: tuple[int, int] | None = None,
     ) -> int:
         return await self.node.retrieve_chunks(
             engine_id,
@@ -101,6 +102,7 @@ class LocalNodeStorage:
             skip_first_n_tokens,
             lease_id,
             producer_event,
+            layers,
         )
 
     async def touch(self, grid: KeyGridSpec) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
+from kvmesh.common import layer_range
 from kvmesh.common.convert import key_from_proto, key_to_proto
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import Tier
@@ -124,6 +125,7 @@ class StorageServicer(storage_pb2_grpc.StorageServiceServicer):
             request.skip_first_n_tokens,
             request.lease_id,
             request.producer_event_handle,
+            layer_range.from_request(request),
         )
         return storage_pb2.RetrieveChunksResponse(retrieved_chunks=retrieved)
 

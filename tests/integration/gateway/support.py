@@ -226,16 +226,18 @@ class Stack:
         skip: int = 0,
         world_size: int = 1,
         salt: str = "",
+        layers: tuple[int, int] | None = None,
     ) -> gateway_pb2.RetrieveResponse:
-        """Retrieve ``[start, end)`` of ``tokens`` into ``block_ids``."""
-        return self.client.retrieve(
-            gateway_pb2.RetrieveRequest(
-                engine_id=engine.engine_id,
-                range=prange(request_id, tokens, start, end, world_size=world_size, salt=salt),
-                block_ids=block_ids,
-                skip_first_n_tokens=skip,
-            )
+        """Retrieve ``[start, end)`` of ``tokens`` into ``block_ids`` (only ``layers``)."""
+        request = gateway_pb2.RetrieveRequest(
+            engine_id=engine.engine_id,
+            range=prange(request_id, tokens, start, end, world_size=world_size, salt=salt),
+            block_ids=block_ids,
+            skip_first_n_tokens=skip,
         )
+        if layers is not None:
+            request.layers.start, request.layers.end = layers
+        return self.client.retrieve(request)
 
     def end_session(self, request_id: str) -> gateway_pb2.EndSessionResponse:
         return self.client.end_session(gateway_pb2.EndSessionRequest(request_id=request_id))

@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
 from tests.integration.gateway.conftest import StackFactory
 from tests.integration.gateway.support import (
     BLOCK_SIZE,
     CHUNK,
+    NUM_LAYERS,
     Engine,
     Stack,
     blocks,
     code_of,
     hashes_of,
     object_keys,
+    prange,
     prompt,
 )
 
@@ -157,6 +160,45 @@ def test_retrieve_writes_exact_bytes_into_the_engines_blocks_and_uses_the_lookup
     # One lookup lock per retrieved chunk was released: nothing left to end.
     assert ready.locked() == 0
     assert ready.end_session("r").released_locks == 0
+
+
+@pytest.mark.transports  # the lane and gRPC both carry the layer range
+def test_a_retrieve_by_layers_writes_each_parts_layers_and_counts_the_load_once(
+    ready: Stack, engine: Engine
+) -> None:
+    assert NUM_LAYERS == 2
+    tokens = prompt(2)
+    ready.store(engine, "w", tokens, 0, 2 * CHUNK, blocks(range(2)))
+    ready.lookup("r", tokens)
+    target = blocks(range(2), base=40)
+    engine.fill(target, 0.0)
+    counters = ready.app.core.counters
+    retrieves, chunks = counters.retrieves, counters.retrieved_chunks
+
+    first = ready.retrieve(engine, "r", tokens, 0, 2 * CHUNK, target, layers=(0, 1))
+    assert first.retrieved_chunks == 2
+    assert (engine.kv[0][:, target] == engine.kv[0][:, blocks(range(2))]).all()
+    assert (engine.kv[1][:, target] == 0).all()
+    assert ready.locked() == 2  # the lookup's locks wait for the last part
+    # A later part may leave the tokens out: the session has them.
+    last = ready.retrieve(engine, "r", [], 0, 2 * CHUNK, target, layers=(1, 2))
+    assert last.retrieved_chunks == 2
+    assert engine.blocks_bytes(target) == engine.blocks_bytes(blocks(range(2)))
+    assert ready.locked() == 0
+    assert (counters.retrieves, counters.retrieved_chunks) == (retrieves + 1, chunks + 2)
+
+    for bad in ((0, 0), (1, 3), (2, 1)):
+        error = ready.error(
+            "retrieve",
+            gateway_pb2.RetrieveRequest(
+                engine_id=engine.engine_id,
+                range=prange("r", tokens, 0, 2 * CHUNK),
+                block_ids=target,
+                layers=common_pb2.LayerRange(start=bad[0], end=bad[1]),
+            ),
+        )
+        assert code_of(error) == "INVALID_ARGUMENT"
+        assert "2 layers" in (error.details() or "")
 
 
 def test_retrieve_skip_first_n_tokens_leaves_the_skipped_blocks_untouched(

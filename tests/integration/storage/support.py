@@ -255,19 +255,21 @@ class Node:
         skip: int = 0,
         lease: str = "",
         salt: str = "",
+        layers: tuple[int, int] | None = None,
     ) -> int:
-        """RetrieveChunks (using the lookup locks of ``lease``); chunks copied."""
-        response = self.call(
-            "retrieve_chunks",
-            storage_pb2.RetrieveChunksRequest(
-                engine_id=engine.engine_id,
-                keys=row(hashes, salt=salt),
-                block_ids=list(block_ids),
-                chunk_tokens=CHUNK_TOKENS,
-                skip_first_n_tokens=skip,
-                lease_id=lease,
-            ),
+        """RetrieveChunks (using the lookup locks of ``lease``; only ``layers`` when
+        given); chunks copied."""
+        request = storage_pb2.RetrieveChunksRequest(
+            engine_id=engine.engine_id,
+            keys=row(hashes, salt=salt),
+            block_ids=list(block_ids),
+            chunk_tokens=CHUNK_TOKENS,
+            skip_first_n_tokens=skip,
+            lease_id=lease,
         )
+        if layers is not None:
+            request.layers.start, request.layers.end = layers
+        response = self.call("retrieve_chunks", request)
         return int(response.retrieved_chunks)
 
     def lookup(

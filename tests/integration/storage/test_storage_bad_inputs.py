@@ -115,6 +115,25 @@ def test_retrieve_with_an_out_of_range_block_id_is_invalid(
     base.assert_intact()
 
 
+@pytest.mark.parametrize(
+    ("start", "end"), [(0, 0), (1, 1), (1, 0), (0, NUM_LAYERS + 1), (NUM_LAYERS, NUM_LAYERS + 1)]
+)
+def test_retrieve_of_a_layer_range_outside_the_engines_layers_is_invalid(
+    base: Baseline, start: int, end: int
+) -> None:
+    lease = base.node.lookup(base.hashes).prefetch_id
+    request = retrieve_request(
+        base, layers=common_pb2.LayerRange(start=start, end=end), lease_id=lease
+    )
+    error = base.node.error("retrieve_chunks", request)
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{NUM_LAYERS} layers" in (error.details() or "")
+    # Refused before the lease gave up its locks: they still hold both chunks.
+    assert base.node.status().leases.held_locks == 2
+    base.node.call("release_lease", storage_pb2.ReleaseLeaseRequest(lease_id=lease, end=True))
+    base.assert_intact()
+
+
 def test_store_with_too_few_block_ids_is_invalid(base: Baseline) -> None:
     request = store_request(base.engine, block_ids=[*chunk_blocks(2), chunk_blocks(3)[0]])
     assert base.code("store_chunks", request) == "INVALID_ARGUMENT"

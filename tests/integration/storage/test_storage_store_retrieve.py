@@ -161,6 +161,29 @@ def test_a_retrieve_uses_up_its_leases_locks_once(node: Node, engine: Engine) ->
     assert node.status().leases.held_locks == 0
 
 
+def test_a_load_by_layers_writes_each_parts_layers_and_the_last_part_uses_the_lease(
+    node: Node, engine: Engine
+) -> None:
+    assert NUM_LAYERS == 2
+    hashes = new_hashes(2)
+    node.store(engine, hashes, blocks_of(range(2)))
+    lookup = node.lookup(hashes)
+    target = blocks_of(range(2), base=40)
+    engine.fill(target, 0.0)
+
+    assert node.retrieve(engine, hashes, target, lease=lookup.prefetch_id, layers=(0, 1)) == 2
+    assert np.array_equal(engine.kv[0][:, target], engine.kv[0][:, blocks_of(range(2))])
+    assert not np.asarray(engine.kv[1][:, target]).any()  # layer 1: not yet
+    # The first part left the lease's locks in place: the chunks cannot go meanwhile.
+    assert node.status().leases.held_locks == 2
+    assert node.delete(hashes) == (0, 2)
+
+    assert node.retrieve(engine, hashes, target, lease=lookup.prefetch_id, layers=(1, 2)) == 2
+    assert engine.blocks_bytes(target) == engine.blocks_bytes(blocks_of(range(2)))
+    assert node.status().leases.held_locks == 0
+    assert node.read_locked_objects() == 0
+
+
 def test_ending_a_lease_releases_what_it_holds_and_an_old_id_is_unknown(
     node: Node, engine: Engine
 ) -> None:

@@ -25,7 +25,12 @@ import torch
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.connector.vllm.cuda import gpu_layout_kind, layout_fields
 from kvmesh.connector.vllm.layouts import cache_salt, cpu_layout
-from kvmesh.connector.vllm.settings import DEFAULT_GATEWAY, SettingsError, parse_settings
+from kvmesh.connector.vllm.settings import (
+    DEFAULT_GATEWAY,
+    SettingsError,
+    loads_by_layer,
+    parse_settings,
+)
 from kvmesh.connector.vllm.shm_pool import SharedMemoryPool, reclaim_stale
 from tests.support.memory import resident_bytes
 from tests.support.servers import require_vllm
@@ -72,7 +77,24 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str]] = [
     ({"transfer_threads": True}, "must be a number"),
     ({"keep_failure_policy": "maybe"}, "must be true or false"),
     ({"log_level": "verbose"}, "'log_level' must be one of DEBUG, INFO, WARNING, ERROR"),
+    ({"load_by_layer": "sometimes"}, "'load_by_layer' must be one of auto, true, false"),
+    ({"load_by_layer": 1}, "'load_by_layer' must be a string"),
 ]
+
+
+def test_load_by_layer_takes_auto_and_json_booleans() -> None:
+    assert parse_settings(None).load_by_layer == "auto"
+    assert parse_settings({"load_by_layer": False}).load_by_layer == "false"
+    assert parse_settings({"kvmesh.load_by_layer": True}).load_by_layer == "true"
+    assert parse_settings({"load_by_layer": "false"}).load_by_layer == "false"
+
+
+def test_auto_loads_by_layer_on_gpus_and_where_vllm_leaves_a_core_free() -> None:
+    for threads, expected in ((4, False), (8, False), (3, True), (1, True)):
+        assert loads_by_layer("auto", "cpu", threads, 4) is expected
+        assert loads_by_layer("auto", "cuda", threads, 4) is True
+        assert loads_by_layer("true", "cpu", threads, 4) is True
+        assert loads_by_layer("false", "cuda", threads, 4) is False
 
 
 @pytest.mark.parametrize(("extra", "message"), BAD_SETTINGS)
@@ -370,3 +392,16 @@ def test_a_rotation_not_known_here_sends_no_parameters(change: dict[str, Any], w
     rope, why = rope_parameters(config, 64)
     assert rope is None
     assert words in why
+
+
+def test_layer_names_map_to_their_registered_layer_and_shared_tensors_share_one() -> None:
+    from kvmesh.connector.vllm.registration import distinct_layers, layer_indices
+
+    a, b, c = torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    caches = {"l.0": a, "l.1": b, "l.2": b, "l.3": c}  # layers 1 and 2 share one tensor
+    assert [t.data_ptr() for t in distinct_layers(caches)] == [
+        a.data_ptr(),
+        b.data_ptr(),
+        c.data_ptr(),
+    ]
+    assert layer_indices(caches) == {"l.0": 0, "l.1": 1, "l.2": 1, "l.3": 2}

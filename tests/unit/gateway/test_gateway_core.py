@@ -164,6 +164,7 @@ class FakeStorage:
         skip_first_n_tokens: int,
         lease_id: str,
         producer_event: bytes = b"",
+        layers: tuple[int, int] | None = None,
     ) -> int:
         self.producer_events.append(producer_event)
         keys = [

@@ -20,11 +20,15 @@ stores over the typed gateway client). What it adds for vLLM:
 - **Stores after the prefill.** By default a prompt is stored in the step
   that finishes its prefill (``store_after_prefill``), not beside the next
   prefill step's forward.
-- **Loads are synchronous, saves asynchronous.** A hit is loaded in
-  :meth:`start_load_kv`, before the forward pass that needs it. Stores start
-  after the forward (:meth:`wait_for_save`) and finish in the background; a
-  finished request whose stores still run keeps its blocks until
-  :meth:`get_finished` reports it.
+- **Loads by layer, saves asynchronous.** A hit is loaded in the step that
+  computes the rest of its prompt: :meth:`start_load_kv` sends it in parts by
+  layers and returns, and each layer's attention waits for its own part
+  (:meth:`wait_for_layer_load`), so the forward pass runs beside the copy
+  (``load_by_layer``: by default on GPUs, and on CPUs where vLLM's threads
+  leave a core free; otherwise the whole load finishes before the forward).
+  Stores start after the forward (:meth:`wait_for_save`) and finish in the
+  background; a finished request whose stores still run keeps its blocks
+  until :meth:`get_finished` reports it.
 - **kvmesh never fails a request.** Every RPC has a deadline; an unreachable
   gateway makes lookups misses (one warning, then a back-off); a failed load is
   reported through :meth:`get_block_ids_with_load_errors` and vLLM recomputes
@@ -35,6 +39,7 @@ stores over the typed gateway client). What it adds for vLLM:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -59,9 +64,10 @@ from kvmesh.connector.vllm.registration import (
     describe_cpu,
     describe_cuda,
     distinct_layers,
+    layer_indices,
 )
 from kvmesh.connector.vllm.rope import rope_parameters
-from kvmesh.connector.vllm.settings import VLLMSettings, parse_settings
+from kvmesh.connector.vllm.settings import VLLMSettings, loads_by_layer, parse_settings
 from kvmesh.connector.vllm.shm_pool import SharedMemoryPool
 
 if TYPE_CHECKING:
@@ -125,6 +131,13 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Blocks of loads the scheduler promised but could not plan: reported as load
         # errors by the workers, so vLLM recomputes them (never reads unloaded blocks).
         self._unplanned: list[int] = []
+        # Worker: each KV layer name's index in the registration (loads by layer wait on it),
+        # and whether this step's loads are still running beside its forward pass.
+        self._layer_index: dict[str, int] = {}
+        self._loading = False
+        self._load_started = 0.0
+        self._load_tokens = 0
+        self._by_layer = False
         # GPU: events on vLLM's stream that order storage's copies (None on CPU).
         self._events: StreamEvents | None = None
         # Sent with the KV registration so the node can move CacheBlend segments.
@@ -259,6 +272,14 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         heartbeat registers once it answers.
         """
         layers = distinct_layers(kv_caches)
+        self._layer_index = layer_indices(kv_caches)
+        # The host's cores, not this process's affinity: vLLM binds its own threads.
+        self._by_layer = loads_by_layer(
+            self.settings.load_by_layer,
+            layers[0].device.type,
+            torch.get_num_threads(),
+            os.cpu_count() or 1,
+        )
         block_size = self.hooks.config.block_size
         if layers[0].device.type == "cuda":
             layout, handles = describe_cuda(layers, block_size)
@@ -321,24 +342,46 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.hooks.note_load_errors(ops.failed_blocks)
         if not ops.retrieve_ops:
             return
-        start = time.perf_counter()
+        self._load_started = time.perf_counter()
+        self._load_tokens = sum(
+            op.end - op.start - op.skip_first_n_tokens for op in ops.retrieve_ops
+        )
+        by_layer = self._by_layer
         try:
-            self.hooks.start_load_kv(ops, self._producer_event())
-            failed = self.hooks.wait_for_load()
+            self.hooks.start_load_kv(ops, self._producer_event(), by_layer=by_layer)
         except Exception:
             logger.exception("kvmesh loads failed; vLLM recomputes their blocks")
             self.hooks.fail_loads(ops.retrieve_ops)
             return
-        logger.debug(
-            "loaded %d tokens for %d requests in %.1f ms (%d fell short)",
-            sum(op.end - op.start - op.skip_first_n_tokens for op in ops.retrieve_ops),
-            len(ops.retrieve_ops),
-            (time.perf_counter() - start) * 1e3,
-            len(failed),
-        )
+        self._loading = True
+        if not by_layer:
+            self._finish_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv already waited
+        """Before a layer's attention: wait until this step's loads have written its KV."""
+        if self._loading:
+            self.hooks.wait_for_layer(self._layer_index.get(layer_name))
+
+    def _finish_loads(self) -> None:
+        """Wait for the rest of this step's loads and note the blocks they failed to fill.
+
+        Runs before anything reports the step to vLLM (stores, finished requests,
+        load errors): a layer the forward pass did not wait for is waited for here.
+        """
+        if not self._loading:
+            return
+        self._loading = False
+        try:
+            failed = self.hooks.wait_for_load()
+        except Exception:
+            logger.exception("kvmesh loads failed; vLLM recomputes their blocks")
+            return
+        logger.debug(
+            "loaded %d tokens, done %.1f ms after the load began (%d requests fell short)",
+            self._load_tokens,
+            (time.perf_counter() - self._load_started) * 1e3,
+            len(failed),
+        )
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -347,6 +390,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def wait_for_save(self) -> None:
         """Start storing this step's newly computed chunks; they finish in the background."""
+        self._finish_loads()
         ops = self._metadata()
         if ops is None or not ops.store_ops:
             return
@@ -367,6 +411,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished requests whose stores are done (vLLM may free their blocks now)."""
+        self._finish_loads()
         self._finished.update(finished_req_ids & self._storing)
         _, running = self.hooks.poll_saves()
         ready = {r for r in self._finished if r not in running}
@@ -375,6 +420,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return (ready or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_loads()
         return self.hooks.get_block_ids_with_load_errors()
 
     def shutdown(self) -> None:

@@ -40,6 +40,15 @@ def distinct_layers(kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     return layers
 
 
+def layer_indices(kv_caches: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Each layer name's index among :func:`distinct_layers` (shared tensors share one)."""
+    index: dict[int, int] = {}
+    names = {}
+    for name, tensor in kv_caches.items():
+        names[name] = index.setdefault(tensor.data_ptr(), len(index))
+    return names
+
+
 def _check_uniform(layers: list[torch.Tensor]) -> int:
     first = layers[0]
     if any(

@@ -21,6 +21,8 @@ class EngineRunError(RuntimeError):
 def start_engine(spec: dict[str, Any]) -> subprocess.Popen[str]:
     """Start one fresh vLLM process over ``spec`` (read it with :func:`results`)."""
     env = {**os.environ, **engine_env(int(spec.get("kv_cache_gib", 1)))}
+    if spec.get("omp_bind"):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(spec["omp_bind"])
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     return subprocess.Popen(

@@ -47,6 +47,8 @@ class RegisteredEngine:
     last_seen: float
     pinged: bool = False
     fingerprint: object = None
+    #: Layers of the KV memory it registered (0 for an engine-driven context).
+    num_layers: int = 0
 
 
 class EngineRegistry:
@@ -115,6 +117,7 @@ class EngineRegistry:
         registration: object,
         fingerprint: object,
         chunk_bytes: int = 0,
+        num_layers: int = 0,
     ) -> bool:
         """Register an engine's KV memory (LMCache-driven path); True if already registered.
 
@@ -141,8 +144,9 @@ class EngineRegistry:
                 del self._gone[spec.engine_id]
                 self.counters.reregistrations += 1
             self._engines[spec.engine_id] = RegisteredEngine(
-                spec, False, chunk_bytes, (), now, now, fingerprint=fingerprint
-            )
+                spec, False, chunk_bytes, (), now, now, fingerprint=fingerprint,
+                num_layers=num_layers,
+            )  # fmt: skip
             logger.info(
                 "engine %s registered: model %s, worker %d/%d, block size %d",
                 spec.engine_id,

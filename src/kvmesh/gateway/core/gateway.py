@@ -112,9 +112,12 @@ class Gateway:
         registration: object,
         fingerprint: object,
         chunk_bytes: int = 0,
+        num_layers: int = 0,
     ) -> bool:
         """Register an engine's KV memory (LMCache-driven path); True if already registered."""
-        return await self.engines.register_kv_cache(spec, registration, fingerprint, chunk_bytes)
+        return await self.engines.register_kv_cache(
+            spec, registration, fingerprint, chunk_bytes, num_layers
+        )
 
     async def unregister_kv_cache(self, engine_id: str) -> bool:
         """Forget an engine and unmap its memory. Idempotent."""
@@ -211,10 +214,12 @@ class Gateway:
         block_ids: Sequence[int],
         skip_first_n_tokens: int,
         producer_event: bytes = b"",
+        layers: tuple[int, int] | None = None,
     ) -> int:
-        """Copy the range's cached prefix into the engine's blocks; chunks retrieved."""
+        """Copy the range's cached prefix (only ``layers`` when given) into the engine's
+        blocks; chunks retrieved."""
         return await self.transfers.retrieve(
-            engine_id, rng, block_ids, skip_first_n_tokens, producer_event
+            engine_id, rng, block_ids, skip_first_n_tokens, producer_event, layers
         )
 
     async def prepare_store(self, engine_id: str, rng: PromptRangeSpec) -> PreparedSlots:

@@ -117,11 +117,14 @@ class NodeStorage(Protocol):
         skip_first_n_tokens: int,
         lease_id: str,
         producer_event: bytes = b"",
+        layers: tuple[int, int] | None = None,
     ) -> int:
         """Copy the cached prefix of the row into the engine's blocks; chunks copied.
 
         Storage uses (and releases, exactly once) the lookup locks ``lease_id``
-        holds on these chunks, whatever the copy's outcome.
+        holds on these chunks, whatever the copy's outcome. ``layers``: only
+        layers ``[start, end)`` are written, and only a range ending at the last
+        layer uses the lease's locks (one part of a load by layers).
         """
         ...
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.keys import validate_cache_salt, worker_kv_rank
+from kvmesh.common.layer_range import check_layer_range
 from kvmesh.common.node_types import StoreOutcome
 
 from .engines import EngineRegistry, RegisteredEngine
@@ -133,9 +134,17 @@ class Transfers:
         block_ids: Sequence[int],
         skip_first_n_tokens: int,
         producer_event: bytes = b"",
+        layers: tuple[int, int] | None = None,
     ) -> int:
-        """Copy the range's cached prefix into the engine's blocks; chunks retrieved."""
+        """Copy the range's cached prefix into the engine's blocks; chunks retrieved.
+
+        With ``layers`` only layers ``[start, end)`` are written (one part of a load
+        by layers, docs/vllm.md, "Loads by layer"); the counters count the part
+        that ends at the last layer, once per load.
+        """
         engine = self.engines.get(engine_id, engine_driven=False)
+        if layers is not None:
+            check_layer_range(engine.num_layers, *layers)
         session = self._session(rng)
         async with session.lock:
             row, first, last = self._row(engine, rng, session)
@@ -145,15 +154,18 @@ class Transfers:
                 )
             self._check_block_ids(engine, block_ids, last - first)
             lease_id = self._lease_of(session, rng)
-        self.counters.retrieves += 1
+        final = layers is None or layers[1] == engine.num_layers
+        if final:
+            self.counters.retrieves += 1
         if last == first:
             return 0
         got = await self.storage.retrieve_chunks(
             engine_id, row, block_ids, self.chunk_size, skip_first_n_tokens, lease_id,
-            producer_event,
+            producer_event, layers,
         )  # fmt: skip
-        self.counters.retrieved_chunks += got
-        self.counters.retrieve_missed_chunks += (last - first) - got
+        if final:
+            self.counters.retrieved_chunks += got
+            self.counters.retrieve_missed_chunks += (last - first) - got
         return got
 
     # ------------------------------------------------------------ engine-driven

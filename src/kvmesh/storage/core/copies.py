@@ -145,13 +145,15 @@ class ChunkCopier:
         skip_first_n_tokens: int,
         release_mask: Sequence[bool],
         producer_event: bytes = b"",
+        layers: tuple[int, int] | None = None,
     ) -> int:
-        """Scatter the resident prefix of ``keys`` into the engine; chunks copied."""
+        """Scatter the resident prefix of ``keys`` (only ``layers`` when given) into the
+        engine; chunks copied."""
 
         def scatter(views: list[memoryview]) -> None:
             self.transfer.scatter_chunks(
                 engine_id, blocks[: len(views)], [chunk_tokens] * len(views), views,
-                skip_first_n_tokens, producer_event,
+                skip_first_n_tokens, producer_event, layers,
             )  # fmt: skip
 
         return await self._retrieve(keys, nbytes, scatter, release_mask)

@@ -40,6 +40,7 @@ from kvmesh.common.keys import (
     validate_object_key,
     validate_object_keys,
 )
+from kvmesh.common.layer_range import check_layer_range
 from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
 from kvmesh.storage.core.copies import ChunkCopier
 from kvmesh.storage.core.l1.results import L1Result
@@ -236,31 +237,34 @@ class StorageNode:
         skip_first_n_tokens: int,
         lease_id: str = "",
         producer_event: bytes = b"",
+        layers: tuple[int, int] | None = None,
     ) -> int:
         """Scatter the resident prefix of ``keys`` into the engine; chunks copied.
 
         The lookup locks ``lease_id`` holds on ``keys`` leave the lease now and are
-        released when the copy ends, whatever its outcome (exactly once).
+        released when the copy ends, whatever its outcome (exactly once). With
+        ``layers`` only layers ``[start, end)`` are written, and only a range that
+        ends at the last layer takes the lease's locks: the earlier parts of a load
+        by layers leave them to hold the chunks for the parts still to come.
         """
         layout = self._layout(engine_id)
         self._check_keys(keys)
+        if layers is not None:
+            check_layer_range(layout.num_layers, *layers)
         if skip_first_n_tokens > len(keys) * chunk_tokens:
             raise InvalidArgument(
                 "skip_first_n_tokens is beyond the chunks", field="skip_first_n_tokens"
             )
         blocks = self._chunk_blocks(layout, len(keys), block_ids, chunk_tokens)
         nbytes = chunk_nbytes(layout, chunk_tokens)
-        release_mask = self.lookups.leases.consume(lease_id, keys)
+        if layers is None or layers[1] == layout.num_layers:
+            release_mask = self.lookups.leases.consume(lease_id, keys)
+        else:
+            release_mask = [False] * len(keys)
         return await self._copier.retrieve(
-            engine_id,
-            keys,
-            blocks,
-            chunk_tokens,
-            nbytes,
-            skip_first_n_tokens,
-            release_mask,
-            producer_event,
-        )
+            engine_id, keys, blocks, chunk_tokens, nbytes, skip_first_n_tokens, release_mask,
+            producer_event, layers,
+        )  # fmt: skip
 
     # ------------------------------------------------------------ locks & misc
 

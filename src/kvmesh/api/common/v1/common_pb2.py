@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/common/v1/common.proto\x12\x10kvmesh.common.v1\"q\n\tObjectKey\x12\x12\n\nchunk_hash\x18\x01 \x01(\x0c\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x0f\n\x07kv_rank\x18\x03 \x01(\r\x12\x17\n\x0fobject_group_id\x18\x04 \x01(\r\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"s\n\tChunkKeys\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x17\n\x0fobject_group_id\x18\x03 \x01(\r\x12\x0f\n\x07kv_rank\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_hashes\x18\x05 \x03(\x0c\"r\n\x07KeyGrid\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x17\n\x0fobject_group_id\x18\x03 \x01(\r\x12\x10\n\x08kv_ranks\x18\x04 \x03(\r\x12\x14\n\x0c\x63hunk_hashes\x18\x05 \x03(\x0c\"\xf0\x01\n\x08KVLayout\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.kvmesh.common.v1.KVLayoutKind\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x10\n\x08kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12&\n\x05\x64type\x18\x07 \x01(\x0e\x32\x17.kvmesh.common.v1.DType\x12.\n\x04rope\x18\x08 \x01(\x0b\x32 .kvmesh.common.v1.RopeParameters\"^\n\x0eRopeParameters\x12\x0c\n\x04\x62\x61se\x18\x01 \x01(\x01\x12\x12\n\nrotary_dim\x18\x02 \x01(\r\x12*\n\x05style\x18\x03 \x01(\x0e\x32\x1b.kvmesh.common.v1.RopeStyle\"L\n\x12SharedMemoryHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"\xa0\x02\n\rCudaIpcHandle\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x15\n\rmemory_handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\r\n\x05shape\x18\t \x03(\x03\x12\x0e\n\x06stride\x18\n \x03(\x03\x12\x1f\n\x17storage_offset_elements\x18\x0b \x01(\x03\"\x8a\x01\n\x0cMemoryHandle\x12=\n\rshared_memory\x18\x01 \x01(\x0b\x32$.kvmesh.common.v1.SharedMemoryHandleH\x00\x12\x33\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x1f.kvmesh.common.v1.CudaIpcHandleH\x00\x42\x06\n\x04kind\"\x90\x01\n\tPlacement\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12$\n\x04tier\x18\x03 \x01(\x0e\x32\x16.kvmesh.common.v1.Tier\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x12\n\nsize_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06shared\x18\x06 \x01(\x08*D\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0b\n\x07TIER_L1\x10\x01\x12\x0b\n\x07TIER_L2\x10\x02\x12\x0c\n\x08TIER_ALL\x10\x03*\x99\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x17\n\x13\x44TYPE_FLOAT8_E4M3FN\x10\x04\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06*\xc2\x01\n\x0cKVLayoutKind\x12\x1e\n\x1aKV_LAYOUT_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19KV_LAYOUT_KIND_FLASH_ATTN\x10\x01\x12\x1d\n\x19KV_LAYOUT_KIND_FLASHINFER\x10\x02\x12\x16\n\x12KV_LAYOUT_KIND_MLA\x10\x03\x12\x1b\n\x17KV_LAYOUT_KIND_VLLM_CPU\x10\x04\x12\x1f\n\x1bKV_LAYOUT_KIND_VLLM_CPU_AMX\x10\x05*Q\n\tRopeStyle\x12\x1a\n\x16ROPE_STYLE_UNSPECIFIED\x10\x00\x12\x13\n\x0fROPE_STYLE_NEOX\x10\x01\x12\x13\n\x0fROPE_STYLE_GPTJ\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvmesh/common/v1/common.proto\x12\x10kvmesh.common.v1\"q\n\tObjectKey\x12\x12\n\nchunk_hash\x18\x01 \x01(\x0c\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x0f\n\x07kv_rank\x18\x03 \x01(\r\x12\x17\n\x0fobject_group_id\x18\x04 \x01(\r\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"s\n\tChunkKeys\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x17\n\x0fobject_group_id\x18\x03 \x01(\r\x12\x0f\n\x07kv_rank\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_hashes\x18\x05 \x03(\x0c\"r\n\x07KeyGrid\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x02 \x01(\t\x12\x17\n\x0fobject_group_id\x18\x03 \x01(\r\x12\x10\n\x08kv_ranks\x18\x04 \x03(\r\x12\x14\n\x0c\x63hunk_hashes\x18\x05 \x03(\x0c\"\xf0\x01\n\x08KVLayout\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.kvmesh.common.v1.KVLayoutKind\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x10\n\x08kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12&\n\x05\x64type\x18\x07 \x01(\x0e\x32\x17.kvmesh.common.v1.DType\x12.\n\x04rope\x18\x08 \x01(\x0b\x32 .kvmesh.common.v1.RopeParameters\"^\n\x0eRopeParameters\x12\x0c\n\x04\x62\x61se\x18\x01 \x01(\x01\x12\x12\n\nrotary_dim\x18\x02 \x01(\r\x12*\n\x05style\x18\x03 \x01(\x0e\x32\x1b.kvmesh.common.v1.RopeStyle\"(\n\nLayerRange\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x65nd\x18\x02 \x01(\r\"L\n\x12SharedMemoryHandle\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"\xa0\x02\n\rCudaIpcHandle\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x15\n\rmemory_handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\r\n\x05shape\x18\t \x03(\x03\x12\x0e\n\x06stride\x18\n \x03(\x03\x12\x1f\n\x17storage_offset_elements\x18\x0b \x01(\x03\"\x8a\x01\n\x0cMemoryHandle\x12=\n\rshared_memory\x18\x01 \x01(\x0b\x32$.kvmesh.common.v1.SharedMemoryHandleH\x00\x12\x33\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x1f.kvmesh.common.v1.CudaIpcHandleH\x00\x42\x06\n\x04kind\"\x90\x01\n\tPlacement\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x03\x12$\n\x04tier\x18\x03 \x01(\x0e\x32\x16.kvmesh.common.v1.Tier\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x12\n\nsize_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06shared\x18\x06 \x01(\x08*D\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0b\n\x07TIER_L1\x10\x01\x12\x0b\n\x07TIER_L2\x10\x02\x12\x0c\n\x08TIER_ALL\x10\x03*\x99\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x17\n\x13\x44TYPE_FLOAT8_E4M3FN\x10\x04\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06*\xc2\x01\n\x0cKVLayoutKind\x12\x1e\n\x1aKV_LAYOUT_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19KV_LAYOUT_KIND_FLASH_ATTN\x10\x01\x12\x1d\n\x19KV_LAYOUT_KIND_FLASHINFER\x10\x02\x12\x16\n\x12KV_LAYOUT_KIND_MLA\x10\x03\x12\x1b\n\x17KV_LAYOUT_KIND_VLLM_CPU\x10\x04\x12\x1f\n\x1bKV_LAYOUT_KIND_VLLM_CPU_AMX\x10\x05*Q\n\tRopeStyle\x12\x1a\n\x16ROPE_STYLE_UNSPECIFIED\x10\x00\x12\x13\n\x0fROPE_STYLE_NEOX\x10\x01\x12\x13\n\x0fROPE_STYLE_GPTJ\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.api.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1395
-  _globals['_TIER']._serialized_end=1463
-  _globals['_DTYPE']._serialized_start=1466
-  _globals['_DTYPE']._serialized_end=1619
-  _globals['_KVLAYOUTKIND']._serialized_start=1622
-  _globals['_KVLAYOUTKIND']._serialized_end=1816
-  _globals['_ROPESTYLE']._serialized_start=1818
-  _globals['_ROPESTYLE']._serialized_end=1899
+  _globals['_TIER']._serialized_start=1437
+  _globals['_TIER']._serialized_end=1505
+  _globals['_DTYPE']._serialized_start=1508
+  _globals['_DTYPE']._serialized_end=1661
+  _globals['_KVLAYOUTKIND']._serialized_start=1664
+  _globals['_KVLAYOUTKIND']._serialized_end=1858
+  _globals['_ROPESTYLE']._serialized_start=1860
+  _globals['_ROPESTYLE']._serialized_end=1941
   _globals['_OBJECTKEY']._serialized_start=51
   _globals['_OBJECTKEY']._serialized_end=164
   _globals['_CHUNKKEYS']._serialized_start=166
@@ -49,12 +49,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_end=640
   _globals['_ROPEPARAMETERS']._serialized_start=642
   _globals['_ROPEPARAMETERS']._serialized_end=736
-  _globals['_SHAREDMEMORYHANDLE']._serialized_start=738
-  _globals['_SHAREDMEMORYHANDLE']._serialized_end=814
-  _globals['_CUDAIPCHANDLE']._serialized_start=817
-  _globals['_CUDAIPCHANDLE']._serialized_end=1105
-  _globals['_MEMORYHANDLE']._serialized_start=1108
-  _globals['_MEMORYHANDLE']._serialized_end=1246
-  _globals['_PLACEMENT']._serialized_start=1249
-  _globals['_PLACEMENT']._serialized_end=1393
+  _globals['_LAYERRANGE']._serialized_start=738
+  _globals['_LAYERRANGE']._serialized_end=778
+  _globals['_SHAREDMEMORYHANDLE']._serialized_start=780
+  _globals['_SHAREDMEMORYHANDLE']._serialized_end=856
+  _globals['_CUDAIPCHANDLE']._serialized_start=859
+  _globals['_CUDAIPCHANDLE']._serialized_end=1147
+  _globals['_MEMORYHANDLE']._serialized_start=1150
+  _globals['_MEMORYHANDLE']._serialized_end=1288
+  _globals['_PLACEMENT']._serialized_start=1291
+  _globals['_PLACEMENT']._serialized_end=1435
 # @@protoc_insertion_point(module_scope)

@@ -368,14 +368,39 @@ class RopeParameters(_message.Message):
 Global___RopeParameters: _TypeAlias = RopeParameters  # noqa: Y015
 
 @_typing.final
-class SharedMemoryHandle(_message.Message):
+class LayerRange(_message.Message):
     """One layer's KV tensor inside a named shared-memory file (CPU hosts).
 
     The file must lie inside the storage node's allowed directory (default
     /dev/shm); storage maps it read-write and never touches bytes outside
     [offset_bytes, offset_bytes + size_bytes).
+    Layers [start, end) of an engine's KV layout (0 <= start < end <= num_layers):
+    one part of a load split by layers, so that the engine's forward pass can
+    start on the first layers while the rest are copied.
     """
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    start: _builtins.int
+    end: _builtins.int
+    def __init__(
+        self,
+        *,
+        start: _builtins.int = ...,
+        end: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LayerRange: _TypeAlias = LayerRange  # noqa: Y015
+
+@_typing.final
+class SharedMemoryHandle(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PATH_FIELD_NUMBER: _builtins.int

@@ -708,6 +708,7 @@ class RetrieveRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     SKIP_FIRST_N_TOKENS_FIELD_NUMBER: _builtins.int
     PRODUCER_EVENT_HANDLE_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     skip_first_n_tokens: _builtins.int
     producer_event_handle: _builtins.bytes
@@ -715,6 +716,14 @@ class RetrieveRequest(_message.Message):
     def range(self) -> Global___PromptRange: ...
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def layers(self) -> _common_pb2.LayerRange:
+        """Unset: every layer. Set: only these layers are written. A load split by
+        layers sends its parts in layer order; the part that ends at the last
+        layer ends the use of the lookup's locks, so it must come last (an
+        earlier part sent after it may find chunks gone and retrieve fewer).
+        """
+
     def __init__(
         self,
         *,
@@ -723,10 +732,11 @@ class RetrieveRequest(_message.Message):
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         skip_first_n_tokens: _builtins.int = ...,
         producer_event_handle: _builtins.bytes = ...,
+        layers: _common_pb2.LayerRange | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["range", b"range"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layers", b"layers", "range", b"range"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "engine_id", b"engine_id", "producer_event_handle", b"producer_event_handle", "range", b"range", "skip_first_n_tokens", b"skip_first_n_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "engine_id", b"engine_id", "layers", b"layers", "producer_event_handle", b"producer_event_handle", "range", b"range", "skip_first_n_tokens", b"skip_first_n_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -628,6 +628,7 @@ class RetrieveChunksRequest(_message.Message):
     SKIP_FIRST_N_TOKENS_FIELD_NUMBER: _builtins.int
     PRODUCER_EVENT_HANDLE_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     chunk_tokens: _builtins.int
     skip_first_n_tokens: _builtins.int
@@ -638,6 +639,13 @@ class RetrieveChunksRequest(_message.Message):
     def keys(self) -> _common_pb2.ChunkKeys: ...
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def layers(self) -> _common_pb2.LayerRange:
+        """Unset: every layer. Set: only these layers are written, and only a range
+        ending at the last layer takes the lease's locks (see the gateway's
+        RetrieveRequest.layers).
+        """
+
     def __init__(
         self,
         *,
@@ -648,10 +656,11 @@ class RetrieveChunksRequest(_message.Message):
         skip_first_n_tokens: _builtins.int = ...,
         producer_event_handle: _builtins.bytes = ...,
         lease_id: _builtins.str = ...,
+        layers: _common_pb2.LayerRange | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "layers", b"layers"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "chunk_tokens", b"chunk_tokens", "engine_id", b"engine_id", "keys", b"keys", "lease_id", b"lease_id", "producer_event_handle", b"producer_event_handle", "skip_first_n_tokens", b"skip_first_n_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "chunk_tokens", b"chunk_tokens", "engine_id", b"engine_id", "keys", b"keys", "layers", b"layers", "lease_id", b"lease_id", "producer_event_handle", b"producer_event_handle", "skip_first_n_tokens", b"skip_first_n_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

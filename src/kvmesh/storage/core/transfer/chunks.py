@@ -20,6 +20,7 @@ from kvmesh.kernels import BlockIds, PagedKVCache, blocks_for_tokens
 from kvmesh.kernels import gather_chunks as gather_into
 from kvmesh.kernels import scatter_chunks as scatter_from
 from kvmesh.kernels import segments as segment_ops
+from kvmesh.kernels.layer_range import select_layers
 from kvmesh.kernels.rope_params import RopeParams
 from kvmesh.storage.core.transfer.cuda_ipc import CudaIpcHandle, open_cuda_ipc
 from kvmesh.storage.core.transfer.layout import (
@@ -82,9 +83,13 @@ def scatter(
     srcs: Sequence[ChunkSource],
     skip_first_n_tokens: int,
     producer_event: bytes,
+    layers: tuple[int, int] | None = None,
 ) -> None:
-    """Check the arguments, then copy ``srcs`` into the blocks (retrieve direction)."""
+    """Check the arguments, then copy ``srcs`` into the blocks (retrieve direction);
+    only layers ``[start, end)`` when ``layers`` is given."""
     ids, chunks = _checked(layout, block_ids, num_tokens, srcs, "srcs", writable=False)
+    if layers is not None:
+        kv, chunks = select_layers(kv, chunks, *layers)
     _wait_for_producer(kv, producer_event)
     scatter_from(kv, ids, chunks, skip_first_n_tokens=skip_first_n_tokens)
     _wait_for_device(kv)

@@ -246,6 +246,7 @@ class TransferEngine:
         srcs: Sequence[ChunkSource],
         skip_first_n_tokens: int = 0,
         producer_event: bytes = b"",
+        layers: tuple[int, int] | None = None,
     ) -> None:
         """Copy ``srcs`` into the instance's paged KV cache (retrieve direction).
 
@@ -253,7 +254,8 @@ class TransferEngine:
         ``skip_first_n_tokens // block_size`` blocks of the batch's range are
         not written (LMCache's rounding). Read-only buffers (``bytes``) are
         fine as sources. ``producer_event`` (CUDA only): the copies wait for it
-        (the engine's work that last used those blocks).
+        (the engine's work that last used those blocks). ``layers``: only
+        layers ``[start, end)`` are written (one part of a load by layers).
         """
         instance = self._instance(instance_id)
         from kvmesh.storage.core.transfer import chunks  # loaded by the registration
@@ -266,6 +268,7 @@ class TransferEngine:
             srcs,
             skip_first_n_tokens,
             producer_event,
+            layers,
         )
 
     def gather_segment(
