@@ -209,6 +209,30 @@ def bench_main(
     print(json.dumps(result, indent=2) if args.json else format_table(result))
 
 
+def add_connector_option_argument(parser: argparse.ArgumentParser) -> None:
+    """``--connector-option KEY=VALUE`` (repeatable): kv_connector_extra_config of kvmesh's
+    arrangements; read them with :func:`connector_options`."""
+    parser.add_argument(
+        "--connector-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a kv_connector_extra_config key for the kvmesh arrangements (repeatable), "
+        "e.g. load_by_layer=false",
+    )
+
+
+def connector_options(pairs: Sequence[str]) -> dict[str, str]:
+    """``KEY=VALUE`` pairs as a dict; SystemExit naming a pair without ``=``."""
+    options = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"--connector-option {pair!r}: expected KEY=VALUE")
+        options[key] = value
+    return options
+
+
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
     """``--model NAME|DIR`` of the benchmarks that run real vLLM."""
     parser.add_argument(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import random
 import statistics
 import tempfile
@@ -36,7 +37,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kvmesh.bench.common import Progress, add_model_argument
+from kvmesh.bench.common import (
+    Progress,
+    add_connector_option_argument,
+    add_model_argument,
+    connector_options,
+)
 from kvmesh.common.model_store import resolve as resolve_model
 from kvmesh.engine.vllm.model import make_tiny_model
 from kvmesh.engine.vllm.runner import run_engine
@@ -84,33 +90,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "pool every round's prompts and each round's own ratios are listed too (on a shared "
         "VM whose speed drifts within minutes, a ratio within one round is the fair one)",
     )
+    cores = os.cpu_count() or 1
     parser.add_argument(
         "--omp-bind",
-        default="",
-        help="VLLM_CPU_OMP_THREADS_BIND of every arrangement (default: every core, so the "
-        "figures are vLLM's fastest; 0 leaves the other cores to kvmesh, as bench serve "
-        "does on 2 cores)",
+        default=f"0-{cores - 1}",
+        help="VLLM_CPU_OMP_THREADS_BIND of every arrangement: every core by default, so the "
+        "figures are vLLM's fastest; 0 leaves the other cores to kvmesh, as bench serve does "
+        "on 2 cores",
     )
-    parser.add_argument(
-        "--connector-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a kv_connector_extra_config key for the kvmesh arrangements (repeatable), "
-        "e.g. load_by_layer=false",
-    )
+    add_connector_option_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def connector_options(pairs: list[str]) -> dict[str, str]:
-    """``KEY=VALUE`` pairs as a dict; SystemExit naming a pair without ``=``."""
-    options = {}
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq or not key:
-            raise SystemExit(f"--connector-option {pair!r}: expected KEY=VALUE")
-        options[key] = value
-    return options
 
 
 def _prompts(count: int, tokens: int, seed: int, vocab: int = 32000) -> list[list[int]]:

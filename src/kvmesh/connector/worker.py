@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -262,6 +263,8 @@ class WorkerHooks(ConnectorBase):
         """Run one retrieve as parts by layers, in order (see :mod:`.layered`); the block
         ids some part could not fill. A failed part ends the load: the rest are not sent."""
         fewest: int | None = None
+        began = time.perf_counter()
+        done_at: list[float] = []
         try:
             for i, layers in enumerate(parts.groups):
                 got = self._send_retrieve(op, producer_event, layers, with_tokens=i == 0)
@@ -269,8 +272,14 @@ class WorkerHooks(ConnectorBase):
                 if got is None:
                     break
                 parts.part_done(i)
+                done_at.append((time.perf_counter() - began) * 1e3)
         finally:
             parts.finish()
+        logger.debug(
+            "retrieve of %s by layers: parts done at %s ms",
+            op.request_id,
+            ", ".join(f"{t:.1f}" for t in done_at),
+        )
         return self._missing(op, fewest)
 
     def _send_retrieve(

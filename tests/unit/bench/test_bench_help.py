@@ -73,3 +73,17 @@ def test_every_bench_takes_json_and_quiet(name: str) -> None:
     assert options.json is True
     assert options.quiet is True
     assert parser.parse_args([]).quiet is False
+
+
+def test_connector_options_are_key_value_pairs() -> None:
+    from kvmesh.bench.common import connector_options
+
+    assert connector_options([]) == {}
+    assert connector_options(["load_by_layer=false", "log_level=DEBUG", "a=b=c"]) == {
+        "load_by_layer": "false",
+        "log_level": "DEBUG",
+        "a": "b=c",
+    }
+    for bad in ("load_by_layer", "=x"):
+        with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+            connector_options([bad])

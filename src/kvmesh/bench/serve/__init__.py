@@ -36,7 +36,12 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.bench.common import Progress, add_model_argument
+from kvmesh.bench.common import (
+    Progress,
+    add_connector_option_argument,
+    add_model_argument,
+    connector_options,
+)
 from kvmesh.bench.serve.client import Answer, run_round, stream_completion, ttft_summary
 from kvmesh.bench.serve.servers import (
     Node,
@@ -84,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "vLLM's OpenMP threads spin, so a process sharing their cores stalls every step)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of documents and questions")
+    add_connector_option_argument(parser)
 
 
 def _workload(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
@@ -200,6 +206,7 @@ def _arrangement(
             max_model_len=min(shape["context"], 2 * prompt_tokens),
             gateway=node.lane if node else None,
             omp_bind=args.omp_bind,
+            connector=connector_options(args.connector_option),
         )
         # The process's first request, outside the rounds and their counters, shares
         # nothing with them (a process's first request is slower).
@@ -310,6 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "output_tokens": args.output_tokens,
             "omp_bind": args.omp_bind,
         },
+        "connector_options": connector_options(args.connector_option),
         "arrangements": arrangements,
         "unique_prompt_bytes": unique_bytes,
     }

@@ -205,11 +205,13 @@ def launch_vllm(
     gateway: str | None,
     omp_bind: str,
     extra_args: Sequence[str] = (),
+    connector: dict[str, str] | None = None,
 ) -> Server:
     """Start vLLM's OpenAI server, not waiting for it to serve (:func:`start_vllm` waits).
 
     Its KV cache has ``kv_blocks`` blocks, kvmesh's connector is on if
-    ``gateway``, and ``extra_args`` are more options of vLLM's server.
+    ``gateway`` (with ``connector``'s kv_connector_extra_config keys), and
+    ``extra_args`` are more options of vLLM's server.
     """
     port = free_port()
     argv = [
@@ -221,7 +223,7 @@ def launch_vllm(
         "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
     ]  # fmt: skip
     if gateway:
-        argv += ["--kv-transfer-config", json.dumps(transfer_config(gateway))]
+        argv += ["--kv-transfer-config", json.dumps(transfer_config(gateway, connector))]
     argv += extra_args
     env = {**os.environ, **engine_env(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": omp_bind}
     process = spawn(f"vLLM ({name})", argv, work / f"vllm-{name}.log", env)
@@ -253,6 +255,7 @@ def start_vllm(
     gateway: str | None,
     omp_bind: str,
     startup_timeout_s: float = 600.0,
+    connector: dict[str, str] | None = None,
 ) -> Server:
     """vLLM's OpenAI server with a KV cache of ``kv_blocks`` blocks (and kvmesh if ``gateway``)."""
     server = launch_vllm(
@@ -265,6 +268,7 @@ def start_vllm(
         max_model_len=max_model_len,
         gateway=gateway,
         omp_bind=omp_bind,
+        connector=connector,
     )
     wait_serving(server, startup_timeout_s)
     return server

@@ -137,6 +137,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._loading = False
         self._load_started = 0.0
         self._load_tokens = 0
+        self._load_waited = 0.0
         self._by_layer = False
         # GPU: events on vLLM's stream that order storage's copies (None on CPU).
         self._events: StreamEvents | None = None
@@ -343,6 +344,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not ops.retrieve_ops:
             return
         self._load_started = time.perf_counter()
+        self._load_waited = 0.0
         self._load_tokens = sum(
             op.end - op.start - op.skip_first_n_tokens for op in ops.retrieve_ops
         )
@@ -355,12 +357,14 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         self._loading = True
         if not by_layer:
-            self._finish_loads()
+            self._finish_loads()  # the forward pass waits for all of it, here
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Before a layer's attention: wait until this step's loads have written its KV."""
         if self._loading:
+            start = time.perf_counter()
             self.hooks.wait_for_layer(self._layer_index.get(layer_name))
+            self._load_waited += time.perf_counter() - start
 
     def _finish_loads(self) -> None:
         """Wait for the rest of this step's loads and note the blocks they failed to fill.
@@ -371,15 +375,20 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not self._loading:
             return
         self._loading = False
+        start = time.perf_counter()
         try:
             failed = self.hooks.wait_for_load()
         except Exception:
             logger.exception("kvmesh loads failed; vLLM recomputes their blocks")
             return
+        if not self._by_layer:
+            self._load_waited = time.perf_counter() - start
         logger.debug(
-            "loaded %d tokens, done %.1f ms after the load began (%d requests fell short)",
+            "loaded %d tokens, done %.1f ms after the load began; the forward pass waited "
+            "%.1f ms for it (%d requests fell short)",
             self._load_tokens,
             (time.perf_counter() - self._load_started) * 1e3,
+            self._load_waited * 1e3,
             len(failed),
         )
 
