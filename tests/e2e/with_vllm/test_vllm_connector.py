@@ -82,9 +82,12 @@ def _fleet_runs(tmp: Path, redis_url: str, model: Path) -> Runs:
         {**base, "prompts": [p, q, p, q], "gateway": fleet.endpoint("node-0-gateway"),
          "pause_before": [{"index": 1, "path": str(a_q)}, {"index": 2, "path": str(a_again)}]}
     )  # fmt: skip
+    # B loads by layer (vLLM bound to every core would load whole by default, as A does):
+    # both ways of loading give the cold run's answer.
     b = start_engine(
         {**base, "prompts": [p, q], "gateway": fleet.endpoint("node-1-gateway"),
-         "pause_before": {"index": 0, "path": str(b_p)}}
+         "pause_before": {"index": 0, "path": str(b_p)},
+         "connector": {"load_by_layer": "true", "log_level": "DEBUG"}}
     )  # fmt: skip
     stopped = False
     try:
@@ -149,6 +152,10 @@ def test_vllm_processes_reuse_prompts_through_kvmesh_and_survive_it_stopping(
         # Longer than one prefill chunk: stored in two steps, loaded whole but the last token.
         assert runs.warm_p_other_node["cached_tokens"] == CACHED, runs.b_log[-3000:]
         assert_same_answer(runs.cold_p, runs.warm_p_other_node)
+        # B loaded it by layer: parts of 1, 2 and 1 of the tiny model's 4 layers.
+        parts = [line for line in runs.b_log.splitlines() if "by layers: parts done at" in line]
+        assert len(parts) == 1, runs.b_log[-3000:]
+        assert len(parts[0].split("parts done at")[1].split(",")) == 3
     with subtests.test("two vLLM processes on two nodes reuse each other's prefixes"):
         assert runs.warm_q["cached_tokens"] == CACHED, runs.a_log[-3000:]
         assert_same_answer(runs.cold_q_other_node, runs.warm_q)

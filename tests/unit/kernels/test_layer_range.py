@@ -27,10 +27,16 @@ HEAD_DIM = 16  # VLLM_CPU_AMX tiles 16 dims
 PARTS = [(0, 1), (1, 3), (3, 5)]
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native", "no_native", "torch_ops"])
 def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "torch":
+    """The native kernel; without it (NumPy, or vLLM's layouts' torch fallback); and the
+    torch ops CUDA caches use, run on the CPU."""
+    import kvmesh.kernels.ops
+
+    if request.param != "native":
         monkeypatch.setenv("KVMESH_NATIVE_COPY", "0")
+    if request.param == "torch_ops":
+        monkeypatch.setattr(kvmesh.kernels.ops, "_CPU_BACKEND", "torch")
     return str(request.param)
 
 

@@ -24,8 +24,8 @@ stores over the typed gateway client). What it adds for vLLM:
   computes the rest of its prompt: :meth:`start_load_kv` sends it in parts by
   layers and returns, and each layer's attention waits for its own part
   (:meth:`wait_for_layer_load`), so the forward pass runs beside the copy
-  (``load_by_layer``: by default on GPUs, and on CPUs where vLLM's threads
-  leave a core free; otherwise the whole load finishes before the forward).
+  (``load_by_layer``: by default on GPUs; on CPUs the whole load finishes
+  before the forward pass unless it is set to true).
   Stores start after the forward (:meth:`wait_for_save`) and finish in the
   background; a finished request whose stores still run keeps its blocks
   until :meth:`get_finished` reports it.
@@ -39,7 +39,6 @@ stores over the typed gateway client). What it adds for vLLM:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -274,13 +273,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """
         layers = distinct_layers(kv_caches)
         self._layer_index = layer_indices(kv_caches)
-        # The host's cores, not this process's affinity: vLLM binds its own threads.
-        self._by_layer = loads_by_layer(
-            self.settings.load_by_layer,
-            layers[0].device.type,
-            torch.get_num_threads(),
-            os.cpu_count() or 1,
-        )
+        self._by_layer = loads_by_layer(self.settings.load_by_layer, layers[0].device.type)
         block_size = self.hooks.config.block_size
         if layers[0].device.type == "cuda":
             layout, handles = describe_cuda(layers, block_size)

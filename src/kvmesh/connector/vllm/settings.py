@@ -58,8 +58,7 @@ class VLLMSettings:
     named_kv_file: bool = False
     #: Load a hit in parts by layers while the forward pass runs: each layer's attention
     #: waits only for its own part (docs/vllm.md, "Loads by layer"). "false": the whole
-    #: load finishes before the forward pass starts; "auto": by layer on GPUs, and on
-    #: CPUs when vLLM's threads leave a core free for the node's copy.
+    #: load finishes before the forward pass starts; "auto": by layer on GPUs only.
     load_by_layer: str = "auto"
 
 
@@ -133,18 +132,17 @@ def parse_settings(extra: Mapping[str, Any] | None) -> VLLMSettings:
     return settings
 
 
-def loads_by_layer(setting: str, device_type: str, vllm_threads: int, cores: int) -> bool:
+def loads_by_layer(setting: str, device_type: str) -> bool:
     """Whether loads go by layer (the ``load_by_layer`` setting, docs/vllm.md, "Loads by layer").
 
-    "auto" on a CPU: only when vLLM's ``vllm_threads`` leave one of the host's
-    ``cores`` free. The node's copy then runs there beside the forward pass; on
-    cores vLLM's OpenMP threads spin on, it would stall every parallel region
-    of the step instead (measured: a fresh-process hit 1.39x vLLM's own hit
-    loaded whole, 2.09x by layer, with vLLM on both of 2 cores).
+    "auto": on GPUs, where the node's copy and the forward pass use different
+    hardware. On a CPU host the forward pass waits less but runs slower beside
+    the copy (both are memory-bound), and the time to first token measured no
+    better (docs/performance.md, "Loads by layer"): "true" turns it on there.
     """
     if setting != "auto":
         return setting == "true"
-    return device_type != "cpu" or vllm_threads < cores
+    return device_type != "cpu"
 
 
 def _coerce(key: str, value: Any, kind: type) -> Any:
