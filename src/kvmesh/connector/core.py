@@ -36,8 +36,10 @@ Every call has a deadline (the typed client's defaults, or ``rpc_timeout_s``).
 
 A vLLM ``KVConnectorBase_V1`` adapter maps: ``request_finished(request,
 block_ids)`` → ``(request_finished(request), None)``; ``start_load_kv(ctx)`` →
-``start_load_kv(bound metadata)`` and ``wait_for_layer_load`` → one
-:meth:`wait_for_load` before the first layer; ``save_kv_layer`` → nothing,
+``start_load_kv(bound metadata)`` then :meth:`wait_for_load` (a load by layer:
+``start_load_kv(metadata, by_layer=True)``, ``wait_for_layer_load`` →
+:meth:`wait_for_layer`, and :meth:`wait_for_load` before the step is
+reported); ``save_kv_layer`` → nothing,
 ``wait_for_save()`` → :meth:`save_kv` + :meth:`wait_for_save`;
 ``register_kv_caches(kv_caches)`` → the same, plus the shared-memory regions
 of the engine's KV allocator.
