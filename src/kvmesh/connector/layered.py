@@ -51,7 +51,6 @@ class LayeredLoad:
     def wait_for_layer(self, layer: int | None) -> None:
         """Block until the part holding ``layer`` is done (None or out of range: every part)."""
         if layer is None or not 0 <= layer < self.groups[-1][1]:
-            self._done[-1].wait()
             for event in self._done:
                 event.wait()
             return

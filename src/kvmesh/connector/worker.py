@@ -235,13 +235,17 @@ class WorkerHooks(ConnectorBase):
             self._heartbeat.wake()
         return True
 
-    def _prompt_range(self, op: RetrieveOp | StoreOp) -> gateway_pb2.PromptRange:
+    def _prompt_range(
+        self, op: RetrieveOp | StoreOp, *, with_tokens: bool = True
+    ) -> gateway_pb2.PromptRange:
+        """The op's range; ``with_tokens=False`` leaves the tokens to the gateway's session
+        (an earlier call for the request sent them)."""
         return gateway_pb2.PromptRange(
             request_id=op.request_id,
             model_name=self.config.model_name,
             world_size=self.config.world_size,
             cache_salt=op.cache_salt,
-            token_ids=op.token_ids,
+            token_ids=op.token_ids if with_tokens else (),
             start_token=op.start,
             end_token=op.end,
         )
@@ -268,9 +272,10 @@ class WorkerHooks(ConnectorBase):
         try:
             for i, layers in enumerate(parts.groups):
                 got = self._send_retrieve(op, producer_event, layers, with_tokens=i == 0)
-                fewest = got if fewest is None or got is None else min(fewest, got)
                 if got is None:
+                    fewest = None
                     break
+                fewest = got if fewest is None else min(fewest, got)
                 parts.part_done(i)
                 done_at.append((time.perf_counter() - began) * 1e3)
         finally:
@@ -294,12 +299,9 @@ class WorkerHooks(ConnectorBase):
         if not self._registered:
             logger.debug("retrieve of %s while the engine is not registered", op.request_id)
             return None
-        rng = self._prompt_range(op)
-        if not with_tokens:
-            del rng.token_ids[:]  # an earlier part sent them: the gateway's session keeps them
         request = gateway_pb2.RetrieveRequest(
             engine_id=self.engine_id,
-            range=rng,
+            range=self._prompt_range(op, with_tokens=with_tokens),
             block_ids=op.block_ids,
             skip_first_n_tokens=op.skip_first_n_tokens,
             producer_event_handle=producer_event,

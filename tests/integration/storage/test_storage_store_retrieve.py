@@ -10,6 +10,7 @@ writes is compared block by block with the source blocks.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -170,6 +171,8 @@ def test_a_load_by_layers_writes_each_parts_layers_and_the_last_part_uses_the_le
     lookup = node.lookup(hashes)
     target = blocks_of(range(2), base=40)
     engine.fill(target, 0.0)
+    touched = _Touches()
+    node.app.node.manager.l1.add_listener(touched)
 
     assert node.retrieve(engine, hashes, target, lease=lookup.prefetch_id, layers=(0, 1)) == 2
     assert np.array_equal(engine.kv[0][:, target], engine.kv[0][:, blocks_of(range(2))])
@@ -178,10 +181,28 @@ def test_a_load_by_layers_writes_each_parts_layers_and_the_last_part_uses_the_le
     assert node.status().leases.held_locks == 2
     assert node.delete(hashes) == (0, 2)
 
+    assert touched.calls == []  # a use is counted once per load, on its last part
     assert node.retrieve(engine, hashes, target, lease=lookup.prefetch_id, layers=(1, 2)) == 2
     assert engine.blocks_bytes(target) == engine.blocks_bytes(blocks_of(range(2)))
     assert node.status().leases.held_locks == 0
     assert node.read_locked_objects() == 0
+    assert [{k.chunk_hash for k in keys} for keys in touched.calls] == [set(hashes)]
+
+
+class _Touches:
+    """An L1 listener that records the keys of each LRU touch (each ACCESS event)."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[Any]] = []
+
+    def on_admitted(self, keys: Any, sizes: Any, from_l2: bool) -> None:
+        pass
+
+    def on_removed(self, keys: Any, sizes: Any, reason: Any) -> None:
+        pass
+
+    def on_touched(self, keys: Any) -> None:
+        self.calls.append(list(keys))
 
 
 def test_ending_a_lease_releases_what_it_holds_and_an_old_id_is_unknown(

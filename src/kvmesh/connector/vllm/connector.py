@@ -341,15 +341,14 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._load_tokens = sum(
             op.end - op.start - op.skip_first_n_tokens for op in ops.retrieve_ops
         )
-        by_layer = self._by_layer
         try:
-            self.hooks.start_load_kv(ops, self._producer_event(), by_layer=by_layer)
+            self.hooks.start_load_kv(ops, self._producer_event(), by_layer=self._by_layer)
         except Exception:
             logger.exception("kvmesh loads failed; vLLM recomputes their blocks")
             self.hooks.fail_loads(ops.retrieve_ops)
             return
         self._loading = True
-        if not by_layer:
+        if not self._by_layer:
             self._finish_loads()  # the forward pass waits for all of it, here
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -146,9 +146,11 @@ class ChunkCopier:
         release_mask: Sequence[bool],
         producer_event: bytes = b"",
         layers: tuple[int, int] | None = None,
+        last_part: bool = True,
     ) -> int:
         """Scatter the resident prefix of ``keys`` (only ``layers`` when given) into the
-        engine; chunks copied."""
+        engine; chunks copied. Only the ``last_part`` of a load by layers counts as a
+        use of the chunks (LRU recency, ACCESS events): once per load, not per part."""
 
         def scatter(views: list[memoryview]) -> None:
             self.transfer.scatter_chunks(
@@ -156,7 +158,7 @@ class ChunkCopier:
                 skip_first_n_tokens, producer_event, layers,
             )  # fmt: skip
 
-        return await self._retrieve(keys, nbytes, scatter, release_mask)
+        return await self._retrieve(keys, nbytes, scatter, release_mask, count_use=last_part)
 
     async def retrieve_segment(
         self,
@@ -180,6 +182,8 @@ class ChunkCopier:
         nbytes: int,
         scatter: Callable[[list[memoryview]], None],
         release_mask: Sequence[bool],
+        *,
+        count_use: bool = True,
     ) -> int:
         """Read-lock the resident prefix of ``keys``, ``scatter(views)`` it; objects copied."""
         results = self.manager.reserve_read(keys, 1) if keys else []
@@ -208,7 +212,7 @@ class ChunkCopier:
             flagged = [k for k, flag in zip(keys, release_mask, strict=False) if flag]
             if flagged:
                 self.manager.finish_read(flagged, 1)
-        if usable:
+        if usable and count_use:
             # A served chunk is a use: refresh its LRU recency and report ACCESS, so the
             # coordinator's access counts follow real reuse.
             self.manager.touch(keys[:usable])

@@ -257,13 +257,14 @@ class StorageNode:
             )
         blocks = self._chunk_blocks(layout, len(keys), block_ids, chunk_tokens)
         nbytes = chunk_nbytes(layout, chunk_tokens)
-        if layers is None or layers[1] == layout.num_layers:
+        last_part = layers is None or layers[1] == layout.num_layers
+        if last_part:
             release_mask = self.lookups.leases.consume(lease_id, keys)
         else:
             release_mask = [False] * len(keys)
         return await self._copier.retrieve(
             engine_id, keys, blocks, chunk_tokens, nbytes, skip_first_n_tokens, release_mask,
-            producer_event, layers,
+            producer_event, layers, last_part,
         )  # fmt: skip
 
     # ------------------------------------------------------------ locks & misc
