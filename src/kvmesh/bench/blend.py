@@ -20,7 +20,12 @@ Per arrangement: the mean TTFT (the prefill up to the first token's logits,
 finding the stored documents in the prompt and fetching their K/V included),
 the share of prompt tokens whose K/V was reused, and against the full prefill
 the greedy agreement (position by position over ``--generate`` tokens) and the
-KL divergence of the first token's distribution. docs/blend.md, "Benchmark" has the figures.
+KL divergence of the first token's distribution. Position by position, an
+answer that says the same in other words agrees on nothing after the first
+changed token, so the answer is also read: ``answer_accuracy`` is the share of
+prompts whose generated text names the asked town's river first, and
+``answer_agreement`` the share that names the same river first as the full
+prefill's text. docs/blend.md, "Benchmark" has the figures.
 
 The documents' K/V is kept in a kvmesh node (``--gateway``, or one started
 for the run) under keys of their tokens alone
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -126,6 +132,13 @@ class _Corpus:
     system: list[int]
     documents: list[list[int]]
     towns: list[str]
+    rivers: list[str]
+
+
+@dataclass
+class _Tokenizer:
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
 
 
 def _document(rng: random.Random, town: str, river: str, sentences: int) -> str:
@@ -141,11 +154,20 @@ def _document(rng: random.Random, town: str, river: str, sentences: int) -> str:
     return f"Document: {town}.\n" + " ".join(text) + "\n\n"
 
 
-def _tokenizer(folder: Path) -> Callable[[str], list[int]]:
+def _tokenizer(folder: Path) -> _Tokenizer:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
+    return _Tokenizer(
+        encode=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+        decode=lambda tokens: str(tokenizer.decode(tokens)),
+    )
+
+
+def first_river(text: str) -> str | None:
+    """The river of ``_RIVERS`` that ``text`` names first (a whole word), or None."""
+    found = re.search(r"\b(" + "|".join(_RIVERS) + r")\b", text)
+    return found.group(1) if found else None
 
 
 def _corpus(encode: Callable[[str], list[int]], args: argparse.Namespace) -> _Corpus:
@@ -163,23 +185,25 @@ def _corpus(encode: Callable[[str], list[int]], args: argparse.Namespace) -> _Co
         _document(rng, town, river, args.sentences)
         for town, river in zip(towns, rivers, strict=True)
     ]
-    return _Corpus(system, [encode(text) for text in texts], towns)
+    return _Corpus(system, [encode(text) for text in texts], towns, rivers)
 
 
 def _prompts(
     corpus: _Corpus, encode: Callable[[str], list[int]], args: argparse.Namespace
-) -> list[tuple[list[list[int]], list[int]]]:
-    """(documents in the prompt's order, question tokens) of each prompt."""
+) -> tuple[list[tuple[list[list[int]], list[int]]], list[str]]:
+    """(documents in the prompt's order, question tokens) of each prompt, and the
+    river each question asks for."""
     rng = random.Random(args.seed + 1)
-    prompts = []
+    prompts, answers = [], []
     for _ in range(args.prompts):
         order = rng.sample(range(args.documents), args.docs_per_prompt)
+        asked = rng.choice(order)
         question = encode(
-            f"Question: on which river is {corpus.towns[rng.choice(order)]}?<|im_end|>\n"
-            "<|im_start|>assistant\n"
+            f"Question: on which river is {corpus.towns[asked]}?<|im_end|>\n<|im_start|>assistant\n"
         )
         prompts.append(([corpus.documents[i] for i in order], question))
-    return prompts
+        answers.append(corpus.rivers[asked])
+    return prompts, answers
 
 
 def _kl(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -241,18 +265,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(
                 f"kvmesh bench blend: --check-layer must be in [0, {model.num_layers})"
             )
-        encode = _tokenizer(folder)
-        corpus = _corpus(encode, args)
+        tokenizer = _tokenizer(folder)
+        corpus = _corpus(tokenizer.encode, args)
         c = model.config
         row_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
         held = len(corpus.system) + sum(map(len, corpus.documents))
-        prompts = _prompts(corpus, encode, args)
+        prompts, answers = _prompts(corpus, tokenizer.encode, args)
         with _node(args, 2 * held * row_bytes + 64 * MIB, progress) as target:
             store = SegmentStore(
                 target, str(folder), c.rope, num_layers=c.num_layers, kv_heads=c.num_kv_heads
             )
             try:
-                figures = _measure(model, store, corpus, prompts, args, progress)
+                figures = _measure(
+                    model, store, corpus, (prompts, answers), tokenizer, args, progress
+                )
             finally:
                 store.close()
         result = _report(figures, model, folder, corpus, args)
@@ -261,7 +287,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         elif importlib.util.find_spec("vllm") is None:
             result["not_run"]["reorder_vllm"] = "vLLM is not installed (pip install 'kvmesh[vllm]')"
         else:
-            reorder = measure_reorder(folder, corpus.system, prompts, args, progress)
+            reorder = measure_reorder(
+                folder,
+                corpus.system,
+                (prompts, answers),
+                first_river,
+                args,
+                progress,
+            )
             result["arrangements"]["reorder_vllm"] = summary(reorder)
     return result
 
@@ -270,11 +303,13 @@ def _measure(
     model: LlamaModel,
     store: SegmentStore,
     corpus: _Corpus,
-    prompts: list[tuple[list[list[int]], list[int]]],
+    workload: tuple[list[tuple[list[list[int]], list[int]]], list[str]],
+    tokenizer: _Tokenizer,
     args: argparse.Namespace,
     progress: Progress,
 ) -> dict[str, dict[str, list[float]]]:
     """Per arrangement, per figure, one value per prompt."""
+    prompts, answers = workload
     progress.phase("computing the documents once, into the node", total=len(corpus.documents))
     _, system_kv = model.prefill(corpus.system)
     store.put(corpus.system, system_kv, source_start=0)
@@ -290,9 +325,9 @@ def _measure(
     names = ("full_prefill", "prefix_only", *ratios)
     figures: dict[str, dict[str, list[float]]] = {name: {} for name in names}
     progress.phase("prompts in every arrangement", total=len(prompts))
-    for done, (docs, question) in enumerate(prompts, 1):
+    for done, ((docs, question), answer) in enumerate(zip(prompts, answers, strict=True), 1):
         tokens = corpus.system + [t for d in docs for t in d] + question
-        reference: tuple[torch.Tensor, list[int]] | None = None
+        reference: tuple[torch.Tensor, list[int], str | None] | None = None
         for name in names:
             began = time.perf_counter()
             if name == "full_prefill":
@@ -310,13 +345,16 @@ def _measure(
                 logits, kv, reused = result.logits, result.kv, result.reused_tokens
             ttft = time.perf_counter() - began
             generated = model.generate(logits, kv, args.generate)
+            river = first_river(tokenizer.decode(generated))
             if reference is None:
-                reference = (logits, generated)
+                reference = (logits, generated, river)
             agree = sum(a == b for a, b in zip(generated, reference[1], strict=True))
             row = {
                 "ttft_ms": ttft * 1e3,
                 "reused_token_fraction": reused / len(tokens),
                 "greedy_agreement": agree / args.generate,
+                "answer_accuracy": float(river == answer),
+                "answer_agreement": float(river == reference[2]),
                 "first_token_kl": _kl(reference[0], logits),
                 "prompt_tokens": float(len(tokens)),
             }
@@ -343,6 +381,8 @@ def _report(
             "ttft_speedup": round(full_ttft / mean(rows["ttft_ms"]), 2),
             "reused_token_fraction": round(mean(rows["reused_token_fraction"]), 4),
             "greedy_agreement": round(mean(rows["greedy_agreement"]), 4),
+            "answer_accuracy": round(mean(rows["answer_accuracy"]), 4),
+            "answer_agreement": round(mean(rows["answer_agreement"]), 4),
             "first_token_kl": float(f"{mean(rows['first_token_kl']):.3g}"),
         }
         for name, rows in figures.items()
@@ -372,7 +412,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"({result['docs_per_prompt']} of {result['documents']} documents, "
         f"{result['document_tokens_mean']:.0f} tokens each), check layer {result['check_layer']}",
         f"{'arrangement':<14}{'TTFT ms':>10}{'speedup':>9}{'reused':>9}"
-        f"{'greedy agree':>14}{'first-token KL':>16}",
+        f"{'greedy agree':>14}{'first-token KL':>16}{'answer right':>14}{'same answer':>13}",
     ]
     for name, row in result["arrangements"].items():
         kl = row["first_token_kl"]
@@ -380,6 +420,11 @@ def format_table(result: dict[str, Any]) -> str:
             f"{name:<14}{row['ttft_mean_ms']:>10.1f}{row['ttft_speedup']:>8.2f}x"
             f"{row['reused_token_fraction']:>9.1%}{row['greedy_agreement']:>14.1%}"
             + (f"{kl:>16.4g}" if kl is not None else f"{'-':>16}")
+            + (
+                f"{row['answer_accuracy']:>14.0%}{row['answer_agreement']:>13.0%}"
+                if "answer_accuracy" in row
+                else ""
+            )
         )
     reorder = result["arrangements"].get("reorder_vllm")
     if reorder:

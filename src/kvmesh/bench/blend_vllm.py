@@ -14,7 +14,8 @@ speedup, and its greedy tokens for the agreement, which measures what the new
 order does to the answer. ``greedy_agreement_reordered_cold`` compares with
 the reordered prompt computed cold instead: what kvmesh's reuse alone
 changes. vLLM gives top-k logprobs only, so no first-token KL divergence is
-reported for this arrangement.
+reported for this arrangement. ``answer_accuracy`` and ``answer_agreement``
+read the answer the generated text gives, as for the engine's arrangements.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,11 +90,16 @@ def _stream(
 def measure_reorder(
     folder: Path,
     system: list[int],
-    prompts: Sequence[tuple[list[list[int]], list[int]]],
+    workload: tuple[Sequence[tuple[list[list[int]], list[int]]], Sequence[str]],
+    answer_of: Callable[[str], str | None],
     args: argparse.Namespace,
     progress: Progress,
 ) -> dict[str, list[float]]:
-    """Per figure, one value per prompt (see the module's docstring)."""
+    """Per figure, one value per prompt (see the module's docstring).
+
+    ``workload`` is the prompts and the answer each asks for; ``answer_of`` reads
+    the answer a generated text gives (None where it gives none)."""
+    prompts, answers = workload
     work = Path(tempfile.mkdtemp(prefix="kvmesh-bench-blend-vllm-"))
     rng = random.Random(args.seed + 2)
     figures: dict[str, list[float]] = {}
@@ -114,7 +120,9 @@ def measure_reorder(
         client = GatewayClient(node.lane)
         try:
             progress.phase("reorder_vllm: prompts", total=len(prompts))
-            for done, (docs, question) in enumerate(prompts, 1):
+            for done, ((docs, question), answer) in enumerate(
+                zip(prompts, answers, strict=True), 1
+            ):
                 earlier = rng.sample(docs, len(docs))
                 other = question[::-1]  # another question after the same documents
                 _stream(server.port, [*system, *(t for d in earlier for t in d), *other], 1)
@@ -145,6 +153,10 @@ def measure_reorder(
                         a == b for a, b in zip(tokens, cold_tokens, strict=False)
                     )
                     / args.generate,
+                    "answer_accuracy": float(answer_of("".join(tokens)) == answer),
+                    "answer_agreement": float(
+                        answer_of("".join(tokens)) == answer_of("".join(ref_tokens))
+                    ),
                     "lookups": float(plan.lookups),
                 }
                 for key, value in row.items():
@@ -196,6 +208,8 @@ def summary(figures: dict[str, list[float]]) -> dict[str, Any]:
         "doc_token_fraction": round(mean("doc_token_fraction"), 4),
         "greedy_agreement": round(mean("greedy_agreement"), 4),
         "greedy_agreement_reordered_cold": round(mean("greedy_agreement_reordered_cold"), 4),
+        "answer_accuracy": round(mean("answer_accuracy"), 4),
+        "answer_agreement": round(mean("answer_agreement"), 4),
         "first_token_kl": None,
         "plan_ms_mean": round(mean("plan_ms"), 2),
         "lookups_mean": round(mean("lookups"), 1),

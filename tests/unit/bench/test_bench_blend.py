@@ -36,9 +36,13 @@ def test_every_arrangement_is_measured_and_ratio_one_is_exact(tiny_folder: Path)
     assert rows["full_prefill"]["reused_token_fraction"] == 0
     assert rows["full_prefill"]["greedy_agreement"] == 1.0
     assert rows["full_prefill"]["first_token_kl"] == 0.0
+    assert rows["full_prefill"]["answer_agreement"] == 1.0
+    for row in rows.values():
+        assert 0.0 <= row["answer_accuracy"] <= 1.0
     # Ratio 1 recomputes everything through the blend path: the full prefill's tokens.
     assert rows["blend_1"]["greedy_agreement"] == 1.0
     assert rows["blend_1"]["first_token_kl"] == 0.0
+    assert rows["blend_1"]["answer_agreement"] == 1.0
     assert rows["blend_1"]["reused_token_fraction"] == 0
     reused = [rows[name]["reused_token_fraction"] for name in ("blend_0", "blend_0_15")]
     assert reused[0] > reused[1] > rows["prefix_only"]["reused_token_fraction"] > 0
@@ -48,6 +52,19 @@ def test_every_arrangement_is_measured_and_ratio_one_is_exact(tiny_folder: Path)
     for name in rows:
         assert name in table
     json.dumps(result)  # the --json output is plain JSON
+
+
+@pytest.mark.parametrize(
+    ("text", "river"),
+    [
+        ("Elsby is located on the river Nidd, a tributary of the Wear.", "Nidd"),
+        ("The Wear, not the Nidd.", "Wear"),
+        ("It lies on the Niddle, near Esker.", None),  # whole words only
+        ("", None),
+    ],
+)
+def test_the_answer_is_the_first_river_the_text_names(text: str, river: str | None) -> None:
+    assert blend.first_river(text) == river
 
 
 @pytest.mark.parametrize(
