@@ -61,7 +61,7 @@ ENV_SWITCH = "KVMESH_NATIVE_COPY"
 ENV_LIBRARY = "KVMESH_NATIVE_LIBRARY"
 
 #: Must match KVMESH_NTCOPY_ABI in ntcopy.c.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 ISA_MEMCPY = 0
 ISA_SSE2 = 1
@@ -124,6 +124,16 @@ class NativeCopy:
             ]
             tiles.restype = ctypes.c_int
             self._tiles[name] = tiles
+        batch = lib.kvmesh_tiles_batch
+        batch.argtypes = [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            *[ctypes.c_int64] * 4,
+            ctypes.c_int,
+        ]
+        batch.restype = ctypes.c_int
+        self._tiles_batch = batch
         self._lib = lib  # keeps the library mapped as long as this object lives
         self._fn = fn
         self.path = path
@@ -191,6 +201,28 @@ class NativeCopy:
         heads, block_size, head_dim, esize = shape
         rc = self._tiles[layout](
             layer, k_rows, v_rows, blocks_addr, n_blocks, n_tokens, skip_blocks,
+            heads, block_size, head_dim, esize, int(gather),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"the tile copy does not move {esize}-byte elements")
+
+    def tiles_batch(
+        self,
+        layout: str,
+        items: npt.NDArray[np.int64],
+        shape: tuple[int, int, int, int],
+        *,
+        gather: bool,
+    ) -> None:
+        """Many :meth:`tiles_at` copies in one call (one GIL release); unchecked.
+
+        ``items`` is a C-contiguous ``[n, 7]`` int64 array, one row per copy:
+        ``(layer, k_rows, v_rows, blocks_addr, n_blocks, n_tokens,
+        skip_blocks)``, the first four addresses, as :meth:`tiles_at` takes them.
+        """
+        heads, block_size, head_dim, esize = shape
+        rc = self._tiles_batch(
+            0 if layout == "amx" else 1, items.ctypes.data, items.shape[0],
             heads, block_size, head_dim, esize, int(gather),
         )  # fmt: skip
         if rc != 0:

@@ -31,6 +31,12 @@ One layer is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; inside one
   of element offsets (:func:`head_offsets`), one indexed read or write per
   (layer, plane).
 
+With the native kernel, a batch of chunks is one list of (chunk, layer)
+copies, cut into pieces of about 2 MiB, one C call each (``kvmesh_tiles_batch``),
+pulled by the copy threads: a C call per (chunk, layer) released and took
+back the GIL each time, and with a small model's 128 KiB pairs two threads
+ran slower than one (docs/kernels.md, "Gather and scatter").
+
 The offsets were read off vLLM 0.32's own ``cpu_attn_reshape_and_cache`` (a
 test writes K/V through it and reads them back with these kernels).
 """
@@ -40,8 +46,10 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvmesh.kernels import native
@@ -176,62 +184,82 @@ def scatter_all(kv: PagedKVCache, plans: Sequence[ChunkPlan], parallel: Parallel
 def _native_all(
     kv: PagedKVCache, plans: Sequence[ChunkPlan], *, gather: bool, parallel: Parallel
 ) -> bool:
-    """All chunks with the native kernel, a (chunk, layer) a piece, over the copy threads.
+    """All chunks with the native kernel, over the copy threads; False when it cannot.
 
     A 32-chunk prefix of a small model is 32 pieces of well under the 1 MiB a
     per-chunk split needs; cut over the whole batch, both cores share it.
     """
-    pieces: list[Callable[[], None]] = []
-    for plan in plans:
-        mine = _native_pieces(kv, plan, gather=gather)
-        if mine is None:
-            return False
-        pieces += mine
-    parallel(pieces, sum(p.chunk.numel() * p.chunk.element_size() for p in plans))
+    items = _native_items(kv, plans)
+    if items is None:
+        return False
+    _run_items(kv, items, gather, parallel, sum(_nbytes(p) for p in plans))
     return True
 
 
 def _native_tiles(kv: PagedKVCache, plan: ChunkPlan, *, gather: bool, parallel: Parallel) -> bool:
-    """Move one chunk with the native kernel, a layer a piece; False when it cannot."""
-    pieces = _native_pieces(kv, plan, gather=gather)
-    if pieces is None:
-        return False
-    # The C call releases the GIL: layers copy side by side on the copy threads.
-    parallel(pieces, plan.chunk.numel() * plan.chunk.element_size())
-    return True
+    """Move one chunk with the native kernel, over the copy threads; False when it cannot."""
+    return _native_all(kv, [plan], gather=gather, parallel=parallel)
 
 
-def _native_pieces(
-    kv: PagedKVCache, plan: ChunkPlan, *, gather: bool
-) -> list[Callable[[], None]] | None:
-    """One call of the native kernel per layer of ``plan``, or None when it cannot run."""
-    chunk = plan.chunk
-    if kv.device.type != "cpu" or chunk.device.type != "cpu" or not planes_contiguous(chunk):
+def _nbytes(plan: ChunkPlan) -> int:
+    return plan.chunk.numel() * plan.chunk.element_size()
+
+
+@dataclass
+class _Items:
+    """One native copy per (chunk, layer): the rows :meth:`NativeCopy.tiles_batch` takes."""
+
+    rows: npt.NDArray[np.int64]
+    #: What the rows' addresses point into, alive until the copy ran.
+    keep: list[object]
+
+
+def _native_items(kv: PagedKVCache, plans: Sequence[ChunkPlan]) -> _Items | None:
+    """The (chunk, layer) copies of ``plans``, or None when the native kernel cannot run."""
+    if kv.device.type != "cpu" or native.library() is None:
         return None
+    rows: list[tuple[int, ...]] = []
+    keep: list[object] = []
+    for plan in plans:
+        chunk = plan.chunk
+        if chunk.device.type != "cpu" or not planes_contiguous(chunk):
+            return None
+        n_blocks = -(-plan.num_tokens // kv.block_size)
+        blocks = np.ascontiguousarray(plan.block_ids[:n_blocks], dtype=np.int64)
+        keep += [blocks, chunk]
+        tail = (blocks.ctypes.data, n_blocks, plan.num_tokens, plan.skip_blocks)
+        rows += [
+            (kv.layers[i].data_ptr(), chunk[0, i].data_ptr(), chunk[1, i].data_ptr(), *tail)
+            for i in range(kv.num_layers)
+        ]
+    return _Items(np.array(rows, dtype=np.int64).reshape(-1, 7), keep)
+
+
+#: Bytes of one piece of a parallel copy: large enough that handing the GIL
+#: between threads once per piece costs nothing measurable, small enough that a
+#: thread the OS deschedules (another process on its core) holds up one piece
+#: while the others take the rest.
+_PIECE_BYTES = 2 << 20
+
+
+def _run_items(
+    kv: PagedKVCache, items: _Items, gather: bool, parallel: Parallel, nbytes: int
+) -> None:
+    """``items`` in a few pieces, one native call each, run by ``parallel``."""
     lib = native.library()
-    if lib is None:
-        return None
-    n_blocks = -(-plan.num_tokens // kv.block_size)
-    blocks = np.ascontiguousarray(plan.block_ids[:n_blocks], dtype=np.int64)
-    shape = (kv.kv_heads, kv.block_size, kv.head_dim, kv.itemsize)
+    assert lib is not None  # _native_items checked
     layout = "amx" if kv.kind is KVLayoutKind.VLLM_CPU_AMX else "vec"
+    shape = (kv.kv_heads, kv.block_size, kv.head_dim, kv.itemsize)
+    n = items.rows.shape[0]
+    parts = max(1, min(n, nbytes // _PIECE_BYTES))
 
-    def piece(layer: int) -> None:
-        # The closure holds ``blocks`` and the tensors alive until the copy ran.
-        lib.tiles_at(
-            layout,
-            kv.layers[layer].data_ptr(),
-            chunk[0, layer].data_ptr(),
-            chunk[1, layer].data_ptr(),
-            blocks.ctypes.data,
-            n_blocks,
-            plan.num_tokens,
-            plan.skip_blocks,
-            shape,
-            gather=gather,
-        )
+    def piece(lo: int, hi: int) -> None:
+        # ``items`` (and through it every block list and chunk) stays alive in this
+        # closure until the copy ran.
+        lib.tiles_batch(layout, items.rows[lo:hi], shape, gather=gather)
 
-    return [functools.partial(piece, layer) for layer in range(kv.num_layers)]
+    bounds = [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
+    parallel([functools.partial(piece, lo, hi) for lo, hi in bounds], nbytes)
 
 
 def _gather_tiled(kv: PagedKVCache, plan: ChunkPlan, parallel: Parallel) -> None:

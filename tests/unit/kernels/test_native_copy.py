@@ -431,3 +431,22 @@ def test_a_forked_child_does_not_inherit_a_held_lock(fresh_loader: None) -> None
     native._lock.acquire()  # as if another thread of the parent held it at fork time
     native._after_fork_in_child()
     assert native.load() is not None, native.status()
+
+
+def test_the_batched_tile_call_copies_each_item_and_refuses_bad_element_sizes(
+    kernel: native.NativeCopy,
+) -> None:
+    from kvmesh.kernels import paged_layer_shape
+
+    amx = KVLayoutKind.VLLM_CPU_AMX
+    layer = torch.ones(paged_layer_shape(amx, 2, 16, 1, 16), dtype=torch.bfloat16)
+    rows = torch.zeros(16, 16, dtype=torch.bfloat16)
+    blocks = np.zeros(1, dtype=np.int64)
+    item = [layer.data_ptr(), rows.data_ptr(), rows.data_ptr(), blocks.ctypes.data, 1, 16, 0]
+    items = np.array([item], dtype=np.int64)
+    with pytest.raises(ValueError, match="3-byte elements"):
+        kernel.tiles_batch("vec", items, (1, 16, 16, 3), gather=True)
+    kernel.tiles_batch("amx", items[:0], (1, 16, 16, 2), gather=True)  # an empty batch
+    assert not rows.any()
+    kernel.tiles_batch("amx", items, (1, 16, 16, 2), gather=True)
+    assert bool((rows == 1).all())  # block 0's K and V, all ones

@@ -160,6 +160,37 @@ def test_copies_stream_to_aligned_memory_and_store_to_the_rest(
     assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True))
 
 
+@pytest.mark.parametrize("kind", TILED)
+def test_a_batch_cut_into_many_pieces_over_two_threads_matches_the_reference(
+    kind: KVLayoutKind, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pieces of one byte: every (chunk, layer) copy is a piece of its own, pulled by the
+    # calling thread and a helper; the result must not depend on who ran which.
+    from kvmesh.kernels import ops, set_copy_threads, vllm_cpu
+
+    monkeypatch.setattr(vllm_cpu, "_PIECE_BYTES", 1)
+    monkeypatch.setattr(ops, "_MIN_PARALLEL_BYTES", 0)
+    set_copy_threads(2)
+    try:
+        fast_kv = make_cache(kind, torch.bfloat16, 32, 64)
+        ref_kv = make_cache(kind, torch.bfloat16, 32, 64)
+        ids, tokens = chunks_for(fast_kv, 2, 5)
+        gen = torch.Generator().manual_seed(5)
+        srcs = [
+            torch.randn(fast_kv.chunk_shape(n), generator=gen).to(torch.bfloat16) for n in tokens
+        ]
+        scatter_chunks(fast_kv, ids, srcs, skip_first_n_tokens=35)
+        ref_scatter_chunks(ref_kv, ids, srcs, skip_first_n_tokens=35)
+        assert all(torch.equal(a, b) for a, b in zip(fast_kv.layers, ref_kv.layers, strict=True))
+        outs = [torch.zeros(fast_kv.chunk_shape(n), dtype=torch.bfloat16) for n in tokens]
+        want = [torch.zeros(fast_kv.chunk_shape(n), dtype=torch.bfloat16) for n in tokens]
+        gather_chunks(fast_kv, ids, outs)
+        ref_gather_chunks(ref_kv, ids, want)
+        assert all(torch.equal(a, b) for a, b in zip(outs, want, strict=True))
+    finally:
+        set_copy_threads(None)
+
+
 def test_amx_needs_16_token_and_16_dim_tiles() -> None:
     from kvmesh.common.errors import InvalidArgument
 

@@ -52,7 +52,7 @@
 #define KVMESH_EXPORT __attribute__((visibility("default")))
 
 /* Bumped whenever the exported functions change; checked by the loader. */
-#define KVMESH_NTCOPY_ABI 3
+#define KVMESH_NTCOPY_ABI 4
 
 /* Runs shorter than this are copied with memcpy: too few whole lines to pay
  * for the head/tail handling. */
@@ -768,4 +768,32 @@ KVMESH_EXPORT int kvmesh_vec_tiles(void *layer, void *k_rows, void *v_rows,
     case 8: simd = 0; VEC_TILE_COPY(uint64_t); return 0;
     default: return -1;
     }
+}
+
+/*
+ * Many (chunk, layer) copies of one vLLM CPU layout in one call: item i is
+ * items[7 * i .. 7 * i + 6] = (layer, k_rows, v_rows, blocks, n_blocks,
+ * n_tokens, skip_blocks), the first four as addresses, each as for
+ * kvmesh_amx_tiles (layout 0) or kvmesh_vec_tiles (layout 1). A copy thread
+ * makes one call for its whole share: a call per item released and took back
+ * the GIL each time, and two threads handing it to each other per 128 KiB
+ * item ran slower than one. Returns 0, or the first item's error (-1).
+ */
+KVMESH_EXPORT int kvmesh_tiles_batch(int layout, const int64_t *items, int64_t n_items,
+                                     int64_t heads, int64_t bs, int64_t hd, int64_t esize,
+                                     int gather) {
+    if (n_items < 0 || (layout != 0 && layout != 1)) return -1;
+    for (int64_t i = 0; i < n_items; i++) {
+        const int64_t *it = items + 7 * i;
+        void *lay = (void *)(intptr_t)it[0], *k = (void *)(intptr_t)it[1];
+        void *v = (void *)(intptr_t)it[2];
+        const int64_t *blocks = (const int64_t *)(intptr_t)it[3];
+        int rc = layout == 0
+                     ? kvmesh_amx_tiles(lay, k, v, blocks, it[4], it[5], it[6], heads, bs, hd,
+                                        esize, gather)
+                     : kvmesh_vec_tiles(lay, k, v, blocks, it[4], it[5], it[6], heads, bs, hd,
+                                        esize, gather);
+        if (rc != 0) return rc;
+    }
+    return 0;
 }
