@@ -50,7 +50,6 @@ import os
 import stat
 import threading
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -110,20 +109,6 @@ class NativeCopy:
             ctypes.c_int,
         ]
         fn.restype = ctypes.c_int
-        #: One layer of a vLLM CPU layout to or from chunk rows, by layout ("amx", "vec").
-        self._tiles: dict[str, Any] = {}
-        for name in ("amx", "vec"):
-            tiles = getattr(lib, f"kvmesh_{name}_tiles")
-            tiles.argtypes = [
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                ctypes.c_void_p,
-                *[ctypes.c_int64] * 7,
-                ctypes.c_int,
-            ]
-            tiles.restype = ctypes.c_int
-            self._tiles[name] = tiles
         batch = lib.kvmesh_tiles_batch
         batch.argtypes = [
             ctypes.c_int,
@@ -177,35 +162,6 @@ class NativeCopy:
             raise ValueError(f"bad run count {n_runs} or run length {run_bytes}")
         return used
 
-    def tiles_at(
-        self,
-        layout: str,
-        layer: int,
-        k_rows: int,
-        v_rows: int,
-        blocks_addr: int,
-        n_blocks: int,
-        n_tokens: int,
-        skip_blocks: int,
-        shape: tuple[int, int, int, int],
-        *,
-        gather: bool,
-    ) -> None:
-        """One layer of a vLLM CPU layout to or from a chunk's K/V rows; unchecked.
-
-        ``layout`` is ``"amx"`` (``VLLM_CPU_AMX``) or ``"vec"`` (``VLLM_CPU``).
-        ``shape`` is ``(heads, block_size, head_dim, element_size)``; the caller
-        (:mod:`kvmesh.kernels.vllm_cpu`) guarantees that every block id and row
-        lies inside live memory.
-        """
-        heads, block_size, head_dim, esize = shape
-        rc = self._tiles[layout](
-            layer, k_rows, v_rows, blocks_addr, n_blocks, n_tokens, skip_blocks,
-            heads, block_size, head_dim, esize, int(gather),
-        )  # fmt: skip
-        if rc != 0:
-            raise ValueError(f"the tile copy does not move {esize}-byte elements")
-
     def tiles_batch(
         self,
         layout: str,
@@ -214,11 +170,15 @@ class NativeCopy:
         *,
         gather: bool,
     ) -> None:
-        """Many :meth:`tiles_at` copies in one call (one GIL release); unchecked.
+        """Layers of a vLLM CPU layout to or from chunks' K/V rows, many in one call; unchecked.
 
-        ``items`` is a C-contiguous ``[n, 7]`` int64 array, one row per copy:
+        ``layout`` is ``"amx"`` (``VLLM_CPU_AMX``) or ``"vec"`` (``VLLM_CPU``);
+        ``shape`` is ``(heads, block_size, head_dim, element_size)``. ``items``
+        is a C-contiguous ``[n, 7]`` int64 array, one row per (chunk, layer):
         ``(layer, k_rows, v_rows, blocks_addr, n_blocks, n_tokens,
-        skip_blocks)``, the first four addresses, as :meth:`tiles_at` takes them.
+        skip_blocks)``, the first four addresses. The caller
+        (:mod:`kvmesh.kernels.vllm_cpu`) guarantees that every block id and row
+        lies inside live memory. The GIL is released once for the whole batch.
         """
         heads, block_size, head_dim, esize = shape
         rc = self._tiles_batch(
