@@ -38,6 +38,10 @@ def flat_stats(node: StorageNode, emitter: CacheEventEmitter | None) -> dict[str
         "l2_loaded_keys": {t["name"]: t["loaded_keys"] for t in status["l2"]},
         "l2_store_failed_keys": {t["name"]: t["store_failed_keys"] for t in status["l2"]},
     }
+    copies = status["copies"]
+    out["copies"] = {d: t["copies"] for d, t in copies.items()}
+    out["copy_bytes"] = {d: t["bytes"] for d, t in copies.items()}
+    out["copy_seconds"] = {d: t["seconds"] for d, t in copies.items()}
     for section in ("eviction", "store", "prefetch"):
         for name, value in status.get(section, {}).items():
             if isinstance(value, bool | int | float):
@@ -52,6 +56,29 @@ def flat_stats(node: StorageNode, emitter: CacheEventEmitter | None) -> dict[str
 
 #: The node's Prometheus series, read off :func:`flat_stats`.
 SERIES = [
+    Series(
+        "kvmesh_storage_copies",
+        "Copies the node made between an engine's KV memory and L1, by direction "
+        "(store: engine to L1, retrieve: L1 to engine).",
+        "copies",
+        "counter",
+        label="direction",
+    ),
+    Series(
+        "kvmesh_storage_copy_bytes",
+        "Bytes those copies moved, by direction.",
+        "copy_bytes",
+        "counter",
+        label="direction",
+    ),
+    Series(
+        "kvmesh_storage_copy_seconds",
+        "Time those copies took on the copy threads, by direction (bytes over seconds is "
+        "the copy's throughput).",
+        "copy_seconds",
+        "counter",
+        label="direction",
+    ),
     Series("kvmesh_storage_l1_used_bytes", "L1 bytes in use.", "l1_used_bytes"),
     Series("kvmesh_storage_l1_capacity_bytes", "Configured L1 size.", "l1_capacity_bytes"),
     Series("kvmesh_storage_l1_mapped_bytes", "L1 bytes mapped so far.", "l1_mapped_bytes"),

@@ -43,6 +43,14 @@ def test_bench_serve_reports_every_arrangement() -> None:
     assert isinstance(mesh["l1_growth_waits"], int)
     assert isinstance(mesh["l1_growth_wait_max_ms"], float)
     assert result["stored_bytes"] == result["unique_prompt_bytes"] > 0
+    # The node's own account of the calls: every load and store it served was a copy.
+    node = mesh["node"]
+    assert node["lookup"]["calls"] >= 6
+    assert node["lookup"]["handler_ms_mean"] > 0
+    for kind in ("retrieve", "store"):
+        assert node[kind]["copies"] >= 1, (kind, node)
+        assert node[kind]["copy_gb_s"] > 0, (kind, node)
+        assert node[kind]["calls"] >= node[kind]["copies"], (kind, node)
     assert result["arrangements"]["floor"]["cached_tokens"] >= 3 * 1024
     assert "serve: vllm_alone: warmup round" in done.stderr
     assert "serve: done in" in done.stderr

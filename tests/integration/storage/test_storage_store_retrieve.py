@@ -14,12 +14,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.storage.v1 import storage_pb2
+from kvmesh.bench.node_figures import parse
 from tests.integration.storage.conftest import NodeFactory
 from tests.integration.storage.support import (
     ALREADY,
+    CHUNK_BYTES,
+    CHUNK_TOKENS,
     LAYER_BYTES,
     NUM_LAYERS,
     STORED,
@@ -310,3 +314,46 @@ def test_a_copy_whose_caller_is_about_to_give_up_never_starts(node: Node, engine
     assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     time.sleep(COPY_START_MARGIN_S)  # a copy started late would have landed by now
     assert engine.blocks_bytes(target) == before
+
+
+def test_the_node_counts_its_copies_bytes_and_time_by_direction(node: Node, engine: Engine) -> None:
+    """kvmesh_storage_copies/copy_bytes/copy_seconds: a store's objects, a retrieve's bytes
+    less the tokens it skipped, a part of a load by layers its share of the layers."""
+    registry = CollectorRegistry()
+    for collector in node.app.collectors():
+        registry.register(collector)
+
+    def copies() -> dict[str, tuple[float, float, float]]:
+        samples = parse(generate_latest(registry).decode())
+        out = {}
+        for direction in ("store", "retrieve"):
+            label = (("direction", direction),)
+            out[direction] = tuple(
+                sum(v for (n, ls), v in samples.items() if n == name and label[0] in ls)
+                for name in (
+                    "kvmesh_storage_copies_total",
+                    "kvmesh_storage_copy_bytes_total",
+                    "kvmesh_storage_copy_seconds_total",
+                )
+            )
+        return out  # type: ignore[return-value]
+
+    assert copies() == {"store": (0, 0, 0), "retrieve": (0, 0, 0)}
+    hashes = new_hashes(3)
+    assert node.store(engine, hashes, blocks_of(range(3))) == [STORED] * 3
+    assert node.store(engine, hashes, blocks_of(range(3))) == [ALREADY] * 3  # nothing to copy
+    count, nbytes, seconds = copies()["store"]
+    assert (count, nbytes) == (1, 3 * CHUNK_BYTES)
+    assert seconds > 0
+
+    target = blocks_of(range(3), base=40)
+    assert node.retrieve(engine, hashes, target) == 3
+    assert node.retrieve(engine, hashes, target, skip=16) == 3
+    assert node.retrieve(engine, hashes, target, layers=(0, 1)) == 3
+    count, nbytes, seconds = copies()["retrieve"]
+    token_bytes = CHUNK_BYTES // CHUNK_TOKENS
+    whole = 3 * CHUNK_TOKENS * token_bytes
+    assert count == 3
+    assert nbytes == whole + (whole - 16 * token_bytes) + whole // NUM_LAYERS
+    assert seconds > 0
+    assert copies()["store"][0] == 1  # retrieves count apart

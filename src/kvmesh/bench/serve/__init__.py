@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmesh.bench import node_figures
 from kvmesh.bench.common import (
     Progress,
     add_connector_option_argument,
@@ -216,6 +217,7 @@ def _arrangement(
         if node is not None:
             time.sleep(1.0)  # its stores land before the counters are read
         before = node.counters() if node else {}
+        node_before = node_figures.scrape([node.metrics_url]) if node else {}
         cpu_before = node.cpu_seconds() if node else 0.0
         vllm_before = _preemptions(server)
         summaries = _run_rounds(args, name, server, rounds, progress)
@@ -264,6 +266,11 @@ def _arrangement(
                         1e3 * after.get("kvmesh_storage_l1_growth_wait_max_seconds", 0.0), 1
                     ),
                     "l1_segments": int(after.get("kvmesh_storage_l1_segments", 0)),
+                    # The node's handlers and copies over both rounds (retrieves are the
+                    # query round's loads, stores the warm-up's): bench/node_figures.py.
+                    "node": node_figures.figures(
+                        node_before, node_figures.scrape([node.metrics_url])
+                    ),
                 }
             )
         return result
@@ -363,6 +370,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"L1 {mesh['l1_segments']} segments, {mesh['l1_growth_waits']} store calls waited "
             f"for a growth, the longest {mesh['l1_growth_wait_max_ms']} ms"
         )
+        lines.append(f"kvmesh: {node_figures.describe(mesh['node'])}")
     for key in ("query_ttft_vs_floor", "warmup_round_vs_vllm_alone"):
         if key in result:
             lines.append(f"{key}: {result[key]}")

@@ -26,9 +26,11 @@ import asyncio
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 from kvmesh.common.deadlines import CALL_DEADLINE, COPY_START_MARGIN_S
@@ -49,6 +51,52 @@ def default_copy_threads() -> int:
     return max(2, min(8, os.cpu_count() or 2))
 
 
+@dataclass
+class CopyTotals:
+    """What the copies of one direction did since the node started."""
+
+    copies: int = 0
+    #: Bytes moved: the objects' bytes, less the tokens a retrieve skipped, times the
+    #: share of the layers a part of a load by layers wrote.
+    bytes: int = 0
+    #: Time on the copy thread, from the copy's start to its end (no wait for a thread).
+    seconds: float = 0.0
+
+
+class CopyStats:
+    """The node's copies by direction ("store": engine → L1, "retrieve": L1 → engine),
+    so an operator reads the copy's throughput and its share of a call's time
+    (docs/observability.md)."""
+
+    DIRECTIONS = ("store", "retrieve")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals = {d: CopyTotals() for d in self.DIRECTIONS}
+
+    def add(self, direction: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            totals = self._totals[direction]
+            totals.copies += 1
+            totals.bytes += nbytes
+            totals.seconds += seconds
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """{direction: {"copies", "bytes", "seconds"}}."""
+        with self._lock:
+            return {
+                d: {"copies": t.copies, "bytes": t.bytes, "seconds": t.seconds}
+                for d, t in self._totals.items()
+            }
+
+
+def _timed(stats: CopyStats, direction: str, nbytes: int, copy: Callable[[], T]) -> T:
+    began = time.perf_counter()
+    result = copy()
+    stats.add(direction, nbytes, time.perf_counter() - began)
+    return result
+
+
 class ChunkCopier:
     """Stores and retrieves whose copies the node makes itself, on the copy executor."""
 
@@ -65,6 +113,7 @@ class ChunkCopier:
         self._copies = copy_executor or ThreadPoolExecutor(
             max_workers=default_copy_threads(), thread_name_prefix="kvmesh-transfer"
         )
+        self.stats = CopyStats()
 
     async def store(
         self,
@@ -116,9 +165,13 @@ class ChunkCopier:
         if todo:
             chosen = [keys[i] for i in todo]
             try:
+                views = [reserved[k].view() for k in chosen]
                 await self.run(
-                    functools.partial(gather, todo, [reserved[k].view() for k in chosen])
-                )
+                    functools.partial(
+                        _timed, self.stats, "store", len(todo) * nbytes,
+                        functools.partial(gather, todo, views),
+                    )
+                )  # fmt: skip
             except BaseException:
                 self.manager.abort_write(chosen)
                 raise
@@ -147,10 +200,12 @@ class ChunkCopier:
         producer_event: bytes = b"",
         layers: tuple[int, int] | None = None,
         last_part: bool = True,
+        layer_share: float = 1.0,
     ) -> int:
-        """Scatter the resident prefix of ``keys`` (only ``layers`` when given) into the
-        engine; chunks copied. Only the ``last_part`` of a load by layers counts as a
-        use of the chunks (LRU recency, ACCESS events): once per load, not per part."""
+        """Scatter the resident prefix of ``keys`` (only ``layers`` when given, which are
+        ``layer_share`` of the model's) into the engine; chunks copied. Only the
+        ``last_part`` of a load by layers counts as a use of the chunks (LRU recency,
+        ACCESS events): once per load, not per part."""
 
         def scatter(views: list[memoryview]) -> None:
             self.transfer.scatter_chunks(
@@ -158,7 +213,13 @@ class ChunkCopier:
                 skip_first_n_tokens, producer_event, layers,
             )  # fmt: skip
 
-        return await self._retrieve(keys, nbytes, scatter, release_mask, count_use=last_part)
+        def moved(objects: int) -> int:
+            tokens = max(0, objects * chunk_tokens - skip_first_n_tokens)
+            return round(tokens * nbytes / chunk_tokens * layer_share)
+
+        return await self._retrieve(
+            keys, nbytes, scatter, release_mask, count_use=last_part, moved=moved
+        )
 
     async def retrieve_segment(
         self,
@@ -184,8 +245,11 @@ class ChunkCopier:
         release_mask: Sequence[bool],
         *,
         count_use: bool = True,
+        moved: Callable[[int], int] | None = None,
     ) -> int:
-        """Read-lock the resident prefix of ``keys``, ``scatter(views)`` it; objects copied."""
+        """Read-lock the resident prefix of ``keys``, ``scatter(views)`` it; objects copied.
+
+        ``moved(n)``: the bytes a scatter of ``n`` objects moves (default: theirs)."""
         results = self.manager.reserve_read(keys, 1) if keys else []
         prefix = 0
         while prefix < len(keys) and results[prefix] is L1Result.SUCCESS:
@@ -206,7 +270,13 @@ class ChunkCopier:
                 usable += 1
             if usable:
                 views = [objects[k].view() for k in keys[:usable]]
-                await self.run(functools.partial(scatter, views))
+                nbytes_moved = moved(usable) if moved is not None else usable * nbytes
+                await self.run(
+                    functools.partial(
+                        _timed, self.stats, "retrieve", nbytes_moved,
+                        functools.partial(scatter, views),
+                    )
+                )  # fmt: skip
         finally:
             self.manager.finish_read(locked, 1)
             flagged = [k for k, flag in zip(keys, release_mask, strict=False) if flag]

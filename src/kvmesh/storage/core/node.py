@@ -265,6 +265,7 @@ class StorageNode:
         return await self._copier.retrieve(
             engine_id, keys, blocks, chunk_tokens, nbytes, skip_first_n_tokens, release_mask,
             producer_event, layers, last_part,
+            1.0 if layers is None else (layers[1] - layers[0]) / layout.num_layers,
         )  # fmt: skip
 
     # ------------------------------------------------------------ locks & misc
@@ -500,6 +501,7 @@ class StorageNode:
         data["open_transactions"] = len(self._txns)
         data["waiting_calls"] = self.waiting
         data["engines"] = self.transfer.instance_ids()
+        data["copies"] = self._copier.stats.snapshot()
         return data
 
     def close(self) -> None:

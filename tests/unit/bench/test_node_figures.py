@@ -1,0 +1,65 @@
+"""bench/node_figures.py: what a node's metrics pages say about the calls between two scrapes."""
+
+from __future__ import annotations
+
+from kvmesh.bench.node_figures import accumulate, describe, figures, parse
+
+
+def _page(calls: int, seconds: float, copies: int, copy_s: float, copy_bytes: int) -> str:
+    return "\n".join(
+        [
+            "# HELP kvmesh_rpc_latency_seconds Latency.",
+            "# TYPE kvmesh_rpc_latency_seconds histogram",
+            f'kvmesh_rpc_latency_seconds_count{{method="Retrieve",service="node"}} {calls}',
+            f'kvmesh_rpc_latency_seconds_sum{{method="Retrieve",service="node"}} {seconds}',
+            'kvmesh_rpc_latency_seconds_count{method="Lookup",service="node"} 4.0',
+            'kvmesh_rpc_latency_seconds_sum{method="Lookup",service="node"} 0.002',
+            f'kvmesh_storage_copies_total{{direction="retrieve"}} {copies}',
+            f'kvmesh_storage_copy_seconds_total{{direction="retrieve"}} {copy_s}',
+            f'kvmesh_storage_copy_bytes_total{{direction="retrieve"}} {copy_bytes}',
+            'kvmesh_storage_copies_total{direction="store"} 7.0',
+            'a_label_with_a_quote{name="a \\"b\\" c"} 1.0',
+            'not_a_number{x="1"} NaN-ish',
+        ]
+    )
+
+
+def test_parse_keeps_labels_apart_and_skips_comments_and_junk() -> None:
+    samples = parse(_page(2, 0.01, 2, 0.004, 32_000_000))
+    assert samples[("kvmesh_storage_copies_total", (("direction", "retrieve"),))] == 2
+    assert samples[("kvmesh_storage_copies_total", (("direction", "store"),))] == 7
+    assert samples[("a_label_with_a_quote", (("name", 'a \\"b\\" c'),))] == 1
+    assert not any(name == "not_a_number" for name, _ in samples)
+
+
+def test_figures_are_the_calls_between_two_scrapes() -> None:
+    before = parse(_page(2, 0.010, 2, 0.004, 32_000_000))
+    after = parse(_page(6, 0.034, 6, 0.020, 96_000_000))
+    node = figures(before, after)
+    assert node["retrieve"] == {
+        "calls": 4,
+        "handler_ms_mean": 6.0,
+        "copies": 4,
+        "copy_ms_mean": 4.0,
+        "copy_mb_mean": 16.0,
+        "copy_gb_s": 4.0,
+    }
+    # Nothing changed for lookups and stores between the scrapes: no mean to report.
+    assert node["lookup"] == {"calls": 0, "handler_ms_mean": None}
+    assert node["store"]["calls"] == 0
+    assert node["store"]["copy_gb_s"] is None
+    assert describe(node) == (
+        "node handlers: retrieve 4× 6.0 ms (copy 4.0 ms of 16.0 MB, 4.0 GB/s)"
+    )
+    assert describe(figures(before, before)) == "node handlers: no calls"
+
+
+def test_accumulate_sums_the_phases_of_several_rounds() -> None:
+    pages = [parse(_page(n, 0.005 * n, n, 0.002 * n, 8_000_000 * n)) for n in (0, 1, 3, 6)]
+    total: dict = {}
+    accumulate(total, pages[0], pages[1])  # round 1: one retrieve
+    accumulate(total, pages[2], pages[3])  # round 2: three (what ran between is left out)
+    node = figures({}, total)
+    assert node["retrieve"]["calls"] == 4
+    assert node["retrieve"]["copy_ms_mean"] == 2.0
+    assert node["retrieve"]["copy_mb_mean"] == 8.0
