@@ -12,6 +12,9 @@ every arrangement, interleaved so machine noise hits them alike:
 - ``blend_0``, ``blend_0_15``, ``blend_1`` (``--ratios``): the documents' K/V
   reused where they now sit (re-RoPE), with CacheBlend's selective recompute
   of that share of the cached tokens (kvmesh.engine.blend);
+- ``oracle_0_15`` ... (``--oracle``): each ratio blended with the rows an
+  oracle picks from the full prefill (kvmesh.bench.blend_oracle), the best a
+  fixed choice of rows could do; its TTFT leaves out the picking;
 - ``reorder_vllm`` (``--no-vllm`` skips it): the reorder plan through real,
   unmodified vLLM (kvmesh.bench.blend_vllm), measured against vLLM's own
   full prefill.
@@ -51,6 +54,7 @@ from typing import Any
 
 import torch
 
+from kvmesh.bench.blend_oracle import oracle_name, oracle_rows
 from kvmesh.bench.blend_vllm import measure_reorder, summary
 from kvmesh.bench.common import Progress, ServiceProcess, bench_main, size_text, start_service
 from kvmesh.engine.blend import blend_prefill
@@ -118,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="run the reorder_vllm arrangement (real vLLM with kvmesh's connector, ~1 min more)",
+    )
+    parser.add_argument(
+        "--oracle",
+        action="store_true",
+        help="also blend each ratio with the rows an oracle picks from the full prefill "
+        "(oracle_R: the best a fixed choice of rows could do; a measurement, not a way to serve)",
     )
     parser.add_argument(
         "--ratios",
@@ -322,17 +332,31 @@ def _measure(
         progress.count(done)
     model.prefill(corpus.system + corpus.documents[0])  # warm-up: first calls are slow
     ratios = {arrangement(r): r for r in args.ratios}
-    names = ("full_prefill", "prefix_only", *ratios)
+    # The oracle at 0 and 1 would be blend_0 and blend_1 again.
+    oracles = {oracle_name(r): r for r in args.ratios if 0 < r < 1} if args.oracle else {}
+    names = ("full_prefill", "prefix_only", *ratios, *oracles)
     figures: dict[str, dict[str, list[float]]] = {name: {} for name in names}
     progress.phase("prompts in every arrangement", total=len(prompts))
     for done, ((docs, question), answer) in enumerate(zip(prompts, answers, strict=True), 1):
         tokens = corpus.system + [t for d in docs for t in d] + question
         reference: tuple[torch.Tensor, list[int], str | None] | None = None
+        full_kv = None
         for name in names:
+            chosen = None
+            if name in oracles:  # chosen before the clock starts: it reads the full prefill
+                assert full_kv is not None  # full_prefill runs first
+                segments = store.segments(tokens)
+                chosen = oracle_rows(model, segments, full_kv, oracles[name], args.check_layer)
             began = time.perf_counter()
             if name == "full_prefill":
                 logits, kv = model.prefill(tokens)
+                full_kv = kv
                 reused = 0
+            elif chosen is not None:
+                result = blend_prefill(
+                    model, segments, oracles[name], args.check_layer, recompute_rows=chosen
+                )
+                logits, kv, reused = result.logits, result.kv, result.reused_tokens
             elif name == "prefix_only":
                 prefix = store.get(corpus.system)
                 logits, kv = model.prefill(tokens[start:], past=prefix)

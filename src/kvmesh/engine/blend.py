@@ -94,10 +94,31 @@ def blend_prefill(
     segments: Sequence[Segment],
     recompute_ratio: float,
     check_layer: int = 1,
+    *,
+    recompute_rows: Sequence[int] | None = None,
 ) -> BlendResult:
-    """The prompt ``segments`` prefilled with CacheBlend (see the module's docstring)."""
+    """The prompt ``segments`` prefilled with CacheBlend (see the module's docstring).
+
+    ``recompute_rows``: the cached rows (prompt positions) to recompute after the
+    check layer, chosen by the caller instead of by the values' deviation (to
+    measure a selection rule against CacheBlend's); ``recompute_ratio`` is then
+    only checked.
+    """
     _check(model, segments, recompute_ratio, check_layer)
-    return _Blend(model, segments).run(recompute_ratio, check_layer)
+    blend = _Blend(model, segments)
+    if recompute_rows is not None:
+        bad = [r for r in recompute_rows if not 0 <= r < blend.n]
+        if bad:
+            raise ValueError(f"recompute_rows outside the prompt's {blend.n} rows: {bad[:5]}")
+        blend.chosen = torch.tensor(sorted(set(recompute_rows)), dtype=torch.long)
+    return blend.run(recompute_ratio, check_layer)
+
+
+def placed_kv(model: LlamaModel, segments: Sequence[Segment], layer: int) -> SequenceKV:
+    """Layer ``layer``'s cached K/V of the prompt where its segments now sit: keys moved
+    to the prompt's positions, values as they are, zero rows for uncached segments."""
+    blend = _Blend(model, segments)
+    return SequenceKV([blend._old(layer, values=False)], [blend._old(layer, values=True)])
 
 
 class _Blend:
@@ -110,6 +131,8 @@ class _Blend:
         for seg in segments:
             cached += [seg.kv is not None] * len(seg.tokens)
         self.cached = torch.tensor(cached, dtype=torch.bool)
+        #: Cached rows to recompute, when the caller chose them (else the deviation rule).
+        self.chosen: torch.Tensor | None = None
 
     def _old(self, layer: int, values: bool) -> torch.Tensor:
         """Layer ``layer``'s cached values, or keys moved to the prompt's positions."""
@@ -132,9 +155,13 @@ class _Blend:
 
     def _select(self, layer: int, fresh_values: torch.Tensor, ratio: float) -> torch.Tensor:
         """Sorted rows that stay active: the top ``ratio`` of cached rows by how far their
-        values at ``layer`` deviate from the cached ones, every uncached row, the last row."""
+        values at ``layer`` deviate from the cached ones (or the rows the caller chose),
+        every uncached row, the last row."""
         active = ~self.cached
         active[-1] = True
+        if self.chosen is not None:
+            active[self.chosen] = True
+            return torch.nonzero(active).flatten()
         cached_rows = torch.nonzero(self.cached & ~active).flatten()
         keep = round(ratio * int(self.cached.sum()))
         keep = min(keep, cached_rows.numel())

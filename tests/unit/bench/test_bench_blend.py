@@ -134,3 +134,20 @@ def test_sigterm_stops_the_node_it_started_and_leaves_no_shared_memory(
         if bench.poll() is None:
             bench.kill()
             bench.wait()
+
+
+def test_the_oracle_blends_each_ratio_between_0_and_1_with_its_own_rows(
+    tiny_folder: Path,
+) -> None:
+    args = bench_parser("blend", blend).parse_args(
+        ["--model", str(tiny_folder), *SMALL, "--generate", "4", "--quiet", "--no-vllm",
+         "--ratios", "0,0.3,1", "--oracle"]
+    )  # fmt: skip
+    rows = blend.run(args)["arrangements"]
+    assert set(rows) == {
+        "full_prefill", "prefix_only", "blend_0", "blend_0_3", "blend_1", "oracle_0_3",
+    }  # fmt: skip
+    # The same share of the cached rows is recomputed, only chosen otherwise.
+    assert rows["oracle_0_3"]["reused_token_fraction"] == rows["blend_0_3"]["reused_token_fraction"]
+    assert rows["oracle_0_3"]["ttft_mean_ms"] > 0
+    assert 0.0 <= rows["oracle_0_3"]["greedy_agreement"] <= 1.0
