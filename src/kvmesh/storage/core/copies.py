@@ -53,7 +53,8 @@ def default_copy_threads() -> int:
 
 @dataclass
 class CopyTotals:
-    """What the copies of one direction did since the node started."""
+    """What the copies of one direction did since the node started (a copy that
+    fails counts nowhere)."""
 
     copies: int = 0
     #: Bytes moved: the objects' bytes, less the tokens a retrieve skipped, times the
