@@ -57,8 +57,8 @@ import torch
 from kvmesh.bench.blend_oracle import oracle_name, oracle_rows
 from kvmesh.bench.blend_vllm import measure_reorder, summary
 from kvmesh.bench.common import Progress, ServiceProcess, bench_main, size_text, start_service
-from kvmesh.engine.blend import blend_prefill
-from kvmesh.engine.llama import LlamaModel
+from kvmesh.engine.blend import Segment, blend_prefill
+from kvmesh.engine.llama import LlamaModel, SequenceKV
 from kvmesh.engine.segment_store import SegmentStore
 
 MIB = 1 << 20
@@ -340,9 +340,10 @@ def _measure(
     for done, ((docs, question), answer) in enumerate(zip(prompts, answers, strict=True), 1):
         tokens = corpus.system + [t for d in docs for t in d] + question
         reference: tuple[torch.Tensor, list[int], str | None] | None = None
-        full_kv = None
+        full_kv: SequenceKV | None = None
         for name in names:
-            chosen = None
+            chosen: list[int] | None = None
+            segments: list[Segment] = []
             if name in oracles:  # chosen before the clock starts: it reads the full prefill
                 assert full_kv is not None  # full_prefill runs first
                 segments = store.segments(tokens)
