@@ -22,27 +22,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.bench import node_figures
 from kvmesh.bench.common import cpu_seconds, free_port
 from kvmesh.engine.vllm.worker import engine_env, transfer_config
 
 
 def metrics(url: str) -> dict[str, float]:
-    """A Prometheus text page: every series summed over its labels, by name."""
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            text = resp.read().decode()
-    except (urllib.error.URLError, OSError):
-        return {}
+    """A Prometheus text page: every series summed over its labels, by name ({} when the
+    page cannot be read)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_part, _, value = line.rpartition(" ")
-        name = name_part.split("{", 1)[0]
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
+    for (name, _labels), value in node_figures.scrape([url]).items():
+        out[name] = out.get(name, 0.0) + value
     return out
 
 
