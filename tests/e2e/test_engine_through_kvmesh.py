@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.bench import node_figures
 from kvmesh.cli.fleet import Fleet
 from kvmesh.cli.main import main
 from kvmesh.connector import KVConnectorRole, KVMeshConnector, KVMeshConnectorConfig, Request
@@ -75,6 +76,34 @@ def test_a_prompt_sharing_a_prefix_is_served_its_complete_shared_chunks(
 
     assert out.tokens_from_cache == 768
     assert same_output(out, run_prompt(reference, second, ""))
+
+
+def test_loads_started_by_the_scheduler_give_the_same_logits_and_copy_once(
+    fleet: Fleet, engine: Engine, reference: Engine, salt: str
+) -> None:
+    """The engine's scheduler sends RetrieveAhead for each load; its worker's Retrieve
+    joins it, or (when it got there first) copies itself and the ahead call starts
+    nothing. Either way one copy per load and the logits of a cold run."""
+    url = f"http://{fleet.endpoint('node-0-gateway', 'metrics')}/metrics"
+
+    def counts() -> dict[str, float]:
+        samples = node_figures.scrape([url])
+        names = ("retrieves", "retrieves_ahead", "retrieves_joined", "retrieves_ahead_refused")
+        return {n: sum(v for (k, _), v in samples.items() if k == f"kvmesh_gateway_{n}_total")
+                for n in names}  # fmt: skip
+
+    prompt = tokens(1300, seed=9)
+    run_prompt(engine, prompt, salt)
+    before = counts()
+    warm = [run_prompt(engine, prompt, salt) for _ in range(3)]
+    after = counts()
+    delta = {name: after[name] - before[name] for name in after}
+
+    expected = run_prompt(reference, prompt, "")
+    assert all(out.tokens_from_cache == 1280 and same_output(out, expected) for out in warm)
+    assert delta["retrieves"] == 3  # one copy per load, joined or not
+    assert delta["retrieves_ahead"] + delta["retrieves_ahead_refused"] == 3
+    assert delta["retrieves_joined"] == delta["retrieves_ahead"]
 
 
 def test_another_cache_salt_sees_nothing(engine: Engine, salt: str) -> None:

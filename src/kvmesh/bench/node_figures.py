@@ -89,6 +89,11 @@ def figures(
             "calls": int(calls),
             "handler_ms_mean": round(1e3 * seconds / calls, 2) if calls else None,
         }
+        if kind == "retrieve":
+            # Loads the engine's scheduler started (RetrieveAhead) and Retrieves that
+            # joined one: a joined Retrieve's handler time is the worker's wait only.
+            row["started_ahead"] = int(delta("kvmesh_gateway_retrieves_ahead_total"))
+            row["joined"] = int(delta("kvmesh_gateway_retrieves_joined_total"))
         if kind != "lookup":
             copies = delta("kvmesh_storage_copies_total", direction=kind)
             copy_s = delta("kvmesh_storage_copy_seconds_total", direction=kind)
@@ -113,6 +118,8 @@ def describe(node: Mapping[str, Mapping[str, Any]]) -> str:
         if not row.get("calls"):
             continue
         text = f"{kind} {row['calls']}× {row['handler_ms_mean']} ms"
+        if row.get("started_ahead"):
+            text += f", {row['joined']} joined a load started ahead"
         if row.get("copy_ms_mean") is not None:
             text += (
                 f" (copy {row['copy_ms_mean']} ms of {row['copy_mb_mean']} MB, "

@@ -10,6 +10,7 @@ import grpc
 
 from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.connector.heartbeat import Heartbeat
+from kvmesh.connector.metadata import RetrieveOp, StoreOp
 from kvmesh.connector.types import (
     ConnectorError,
     KVConnectorRole,
@@ -83,6 +84,40 @@ class ConnectorBase:
             what,
             rpc_failure(exc),
             self._backoff_s,
+        )
+
+    def _prompt_range(
+        self, op: RetrieveOp | StoreOp, *, with_tokens: bool = True
+    ) -> gateway_pb2.PromptRange:
+        """The op's range; ``with_tokens=False`` leaves the tokens to the gateway's session
+        (an earlier call for the request sent them)."""
+        return gateway_pb2.PromptRange(
+            request_id=op.request_id,
+            model_name=self.config.model_name,
+            world_size=self.config.world_size,
+            cache_salt=op.cache_salt,
+            token_ids=op.token_ids if with_tokens else (),
+            start_token=op.start,
+            end_token=op.end,
+        )
+
+    def _retrieve_request(
+        self,
+        engine_id: str,
+        op: RetrieveOp,
+        *,
+        producer_event: bytes = b"",
+        with_tokens: bool = True,
+    ) -> gateway_pb2.RetrieveRequest:
+        """The Retrieve of ``op`` into ``engine_id``'s blocks. The scheduler's RetrieveAhead
+        and the worker's Retrieve are built here alike: the gateway joins them by their
+        fields (see :mod:`kvmesh.connector.ahead`)."""
+        return gateway_pb2.RetrieveRequest(
+            engine_id=engine_id,
+            range=self._prompt_range(op, with_tokens=with_tokens),
+            block_ids=op.block_ids,
+            skip_first_n_tokens=op.skip_first_n_tokens,
+            producer_event_handle=producer_event,
         )
 
     def _require(self, role: KVConnectorRole) -> None:

@@ -103,6 +103,8 @@ class KVMeshConnector(SchedulerHooks, WorkerHooks):
                     logger.warning("unregistering %s failed: %s", self.engine_id, rpc_failure(exc))
                 self._registration = None
         else:
+            if self._ahead is not None:
+                self._ahead.close()
             for request_id in list(self._requests):
                 self._end_session(request_id)
             self._requests.clear()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.connector.ahead import AheadSender
 from kvmesh.connector.base import ConnectorBase
 from kvmesh.connector.heartbeat import Heartbeat
 from kvmesh.connector.metadata import (
@@ -67,6 +68,7 @@ class SchedulerHooks(ConnectorBase):
     ) -> None:
         super().__init__(config, role, client=client)
         self._requests: dict[str, _RequestState] = {}
+        self._ahead = AheadSender(self.client) if config.ahead_engine_id else None
 
     def _beat_as_owner(self) -> None:
         """Scheduler heartbeat: keeps the gateway's leases of this instance's lookups alive."""
@@ -231,6 +233,14 @@ class SchedulerHooks(ConnectorBase):
         """The retrieves and stores the workers run in this step."""
         self._require(KVConnectorRole.SCHEDULER)
         meta = ConnectorMetadata()
+        # The engine's one worker runs this step only after the last one finished, so
+        # the blocks allocated for this step's loads are written by nothing else; but a
+        # request preempted with stores in flight freed blocks those stores still read
+        # (the worker waits for them first), so such a step starts nothing ahead.
+        ahead = self._ahead is not None and not any(
+            (state := self._requests.get(rid)) is not None and state.stores_emitted
+            for rid in scheduler_output.preempted_req_ids
+        )
         for request_id in sorted(scheduler_output.preempted_req_ids):
             state = self._requests.get(request_id)
             if state is None:
@@ -248,7 +258,7 @@ class SchedulerHooks(ConnectorBase):
                 continue
             loading = state.load_pending
             try:
-                self._plan(meta, state, scheduled)
+                self._plan(meta, state, scheduled, ahead=ahead)
             except Exception:
                 # Never into the engine: a promised load that cannot be planned is a
                 # load error (vLLM recomputes those blocks), a store is skipped.
@@ -258,8 +268,11 @@ class SchedulerHooks(ConnectorBase):
                     meta.failed_blocks.extend(state.block_ids)
         return meta
 
-    def _plan(self, meta: ConnectorMetadata, state: _RequestState, scheduled: int) -> None:
-        """Add a request's retrieve (a pending load) and stores (new prompt chunks) to ``meta``."""
+    def _plan(
+        self, meta: ConnectorMetadata, state: _RequestState, scheduled: int, *, ahead: bool
+    ) -> None:
+        """Add a request's retrieve (a pending load) and stores (new prompt chunks) to ``meta``;
+        ``ahead``: start the load now (:mod:`kvmesh.connector.ahead`)."""
         bs = self.config.block_size
         request = state.request
         request_id = request.request_id
@@ -279,6 +292,9 @@ class SchedulerHooks(ConnectorBase):
                 )
             )
             state.load_pending = False
+            if ahead and self._ahead is not None:
+                op = meta.retrieve_ops[-1]
+                self._ahead.send(self._retrieve_request(self.config.ahead_engine_id, op))
         state.num_computed_tokens += scheduled
         if (
             self.config.store_after_prefill

@@ -83,6 +83,11 @@ class KVMeshConnectorConfig:
     #: Seconds between two heartbeats (Ping) of each half; 0 turns them off, and the
     #: gateway then reaps an idle engine after its ``engine_reap_seconds``.
     heartbeat_s: float = 2.0
+    #: Scheduler only: the engine id of the one worker whose loads it starts ahead with
+    #: ``RetrieveAhead`` (docs/vllm.md, "Loads started by the scheduler"). Empty: off.
+    #: Only for an engine whose KV memory is host memory, with one worker, that runs a
+    #: step only after the previous one finished and loads whole (not by layer).
+    ahead_engine_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -235,21 +235,6 @@ class WorkerHooks(ConnectorBase):
             self._heartbeat.wake()
         return True
 
-    def _prompt_range(
-        self, op: RetrieveOp | StoreOp, *, with_tokens: bool = True
-    ) -> gateway_pb2.PromptRange:
-        """The op's range; ``with_tokens=False`` leaves the tokens to the gateway's session
-        (an earlier call for the request sent them)."""
-        return gateway_pb2.PromptRange(
-            request_id=op.request_id,
-            model_name=self.config.model_name,
-            world_size=self.config.world_size,
-            cache_salt=op.cache_salt,
-            token_ids=op.token_ids if with_tokens else (),
-            start_token=op.start,
-            end_token=op.end,
-        )
-
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
@@ -299,12 +284,8 @@ class WorkerHooks(ConnectorBase):
         if not self._registered:
             logger.debug("retrieve of %s while the engine is not registered", op.request_id)
             return None
-        request = gateway_pb2.RetrieveRequest(
-            engine_id=self.engine_id,
-            range=self._prompt_range(op, with_tokens=with_tokens),
-            block_ids=op.block_ids,
-            skip_first_n_tokens=op.skip_first_n_tokens,
-            producer_event_handle=producer_event,
+        request = self._retrieve_request(
+            self.engine_id, op, producer_event=producer_event, with_tokens=with_tokens
         )
         if layers is not None:
             request.layers.start, request.layers.end = layers

@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -57,6 +57,9 @@ class EngineConfig:
     gateway: str | None = None
     lookup_timeout_s: float = 30.0
     rpc_timeout_s: float | None = None
+    #: The scheduler starts each load as it allocates the blocks and the worker's
+    #: Retrieve joins it (docs/vllm.md, "Loads started by the scheduler").
+    load_ahead: bool = True
 
 
 @dataclass
@@ -125,7 +128,10 @@ class Engine:
         names = self.kv.named_layers()
         regions = dict(zip(names, self.kv.regions(), strict=True))
         self.worker_connector.register_kv_caches(names, regions)
-        self.scheduler_connector = KVMeshConnector(conn, KVConnectorRole.SCHEDULER, client=client)
+        ahead = self.worker_connector.engine_id if self.config.load_ahead else ""
+        self.scheduler_connector = KVMeshConnector(
+            replace(conn, ahead_engine_id=ahead), KVConnectorRole.SCHEDULER, client=client
+        )
         chunk = self.worker_connector.chunk_size
         if chunk != self.config.prefill_chunk_size:
             logger.warning(

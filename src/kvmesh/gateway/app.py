@@ -97,6 +97,24 @@ _SERIES = [
         "counter",
     ),
     Series(
+        "kvmesh_gateway_retrieves_ahead",
+        "Loads a scheduler started ahead of its worker's Retrieve (RetrieveAhead).",
+        "retrieves_ahead",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_retrieves_joined",
+        "Worker Retrieves that waited for a load started ahead instead of copying.",
+        "retrieves_joined",
+        "counter",
+    ),
+    Series(
+        "kvmesh_gateway_retrieves_ahead_refused",
+        "RetrieveAhead calls that started nothing: the worker had asked, or it was running.",
+        "retrieves_ahead_refused",
+        "counter",
+    ),
+    Series(
         "kvmesh_gateway_segment_stores",
         "CacheBlend segments given a slot to be stored into.",
         "segment_stores",

@@ -28,6 +28,8 @@ class GatewayClient(SyncClient):
         "EndSession": CallPolicy(timeout=2.0, idempotent=True),
         "Store": CallPolicy(timeout=30.0, idempotent=True),
         "Retrieve": CallPolicy(timeout=30.0, idempotent=False),
+        # A repeat starts nothing (the gateway remembers the load), so a retry is safe.
+        "RetrieveAhead": CallPolicy(timeout=2.0, idempotent=True),
         "Clear": CallPolicy(timeout=30.0, idempotent=True),
         "GetChunkSize": CallPolicy(timeout=2.0, idempotent=True),
         "Ping": CallPolicy(timeout=2.0, idempotent=True),
@@ -191,6 +193,22 @@ class GatewayClient(SyncClient):
             "Retrieve",
             request,
             gateway_pb2.RetrieveResponse,
+            timeout,
+            wait_for_ready,
+        )
+
+    def retrieve_ahead(
+        self,
+        request: gateway_pb2.RetrieveRequest,
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> gateway_pb2.RetrieveAheadResponse:
+        """``RetrieveAhead``: see its comment in the .proto for semantics and errors."""
+        return self._call(
+            "RetrieveAhead",
+            request,
+            gateway_pb2.RetrieveAheadResponse,
             timeout,
             wait_for_ready,
         )

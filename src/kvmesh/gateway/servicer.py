@@ -11,6 +11,7 @@ from typing import Any
 
 from kvmesh.api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvmesh.common import layer_range
+from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.node_types import StoreOutcome
 from kvmesh.gateway import wire
 from kvmesh.gateway.core import Gateway
@@ -32,6 +33,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             wire.layout_fingerprint(request),
             chunk_bytes=wire.chunk_bytes(request.layout, self.core.chunk_size),
             num_layers=request.layout.num_layers,
+            host_memory=wire.host_memory(request),
         )
         return gateway_pb2.RegisterKVCacheResponse(
             chunk_size=self.core.chunk_size,
@@ -118,6 +120,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return gateway_pb2.RetrieveResponse(
             retrieved_chunks=chunks, retrieved_tokens=chunks * self.core.chunk_size
         )
+
+    async def RetrieveAhead(
+        self, request: gateway_pb2.RetrieveRequest, context: Any
+    ) -> gateway_pb2.RetrieveAheadResponse:
+        if request.HasField("layers"):
+            raise InvalidArgument(
+                "RetrieveAhead starts whole loads; layers must be unset", field="layers"
+            )
+        started = await self.core.retrieve_ahead(
+            request.engine_id,
+            wire.prompt_range(request.range),
+            request.block_ids,
+            request.skip_first_n_tokens,
+        )
+        return gateway_pb2.RetrieveAheadResponse(started=started)
 
     async def Clear(
         self, request: gateway_pb2.ClearRequest, context: Any

@@ -67,6 +67,13 @@ def memory_registration(
     )
 
 
+def host_memory(request: gateway_pb2.RegisterKVCacheRequest) -> bool:
+    """Whether every layer of the registration is shared (host) memory, not a GPU's."""
+    return bool(request.layers) and all(
+        handle.WhichOneof("kind") == "shared_memory" for handle in request.layers
+    )
+
+
 def layout_fingerprint(request: gateway_pb2.RegisterKVCacheRequest) -> bytes:
     """Identifies a registration's layout and memory, so a different re-register is refused."""
     messages: list[_message.Message] = [request.layout, *request.layers]

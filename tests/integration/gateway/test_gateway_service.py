@@ -201,6 +201,50 @@ def test_a_retrieve_by_layers_writes_each_parts_layers_and_counts_the_load_once(
         assert "2 layers" in (error.details() or "")
 
 
+@pytest.mark.transports  # the lane and gRPC both carry RetrieveAhead
+def test_a_load_started_ahead_is_joined_by_the_workers_retrieve_and_copied_once(
+    ready: Stack, engine: Engine
+) -> None:
+    tokens = prompt(3)
+    ready.store(engine, "w", tokens, 0, 3 * CHUNK, blocks(range(3)))
+    ready.lookup("r", tokens)
+    target = blocks(range(3), base=40)
+    engine.fill(target, 0.0)
+    counters = ready.app.core.counters
+    retrieves = counters.retrieves
+    request = gateway_pb2.RetrieveRequest(
+        engine_id=engine.engine_id,
+        range=prange("r", tokens, 0, 3 * CHUNK),
+        block_ids=target,
+    )
+
+    assert ready.client.retrieve_ahead(request).started is True
+    assert ready.client.retrieve_ahead(request).started is False  # already running
+    assert ready.client.retrieve(request).retrieved_chunks == 3
+    assert engine.blocks_bytes(target) == engine.blocks_bytes(blocks(range(3)))
+    assert ready.locked() == 0
+    assert (counters.retrieves - retrieves, counters.retrieves_joined) == (1, 1)
+    # After the worker asked, an ahead call starts nothing (it would write blocks
+    # the engine may already use).
+    engine.fill(target, 0.0)
+    assert ready.client.retrieve_ahead(request).started is False
+    assert (engine.kv[0][:, target] == 0).all()
+    assert counters.retrieves - retrieves == 1
+
+    bad = gateway_pb2.RetrieveRequest()
+    bad.CopyFrom(request)
+    bad.layers.start, bad.layers.end = 0, 1
+    assert code_of(ready.error("retrieve_ahead", bad)) == "INVALID_ARGUMENT"
+    bad = gateway_pb2.RetrieveRequest()
+    bad.CopyFrom(request)
+    bad.engine_id = "nobody"
+    assert code_of(ready.error("retrieve_ahead", bad)) == "FAILED_PRECONDITION"
+    bad = gateway_pb2.RetrieveRequest()
+    bad.CopyFrom(request)
+    del bad.block_ids[1:]
+    assert code_of(ready.error("retrieve_ahead", bad)) == "INVALID_ARGUMENT"
+
+
 def test_retrieve_skip_first_n_tokens_leaves_the_skipped_blocks_untouched(
     ready: Stack, engine: Engine
 ) -> None:

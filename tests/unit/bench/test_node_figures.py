@@ -5,7 +5,9 @@ from __future__ import annotations
 from kvmesh.bench.node_figures import accumulate, describe, figures, parse
 
 
-def _page(calls: int, seconds: float, copies: int, copy_s: float, copy_bytes: int) -> str:
+def _page(
+    calls: int, seconds: float, copies: int, copy_s: float, copy_bytes: int, ahead: int = 0
+) -> str:
     return "\n".join(
         [
             "# HELP kvmesh_rpc_latency_seconds Latency.",
@@ -18,6 +20,8 @@ def _page(calls: int, seconds: float, copies: int, copy_s: float, copy_bytes: in
             f'kvmesh_storage_copy_seconds_total{{direction="retrieve"}} {copy_s}',
             f'kvmesh_storage_copy_bytes_total{{direction="retrieve"}} {copy_bytes}',
             'kvmesh_storage_copies_total{direction="store"} 7.0',
+            f"kvmesh_gateway_retrieves_ahead_total {ahead}",
+            f"kvmesh_gateway_retrieves_joined_total {max(ahead - 1, 0)}",
             'a_label_with_a_quote{name="a \\"b\\" c"} 1.0',
             'not_a_number{x="1"} NaN-ish',
         ]
@@ -39,6 +43,8 @@ def test_figures_are_the_calls_between_two_scrapes() -> None:
     assert node["retrieve"] == {
         "calls": 4,
         "handler_ms_mean": 6.0,
+        "started_ahead": 0,
+        "joined": 0,
         "copies": 4,
         "copy_ms_mean": 4.0,
         "copy_mb_mean": 16.0,
@@ -52,6 +58,17 @@ def test_figures_are_the_calls_between_two_scrapes() -> None:
         "node handlers: retrieve 4× 6.0 ms (copy 4.0 ms of 16.0 MB, 4.0 GB/s)"
     )
     assert describe(figures(before, before)) == "node handlers: no calls"
+
+
+def test_loads_started_ahead_and_the_retrieves_that_joined_them_are_counted() -> None:
+    before = parse(_page(2, 0.010, 2, 0.004, 32_000_000, ahead=1))
+    after = parse(_page(6, 0.034, 6, 0.020, 96_000_000, ahead=4))
+    node = figures(before, after)
+    assert (node["retrieve"]["started_ahead"], node["retrieve"]["joined"]) == (3, 3)
+    assert describe(node) == (
+        "node handlers: retrieve 4× 6.0 ms, 3 joined a load started ahead "
+        "(copy 4.0 ms of 16.0 MB, 4.0 GB/s)"
+    )
 
 
 def test_accumulate_sums_the_phases_of_several_rounds() -> None:

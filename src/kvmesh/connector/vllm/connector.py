@@ -118,6 +118,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             transfer_threads=self.settings.transfer_threads,
             store_after_prefill=self.settings.store_after_prefill,
             heartbeat_s=self.settings.heartbeat_s,
+            ahead_engine_id=self._ahead_engine_id(vllm_config, instance) if is_scheduler else "",
         )
         self.hooks = Hooks(
             config, KVConnectorRole.SCHEDULER if is_scheduler else KVConnectorRole.WORKER
@@ -156,6 +157,20 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             config.model_name,
             config.gateway,
         )
+
+    def _ahead_engine_id(self, vllm_config: VllmConfig, instance: str) -> str:
+        """The worker whose loads the scheduler starts ahead ("": none; see settings'
+        ``load_ahead``): a CPU engine (KV in shared memory), one worker, whole loads."""
+        if not (self.settings.load_ahead and instance and self._on_cpu):
+            return ""
+        parallel = vllm_config.parallel_config
+        if parallel.world_size != 1 or getattr(parallel, "data_parallel_size", 1) != 1:
+            return ""
+        if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+            return ""  # the worker may still run the last step while this one is planned
+        if loads_by_layer(self.settings.load_by_layer, "cpu"):
+            return ""
+        return f"{instance}-worker-0"
 
     def _prefer_recompute(self, transfer: Any) -> None:
         if transfer.kv_load_failure_policy == "fail" and not self.settings.keep_failure_policy:

@@ -60,6 +60,10 @@ class VLLMSettings:
     #: waits only for its own part (docs/vllm.md, "Loads by layer"). "false": the whole
     #: load finishes before the forward pass starts; "auto": by layer on GPUs only.
     load_by_layer: str = "auto"
+    #: The scheduler starts each load as soon as it allocated the blocks, and the worker's
+    #: retrieve joins it (docs/vllm.md, "Loads started by the scheduler"). Taken only where
+    #: it is safe: KV in host memory (CPU), one worker, whole loads.
+    load_ahead: bool = True
 
 
 _FIELDS: dict[str, type] = {
@@ -77,6 +81,7 @@ _FIELDS: dict[str, type] = {
     "heartbeat_s": float,
     "named_kv_file": bool,
     "load_by_layer": str,
+    "load_ahead": bool,
 }
 #: Values of ``load_by_layer`` (JSON booleans are taken as "true" and "false").
 LOAD_BY_LAYER = ("auto", "true", "false")

@@ -49,6 +49,9 @@ class RegisteredEngine:
     fingerprint: object = None
     #: Layers of the KV memory it registered (0 for an engine-driven context).
     num_layers: int = 0
+    #: Its KV memory is host memory (shared memory), which a copy may write at any
+    #: time; not GPU memory, whose writes must follow the engine's own kernels.
+    host_memory: bool = False
 
 
 class EngineRegistry:
@@ -118,6 +121,7 @@ class EngineRegistry:
         fingerprint: object,
         chunk_bytes: int = 0,
         num_layers: int = 0,
+        host_memory: bool = False,
     ) -> bool:
         """Register an engine's KV memory (LMCache-driven path); True if already registered.
 
@@ -145,7 +149,7 @@ class EngineRegistry:
                 self.counters.reregistrations += 1
             self._engines[spec.engine_id] = RegisteredEngine(
                 spec, False, chunk_bytes, (), now, now, fingerprint=fingerprint,
-                num_layers=num_layers,
+                num_layers=num_layers, host_memory=host_memory,
             )  # fmt: skip
             logger.info(
                 "engine %s registered: model %s, worker %d/%d, block size %d",

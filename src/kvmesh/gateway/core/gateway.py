@@ -113,10 +113,11 @@ class Gateway:
         fingerprint: object,
         chunk_bytes: int = 0,
         num_layers: int = 0,
+        host_memory: bool = False,
     ) -> bool:
         """Register an engine's KV memory (LMCache-driven path); True if already registered."""
         return await self.engines.register_kv_cache(
-            spec, registration, fingerprint, chunk_bytes, num_layers
+            spec, registration, fingerprint, chunk_bytes, num_layers, host_memory
         )
 
     async def unregister_kv_cache(self, engine_id: str) -> bool:
@@ -189,6 +190,7 @@ class Gateway:
 
     async def end_session(self, request_id: str) -> tuple[bool, int]:
         """End a request: release what it still holds, refresh LRU of its chunks."""
+        self.transfers.ahead.forget_request(request_id)
         return await self.lookups.end_session(request_id)
 
     async def end_owner(self, owner: str) -> int:
@@ -221,6 +223,16 @@ class Gateway:
         return await self.transfers.retrieve(
             engine_id, rng, block_ids, skip_first_n_tokens, producer_event, layers
         )
+
+    async def retrieve_ahead(
+        self,
+        engine_id: str,
+        rng: PromptRangeSpec,
+        block_ids: Sequence[int],
+        skip_first_n_tokens: int,
+    ) -> bool:
+        """Start the whole load the engine's worker will ask for (see ``transfers``)."""
+        return await self.transfers.retrieve_ahead(engine_id, rng, block_ids, skip_first_n_tokens)
 
     async def prepare_store(self, engine_id: str, rng: PromptRangeSpec) -> PreparedSlots:
         """Reserve slots for the range's uncached chunks."""

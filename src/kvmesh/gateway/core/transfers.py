@@ -11,15 +11,18 @@ retrieved chunks (see ``lookups``).
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.keys import validate_cache_salt, worker_kv_rank
 from kvmesh.common.layer_range import check_layer_range
 from kvmesh.common.node_types import StoreOutcome
 
+from .ahead import AheadLoads, load_key
 from .engines import EngineRegistry, RegisteredEngine
 from .lookups import LookupLocks
 from .node_storage import KeyRow, NodeStorage, PreparedSlots
@@ -28,6 +31,20 @@ from .types import GatewayStats, PromptRangeSpec, StoreResult
 
 # Committed engine-driven store transactions remembered, so a retried commit is harmless.
 _COMMITTED_STORES_KEPT = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class _RetrievePlan:
+    """A checked retrieve: what storage copies, and whether it ends the load."""
+
+    engine_id: str
+    row: KeyRow
+    chunks: int
+    block_ids: Sequence[int]
+    skip_first_n_tokens: int
+    lease_id: str
+    layers: tuple[int, int] | None
+    final: bool
 
 
 class Transfers:
@@ -52,6 +69,7 @@ class Transfers:
         # Engine-driven retrieve transaction id -> request id.
         self._txn_sessions: dict[str, str] = {}
         self._committed_stores: OrderedDict[str, None] = OrderedDict()
+        self.ahead = AheadLoads()
 
     # ------------------------------------------------------------------ helpers
 
@@ -140,8 +158,54 @@ class Transfers:
 
         With ``layers`` only layers ``[start, end)`` are written (one part of a load
         by layers, docs/vllm.md, "Loads by layer"); the counters count the part
-        that ends at the last layer, once per load.
+        that ends at the last layer, once per load. A whole load that the
+        scheduler started ahead (:meth:`retrieve_ahead`) is joined, not repeated.
         """
+        started = self.ahead.claim(load_key(engine_id, rng, block_ids, skip_first_n_tokens))
+        if started is not None:
+            self.counters.retrieves_joined += 1
+            got = await asyncio.shield(started)
+            if layers is None:
+                return got
+            # A load by layers never goes with an ahead load, but if one came, its
+            # first part waits for it: no copy may follow the worker's own.
+        plan = await self._plan_retrieve(engine_id, rng, block_ids, skip_first_n_tokens, layers)
+        return await self._run_retrieve(plan, producer_event)
+
+    async def retrieve_ahead(
+        self,
+        engine_id: str,
+        rng: PromptRangeSpec,
+        block_ids: Sequence[int],
+        skip_first_n_tokens: int,
+    ) -> bool:
+        """Start the whole load the worker will ask for; False when nothing was started
+        (GPU memory, the worker asked already, or it is running). See :mod:`.ahead`."""
+        engine = self.engines.get(engine_id, engine_driven=False)
+        if not engine.host_memory:
+            return False
+        key = load_key(engine_id, rng, block_ids, skip_first_n_tokens)
+        if not self.ahead.may_start(key):
+            self.counters.retrieves_ahead_refused += 1
+            return False
+        plan = await self._plan_retrieve(engine_id, rng, block_ids, skip_first_n_tokens, None)
+        # The worker's Retrieve may have come while the plan waited for the session.
+        if not self.ahead.may_start(key):
+            self.counters.retrieves_ahead_refused += 1
+            return False
+        self.ahead.start(key, rng.request_id, asyncio.ensure_future(self._run_retrieve(plan, b"")))
+        self.counters.retrieves_ahead += 1
+        return True
+
+    async def _plan_retrieve(
+        self,
+        engine_id: str,
+        rng: PromptRangeSpec,
+        block_ids: Sequence[int],
+        skip_first_n_tokens: int,
+        layers: tuple[int, int] | None,
+    ) -> _RetrievePlan:
+        """Check a retrieve and name what it copies (raises before anything is copied)."""
         engine = self.engines.get(engine_id, engine_driven=False)
         if layers is not None:
             check_layer_range(engine.num_layers, *layers)
@@ -155,17 +219,22 @@ class Transfers:
             self._check_block_ids(engine, block_ids, last - first)
             lease_id = self._lease_of(session, rng)
         final = layers is None or layers[1] == engine.num_layers
-        if final:
+        return _RetrievePlan(
+            engine_id, row, last - first, block_ids, skip_first_n_tokens, lease_id, layers, final
+        )
+
+    async def _run_retrieve(self, plan: _RetrievePlan, producer_event: bytes) -> int:
+        if plan.final:
             self.counters.retrieves += 1
-        if last == first:
+        if plan.chunks == 0:
             return 0
         got = await self.storage.retrieve_chunks(
-            engine_id, row, block_ids, self.chunk_size, skip_first_n_tokens, lease_id,
-            producer_event, layers,
+            plan.engine_id, plan.row, plan.block_ids, self.chunk_size, plan.skip_first_n_tokens,
+            plan.lease_id, producer_event, plan.layers,
         )  # fmt: skip
-        if final:
+        if plan.final:
             self.counters.retrieved_chunks += got
-            self.counters.retrieve_missed_chunks += (last - first) - got
+            self.counters.retrieve_missed_chunks += plan.chunks - got
         return got
 
     # ------------------------------------------------------------ engine-driven

@@ -70,6 +70,11 @@ class GatewayStats:
     retrieves: int = 0
     retrieved_chunks: int = 0
     retrieve_missed_chunks: int = 0
+    #: Loads the scheduler started ahead; worker Retrieves that joined one; ahead calls
+    #: that started nothing because the worker had asked already or one was running.
+    retrieves_ahead: int = 0
+    retrieves_joined: int = 0
+    retrieves_ahead_refused: int = 0
     sessions_expired: int = 0
     prefetch_waits: int = 0
     prefetch_wait_seconds: float = 0.0

@@ -769,6 +769,26 @@ class RetrieveResponse(_message.Message):
 Global___RetrieveResponse: _TypeAlias = RetrieveResponse  # noqa: Y015
 
 @_typing.final
+class RetrieveAheadResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STARTED_FIELD_NUMBER: _builtins.int
+    started: _builtins.bool
+    """The copy was started; the worker's Retrieve joins it."""
+    def __init__(
+        self,
+        *,
+        started: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["started", b"started"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetrieveAheadResponse: _TypeAlias = RetrieveAheadResponse  # noqa: Y015
+
+@_typing.final
 class ClearRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

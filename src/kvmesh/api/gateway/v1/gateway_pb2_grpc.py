@@ -79,6 +79,11 @@ class GatewayServiceStub:
                 request_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveResponse.FromString,
                 _registered_method=True)
+        self.RetrieveAhead = channel.unary_unary(
+                '/kvmesh.gateway.v1.GatewayService/RetrieveAhead',
+                request_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveAheadResponse.FromString,
+                _registered_method=True)
         self.Clear = channel.unary_unary(
                 '/kvmesh.gateway.v1.GatewayService/Clear',
                 request_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.ClearRequest.SerializeToString,
@@ -268,6 +273,27 @@ class GatewayServiceServicer:
         Errors: FAILED_PRECONDITION (engine_id not registered), INVALID_ARGUMENT
         (as Store, or skip_first_n_tokens beyond the range), UNAVAILABLE.
         Deadline: 30 s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetrieveAhead(self, request, context):
+        """Scheduler side, for an engine whose KV memory is host (shared) memory:
+        starts the Retrieve the worker will send for this request, so the copy
+        runs while the engine hands the step to its worker. Answers at once. The
+        worker's Retrieve with the same engine_id, request, range, block_ids,
+        skip_first_n_tokens and no layers then waits for that copy and answers
+        with its result instead of copying again. A RetrieveAhead that reaches
+        the gateway after the worker's Retrieve, or repeats one already started,
+        starts nothing, so the engine's blocks are never written after its worker
+        was told the load was done. started is false then, and for an engine
+        whose memory is on a GPU (a copy started there could not be ordered
+        after the engine's earlier kernels). An ahead load the worker never asks
+        for is dropped with the request's session.
+        Errors: as Retrieve, checked before anything starts (the range, block
+        ids and skip are validated here, not by the later Retrieve).
+        Deadline: 2 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -485,6 +511,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.Retrieve,
                     request_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveRequest.FromString,
                     response_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveResponse.SerializeToString,
+            ),
+            'RetrieveAhead': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetrieveAhead,
+                    request_deserializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveRequest.FromString,
+                    response_serializer=kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveAheadResponse.SerializeToString,
             ),
             'Clear': grpc.unary_unary_rpc_method_handler(
                     servicer.Clear,
@@ -805,6 +836,33 @@ class GatewayService:
             '/kvmesh.gateway.v1.GatewayService/Retrieve',
             kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveRequest.SerializeToString,
             kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetrieveAhead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.gateway.v1.GatewayService/RetrieveAhead',
+            kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveRequest.SerializeToString,
+            kvmesh_dot_gateway_dot_v1_dot_gateway__pb2.RetrieveAheadResponse.FromString,
             options,
             channel_credentials,
             insecure,

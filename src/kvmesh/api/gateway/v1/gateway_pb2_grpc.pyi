@@ -125,6 +125,23 @@ class GatewayServiceStub:
     (as Store, or skip_first_n_tokens beyond the range), UNAVAILABLE.
     Deadline: 30 s.
     """
+    RetrieveAhead: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RetrieveRequest, _gateway_pb2.RetrieveAheadResponse]
+    """Scheduler side, for an engine whose KV memory is host (shared) memory:
+    starts the Retrieve the worker will send for this request, so the copy
+    runs while the engine hands the step to its worker. Answers at once. The
+    worker's Retrieve with the same engine_id, request, range, block_ids,
+    skip_first_n_tokens and no layers then waits for that copy and answers
+    with its result instead of copying again. A RetrieveAhead that reaches
+    the gateway after the worker's Retrieve, or repeats one already started,
+    starts nothing, so the engine's blocks are never written after its worker
+    was told the load was done. started is false then, and for an engine
+    whose memory is on a GPU (a copy started there could not be ordered
+    after the engine's earlier kernels). An ahead load the worker never asks
+    for is dropped with the request's session.
+    Errors: as Retrieve, checked before anything starts (the range, block
+    ids and skip are validated here, not by the later Retrieve).
+    Deadline: 2 s.
+    """
     Clear: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ClearRequest, _gateway_pb2.ClearResponse]
     """Drops every unlocked object from this node's L1 (force: locked ones too).
     L2 is untouched, and no stored chunk is lost: an object whose L2
@@ -311,6 +328,23 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     Errors: FAILED_PRECONDITION (engine_id not registered), INVALID_ARGUMENT
     (as Store, or skip_first_n_tokens beyond the range), UNAVAILABLE.
     Deadline: 30 s.
+    """
+    RetrieveAhead: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RetrieveRequest, _gateway_pb2.RetrieveAheadResponse]  # type: ignore[assignment]
+    """Scheduler side, for an engine whose KV memory is host (shared) memory:
+    starts the Retrieve the worker will send for this request, so the copy
+    runs while the engine hands the step to its worker. Answers at once. The
+    worker's Retrieve with the same engine_id, request, range, block_ids,
+    skip_first_n_tokens and no layers then waits for that copy and answers
+    with its result instead of copying again. A RetrieveAhead that reaches
+    the gateway after the worker's Retrieve, or repeats one already started,
+    starts nothing, so the engine's blocks are never written after its worker
+    was told the load was done. started is false then, and for an engine
+    whose memory is on a GPU (a copy started there could not be ordered
+    after the engine's earlier kernels). An ahead load the worker never asks
+    for is dropped with the request's session.
+    Errors: as Retrieve, checked before anything starts (the range, block
+    ids and skip are validated here, not by the later Retrieve).
+    Deadline: 2 s.
     """
     Clear: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ClearRequest, _gateway_pb2.ClearResponse]  # type: ignore[assignment]
     """Drops every unlocked object from this node's L1 (force: locked ones too).
@@ -549,6 +583,29 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         Errors: FAILED_PRECONDITION (engine_id not registered), INVALID_ARGUMENT
         (as Store, or skip_first_n_tokens beyond the range), UNAVAILABLE.
         Deadline: 30 s.
+        """
+
+    @_abc_1.abstractmethod
+    def RetrieveAhead(
+        self,
+        request: _gateway_pb2.RetrieveRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.RetrieveAheadResponse, _abc.Awaitable[_gateway_pb2.RetrieveAheadResponse]]:
+        """Scheduler side, for an engine whose KV memory is host (shared) memory:
+        starts the Retrieve the worker will send for this request, so the copy
+        runs while the engine hands the step to its worker. Answers at once. The
+        worker's Retrieve with the same engine_id, request, range, block_ids,
+        skip_first_n_tokens and no layers then waits for that copy and answers
+        with its result instead of copying again. A RetrieveAhead that reaches
+        the gateway after the worker's Retrieve, or repeats one already started,
+        starts nothing, so the engine's blocks are never written after its worker
+        was told the load was done. started is false then, and for an engine
+        whose memory is on a GPU (a copy started there could not be ordered
+        after the engine's earlier kernels). An ahead load the worker never asks
+        for is dropped with the request's session.
+        Errors: as Retrieve, checked before anything starts (the range, block
+        ids and skip are validated here, not by the later Retrieve).
+        Deadline: 2 s.
         """
 
     @_abc_1.abstractmethod
