@@ -51,6 +51,10 @@ def test_bench_serve_reports_every_arrangement() -> None:
         assert node[kind]["copies"] >= 1, (kind, node)
         assert node[kind]["copy_gb_s"] > 0, (kind, node)
         assert node[kind]["calls"] >= node[kind]["copies"], (kind, node)
+    # vLLM on CPU, one worker: its scheduler starts the loads (RetrieveAhead) and the
+    # worker's Retrieve joins them; one that came late copies itself.
+    assert node["retrieve"]["started_ahead"] >= 1, node
+    assert node["retrieve"]["joined"] <= node["retrieve"]["started_ahead"], node
     assert result["arrangements"]["floor"]["cached_tokens"] >= 3 * 1024
     assert "serve: vllm_alone: warmup round" in done.stderr
     assert "serve: done in" in done.stderr
