@@ -79,7 +79,7 @@ def test_a_prompt_sharing_a_prefix_is_served_its_complete_shared_chunks(
 
 
 def test_loads_started_by_the_scheduler_give_the_same_logits_and_copy_once(
-    fleet: Fleet, engine: Engine, reference: Engine, salt: str
+    fleet: Fleet, reference: Engine, salt: str
 ) -> None:
     """The engine's scheduler sends RetrieveAhead for each load; its worker's Retrieve
     joins it, or (when it got there first) copies itself and the ahead call starts
@@ -92,11 +92,18 @@ def test_loads_started_by_the_scheduler_give_the_same_logits_and_copy_once(
         return {n: sum(v for (k, _), v in samples.items() if k == f"kvmesh_gateway_{n}_total")
                 for n in names}  # fmt: skip
 
+    config = EngineConfig(
+        model=MODEL,
+        num_blocks=512,
+        gateway=fleet.endpoint("node-0-gateway", "lane"),
+        load_ahead=True,
+    )
     prompt = tokens(1300, seed=9)
-    run_prompt(engine, prompt, salt)
-    before = counts()
-    warm = [run_prompt(engine, prompt, salt) for _ in range(3)]
-    after = counts()
+    with Engine(config) as engine:
+        run_prompt(engine, prompt, salt)
+        before = counts()
+        warm = [run_prompt(engine, prompt, salt) for _ in range(3)]
+        after = counts()
     delta = {name: after[name] - before[name] for name in after}
 
     expected = run_prompt(reference, prompt, "")

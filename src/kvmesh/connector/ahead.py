@@ -72,3 +72,6 @@ class AheadSender:
                 continue
             if resp.started:
                 self.started += 1
+                logger.debug("load of %s started ahead", request.range.request_id)
+            else:
+                logger.debug("load of %s not started ahead", request.range.request_id)

@@ -24,7 +24,7 @@ def test_bench_serve_reports_every_arrangement() -> None:
     require_vllm()
     done = kvmesh_cli(
         "bench", "serve", "--documents", "3", "--doc-tokens", "1024", "--cache-docs", "1.5",
-        "--json", timeout=900,
+        "--connector-option", "load_ahead=true", "--json", timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
@@ -51,8 +51,9 @@ def test_bench_serve_reports_every_arrangement() -> None:
         assert node[kind]["copies"] >= 1, (kind, node)
         assert node[kind]["copy_gb_s"] > 0, (kind, node)
         assert node[kind]["calls"] >= node[kind]["copies"], (kind, node)
-    # vLLM on CPU, one worker: its scheduler starts the loads (RetrieveAhead) and the
-    # worker's Retrieve joins them; one that came late copies itself.
+    # load_ahead on (vLLM on CPU, one worker): its scheduler starts the loads
+    # (RetrieveAhead) and the worker's Retrieve joins them; one that came late copies
+    # itself.
     assert node["retrieve"]["started_ahead"] >= 1, node
     assert node["retrieve"]["joined"] <= node["retrieve"]["started_ahead"], node
     assert result["arrangements"]["floor"]["cached_tokens"] >= 3 * 1024

@@ -78,9 +78,12 @@ def _fleet_runs(tmp: Path, redis_url: str, model: Path) -> Runs:
     base = {"model": str(model), "max_tokens": 3, "logprobs": TOP_K, "one_process": True}
     p, q = prompt(1), prompt(2)
     a_q, a_again, b_p = tmp / "a-before-q", tmp / "a-before-p-again", tmp / "b-before-p"
+    # A's scheduler starts its loads ahead (load_ahead), B's worker loads by layer: both
+    # ways give the cold run's answer.
     a = start_engine(
         {**base, "prompts": [p, q, p, q], "gateway": fleet.endpoint("node-0-gateway"),
-         "pause_before": [{"index": 1, "path": str(a_q)}, {"index": 2, "path": str(a_again)}]}
+         "pause_before": [{"index": 1, "path": str(a_q)}, {"index": 2, "path": str(a_again)}],
+         "connector": {"load_ahead": "true", "log_level": "DEBUG"}}
     )  # fmt: skip
     # B loads by layer (vLLM bound to every core would load whole by default, as A does):
     # both ways of loading give the cold run's answer.
@@ -159,6 +162,9 @@ def test_vllm_processes_reuse_prompts_through_kvmesh_and_survive_it_stopping(
     with subtests.test("two vLLM processes on two nodes reuse each other's prefixes"):
         assert runs.warm_q["cached_tokens"] == CACHED, runs.a_log[-3000:]
         assert_same_answer(runs.cold_q_other_node, runs.warm_q)
+        # A's scheduler sent the load ahead (started, or refused when its worker got there
+        # first: the same answer either way).
+        assert "started ahead" in runs.a_log, runs.a_log[-3000:]
     with subtests.test("kvmesh stopped mid-run: vLLM still answers"):
         # A's last two prompts ran after the fleet stopped: recomputed, the same answers,
         # and one clear warning per half of the connector (scheduler, worker), not one
@@ -172,5 +178,9 @@ def test_vllm_processes_reuse_prompts_through_kvmesh_and_survive_it_stopping(
         # the gateway unreachable then, before A resumes.
         assert f"{RESUMED} 2" in runs.a_log
         after_stop = runs.a_log.split(f"{RESUMED} 1")[-1]
-        warnings = [line for line in after_stop.splitlines() if "unreachable" in line]
+        warnings = [
+            line
+            for line in after_stop.splitlines()
+            if "unreachable" in line and not line.startswith("DEBUG")  # A logs at DEBUG
+        ]
         assert 1 <= len(warnings) <= 2, after_stop[-3000:]

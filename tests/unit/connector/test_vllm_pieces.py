@@ -404,3 +404,40 @@ def test_layer_names_map_to_their_registered_layer_and_shared_tensors_share_one(
         c.data_ptr(),
     ]
     assert layer_indices(caches) == {"l.0": 0, "l.1": 1, "l.2": 1, "l.3": 2}
+
+
+def test_the_scheduler_starts_loads_ahead_only_where_it_is_asked_and_safe() -> None:
+    """``load_ahead`` names the one worker whose loads the scheduler starts (docs/vllm.md,
+    "Loads started by the scheduler"); anything that could race the engine turns it off."""
+    require_vllm()
+    from types import SimpleNamespace
+
+    from kvmesh.connector.vllm.connector import KVMeshConnector
+
+    def ahead(on_cpu: bool = True, instance: str = "inst", **changes: Any) -> str:
+        options = {"load_ahead": True, "load_by_layer": "auto"} | {
+            k: v for k, v in changes.items() if k in ("load_ahead", "load_by_layer")
+        }
+        parallel = SimpleNamespace(
+            world_size=changes.get("world_size", 1),
+            data_parallel_size=changes.get("data_parallel_size", 1),
+        )
+        config = SimpleNamespace(
+            parallel_config=parallel,
+            scheduler_config=SimpleNamespace(
+                async_scheduling=changes.get("async_scheduling", False)
+            ),
+        )
+        connector = SimpleNamespace(settings=parse_settings(options | {"gateway": "g"}))
+        connector._on_cpu = on_cpu  # type: ignore[attr-defined]
+        return KVMeshConnector._ahead_engine_id(connector, config, instance)  # type: ignore[arg-type]
+
+    assert parse_settings(None).load_ahead is False
+    assert ahead() == "inst-worker-0"  # the worker's own engine id (rank 0)
+    assert ahead(load_ahead=False) == ""
+    assert ahead(on_cpu=False) == ""  # GPU memory: the copy must follow vLLM's kernels
+    assert ahead(instance="") == ""
+    assert ahead(world_size=2) == ""
+    assert ahead(data_parallel_size=2) == ""
+    assert ahead(async_scheduling=True) == ""
+    assert ahead(load_by_layer="true") == ""

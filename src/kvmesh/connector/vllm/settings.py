@@ -62,8 +62,10 @@ class VLLMSettings:
     load_by_layer: str = "auto"
     #: The scheduler starts each load as soon as it allocated the blocks, and the worker's
     #: retrieve joins it (docs/vllm.md, "Loads started by the scheduler"). Taken only where
-    #: it is safe: KV in host memory (CPU), one worker, whole loads.
-    load_ahead: bool = True
+    #: it is safe: KV in host memory (CPU), one worker, whole loads. Off by default: on a
+    #: 2-core host the early copy competes with vLLM's busy-polling processes and made
+    #: the OpenAI server's hits slower.
+    load_ahead: bool = False
 
 
 _FIELDS: dict[str, type] = {
