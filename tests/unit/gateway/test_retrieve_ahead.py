@@ -102,10 +102,29 @@ def test_an_ahead_call_after_the_worker_asked_starts_nothing() -> None:
     asyncio.run(main())
 
 
-def test_the_worker_arriving_while_the_ahead_call_plans_wins() -> None:
-    """The ahead call waits for the session's lock; a worker Retrieve that comes
-    meanwhile copies itself, and the ahead call then starts nothing."""
+def test_a_worker_whose_plan_is_done_first_wins_and_the_ahead_call_starts_nothing() -> None:
+    """Both wait for the session's lock, the worker's Retrieve first: it tombstones the
+    load before the ahead call checks, copies itself, and the ahead call starts nothing."""
 
+    async def main() -> None:
+        gw, storage, toks = await setup()
+        session = gw.sessions.get("r")
+        assert session is not None
+        await session.lock.acquire()
+        worker = asyncio.ensure_future(gw.retrieve("e0", load(toks), BLOCKS, 0))
+        await asyncio.sleep(0.01)
+        ahead = asyncio.ensure_future(gw.retrieve_ahead("e0", load(toks), BLOCKS, 0))
+        await asyncio.sleep(0.01)
+        session.lock.release()
+        assert await ahead is False
+        assert await worker == 4
+        assert storage.copies == 1
+        assert gw.counters.retrieves_ahead_refused == 1
+
+    asyncio.run(main())
+
+
+def test_an_ahead_call_whose_plan_is_done_first_is_joined() -> None:
     async def main() -> None:
         gw, storage, toks = await setup()
         session = gw.sessions.get("r")
@@ -116,9 +135,10 @@ def test_the_worker_arriving_while_the_ahead_call_plans_wins() -> None:
         worker = asyncio.ensure_future(gw.retrieve("e0", load(toks), BLOCKS, 0))
         await asyncio.sleep(0.01)
         session.lock.release()
-        assert await ahead is False
+        assert await ahead is True
         assert await worker == 4
         assert storage.copies == 1
+        assert gw.counters.retrieves_joined == 1
 
     asyncio.run(main())
 
@@ -220,18 +240,41 @@ def test_a_load_by_layers_waits_for_an_ahead_copy_of_the_same_load() -> None:
 def test_the_key_names_every_field_that_decides_what_a_load_writes() -> None:
     toks = tokens(4 * CHUNK)
     base = load(toks)
-    key = load_key("e0", base, BLOCKS, 0)
+    chain = [bytes([i]) * 16 for i in range(4)]
+    key = load_key("e0", base, BLOCKS, 0, chain)
     variants = [
-        load_key("e1", base, BLOCKS, 0),
-        load_key("e0", load(toks, "r2"), BLOCKS, 0),
-        load_key("e0", base, BLOCKS[::-1], 0),
-        load_key("e0", base, BLOCKS, BLOCK),
-        load_key("e0", PromptRangeSpec("r", MODEL, 1, "salt", toks, 0, 4 * CHUNK), BLOCKS, 0),
-        load_key("e0", PromptRangeSpec("r", MODEL, 1, "", toks, CHUNK, 4 * CHUNK), BLOCKS, 0),
-        load_key("e0", PromptRangeSpec("r", MODEL, 1, "", toks[::-1].copy(), 0, 64), BLOCKS, 0),
+        load_key("e1", base, BLOCKS, 0, chain),
+        load_key("e0", load(toks, "r2"), BLOCKS, 0, chain),
+        load_key("e0", base, BLOCKS[::-1], 0, chain),
+        load_key("e0", base, BLOCKS, BLOCK, chain),
+        load_key("e0", base, BLOCKS, 0, [*chain[:3], b"x" * 16]),  # other tokens
+        load_key("e0", base, BLOCKS, 0, chain[1:]),
+        load_key(
+            "e0", PromptRangeSpec("r", MODEL, 1, "salt", toks, 0, 4 * CHUNK), BLOCKS, 0, chain
+        ),
+        load_key(
+            "e0", PromptRangeSpec("r", MODEL, 1, "", toks, CHUNK, 4 * CHUNK), BLOCKS, 0, chain
+        ),
     ]
-    assert key == load_key("e0", load(toks.copy()), list(BLOCKS), 0)
+    assert key == load_key("e0", load(toks.copy()), list(BLOCKS), 0, list(chain))
     assert len({key, *variants}) == len(variants) + 1
+
+
+def test_another_prompt_under_the_same_request_id_is_not_joined() -> None:
+    """The chunk hashes stand for the tokens: an ahead load of other tokens is not the
+    worker's load (the gateway's session refuses changed tokens for one request anyway)."""
+
+    async def main() -> None:
+        gw, storage, toks = await setup()
+        assert await gw.retrieve_ahead("e0", load(toks), BLOCKS, 0) is True
+        await asyncio.sleep(0.01)
+        await gw.end_session("r")
+        other = tokens(4 * CHUNK, seed=7)
+        await gw.retrieve("e0", load(other), BLOCKS, 0)
+        assert gw.counters.retrieves_joined == 0
+        assert storage.copies == 2
+
+    asyncio.run(main())
 
 
 def test_tombstones_outlive_any_ahead_call_and_then_expire() -> None:

@@ -9,12 +9,13 @@ the same load waits for the copy instead of starting one (docs/vllm.md,
 
 One rule keeps that safe: once a worker has asked for a load, no ahead call
 for it starts a copy, so the engine's blocks are never written after its
-worker was told the load was done. Every whole-load Retrieve leaves a
+worker was told the load was done. Every Retrieve, once checked, leaves a
 tombstone of its load's key, kept for ``keep_s`` (far past the ahead call's
 deadline), and an ahead call for a tombstoned key starts nothing.
 
 A load is identified by a digest of everything that decides what it writes:
-engine, request, model, world size, salt, range, skip, block ids and tokens.
+engine, request, model, world size, salt, range, skip, block ids, and the
+range's first and last chained chunk hashes (which stand for its tokens).
 """
 
 from __future__ import annotations
@@ -39,9 +40,17 @@ MAX_PENDING = 1024
 
 
 def load_key(
-    engine_id: str, rng: PromptRangeSpec, block_ids: Sequence[int], skip_first_n_tokens: int
+    engine_id: str,
+    rng: PromptRangeSpec,
+    block_ids: Sequence[int],
+    skip_first_n_tokens: int,
+    chunk_hashes: Sequence[bytes],
 ) -> bytes:
-    """The digest that names one whole load of a request into an engine's blocks."""
+    """The digest that names one whole load of a request into an engine's blocks.
+
+    ``chunk_hashes`` are the range's chained chunk hashes (the last one stands for
+    every token up to it), so the tokens themselves need no hashing here.
+    """
     h = hashlib.blake2b(digest_size=16)
     for part in (engine_id, rng.request_id, rng.model_name, rng.cache_salt):
         encoded = part.encode()
@@ -52,7 +61,10 @@ def load_key(
     blocks = np.asarray(block_ids, dtype=np.int64)
     h.update(len(blocks).to_bytes(8, "little"))
     h.update(blocks.tobytes())
-    h.update(np.asarray(rng.token_ids, dtype=np.int64).tobytes())
+    h.update(len(chunk_hashes).to_bytes(8, "little"))
+    if chunk_hashes:
+        h.update(chunk_hashes[0])
+        h.update(chunk_hashes[-1])
     return h.digest()
 
 

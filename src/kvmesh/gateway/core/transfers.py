@@ -161,7 +161,8 @@ class Transfers:
         that ends at the last layer, once per load. A whole load that the
         scheduler started ahead (:meth:`retrieve_ahead`) is joined, not repeated.
         """
-        started = self.ahead.claim(load_key(engine_id, rng, block_ids, skip_first_n_tokens))
+        plan = await self._plan_retrieve(engine_id, rng, block_ids, skip_first_n_tokens, layers)
+        started = self.ahead.claim(self._load_key(plan, rng))
         if started is not None:
             self.counters.retrieves_joined += 1
             got = await asyncio.shield(started)
@@ -169,7 +170,6 @@ class Transfers:
                 return got
             # A load by layers never goes with an ahead load, but if one came, its
             # first part waits for it: no copy may follow the worker's own.
-        plan = await self._plan_retrieve(engine_id, rng, block_ids, skip_first_n_tokens, layers)
         return await self._run_retrieve(plan, producer_event)
 
     async def retrieve_ahead(
@@ -184,12 +184,10 @@ class Transfers:
         engine = self.engines.get(engine_id, engine_driven=False)
         if not engine.host_memory:
             return False
-        key = load_key(engine_id, rng, block_ids, skip_first_n_tokens)
-        if not self.ahead.may_start(key):
-            self.counters.retrieves_ahead_refused += 1
-            return False
         plan = await self._plan_retrieve(engine_id, rng, block_ids, skip_first_n_tokens, None)
-        # The worker's Retrieve may have come while the plan waited for the session.
+        # Checked after the plan's await, with none before the start: the worker's
+        # Retrieve tombstones the key as soon as its own plan is done.
+        key = self._load_key(plan, rng)
         if not self.ahead.may_start(key):
             self.counters.retrieves_ahead_refused += 1
             return False
@@ -221,6 +219,12 @@ class Transfers:
         final = layers is None or layers[1] == engine.num_layers
         return _RetrievePlan(
             engine_id, row, last - first, block_ids, skip_first_n_tokens, lease_id, layers, final
+        )
+
+    @staticmethod
+    def _load_key(plan: _RetrievePlan, rng: PromptRangeSpec) -> bytes:
+        return load_key(
+            plan.engine_id, rng, plan.block_ids, plan.skip_first_n_tokens, plan.row.chunk_hashes
         )
 
     async def _run_retrieve(self, plan: _RetrievePlan, producer_event: bytes) -> int:
