@@ -35,8 +35,6 @@ class AheadSender:
         self._queue: queue.SimpleQueue[gateway_pb2.RetrieveRequest | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.sent = 0
-        self.started = 0
 
     def send(self, request: gateway_pb2.RetrieveRequest) -> None:
         """Queue one request; returns at once."""
@@ -58,7 +56,6 @@ class AheadSender:
 
     def _run(self) -> None:
         while (request := self._queue.get()) is not None:
-            self.sent += 1
             try:
                 resp = self.client.retrieve_ahead(request, timeout=AHEAD_TIMEOUT_S)
             except grpc.RpcError as exc:
@@ -70,8 +67,8 @@ class AheadSender:
             except Exception:  # never let the thread die: later loads still go ahead
                 logger.exception("retrieve ahead of %s failed", request.range.request_id)
                 continue
-            if resp.started:
-                self.started += 1
-                logger.debug("load of %s started ahead", request.range.request_id)
-            else:
-                logger.debug("load of %s not started ahead", request.range.request_id)
+            logger.debug(
+                "load of %s %s ahead",
+                request.range.request_id,
+                "started" if resp.started else "not started",
+            )

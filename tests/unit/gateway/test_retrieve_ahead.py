@@ -102,43 +102,34 @@ def test_an_ahead_call_after_the_worker_asked_starts_nothing() -> None:
     asyncio.run(main())
 
 
-def test_a_worker_whose_plan_is_done_first_wins_and_the_ahead_call_starts_nothing() -> None:
-    """Both wait for the session's lock, the worker's Retrieve first: it tombstones the
-    load before the ahead call checks, copies itself, and the ahead call starts nothing."""
+@pytest.mark.parametrize("worker_first", [True, False])
+def test_whichever_call_plans_first_decides_and_the_load_is_copied_once(
+    worker_first: bool,
+) -> None:
+    """Both wait for the session's lock. The worker's Retrieve first: it tombstones the
+    load before the ahead call checks, copies itself, and the ahead call starts nothing.
+    The ahead call first: it starts the copy and the worker's Retrieve joins it."""
 
     async def main() -> None:
         gw, storage, toks = await setup()
         session = gw.sessions.get("r")
         assert session is not None
         await session.lock.acquire()
-        worker = asyncio.ensure_future(gw.retrieve("e0", load(toks), BLOCKS, 0))
-        await asyncio.sleep(0.01)
-        ahead = asyncio.ensure_future(gw.retrieve_ahead("e0", load(toks), BLOCKS, 0))
-        await asyncio.sleep(0.01)
+        calls = {
+            "worker": lambda: gw.retrieve("e0", load(toks), BLOCKS, 0),
+            "ahead": lambda: gw.retrieve_ahead("e0", load(toks), BLOCKS, 0),
+        }
+        tasks = {}
+        for name in ("worker", "ahead") if worker_first else ("ahead", "worker"):
+            tasks[name] = asyncio.ensure_future(calls[name]())
+            await asyncio.sleep(0.01)  # queued on the lock in this order
         session.lock.release()
-        assert await ahead is False
+        worker, ahead = tasks["worker"], tasks["ahead"]
+        assert await ahead is (not worker_first)
         assert await worker == 4
         assert storage.copies == 1
-        assert gw.counters.retrieves_ahead_refused == 1
-
-    asyncio.run(main())
-
-
-def test_an_ahead_call_whose_plan_is_done_first_is_joined() -> None:
-    async def main() -> None:
-        gw, storage, toks = await setup()
-        session = gw.sessions.get("r")
-        assert session is not None
-        await session.lock.acquire()
-        ahead = asyncio.ensure_future(gw.retrieve_ahead("e0", load(toks), BLOCKS, 0))
-        await asyncio.sleep(0.01)
-        worker = asyncio.ensure_future(gw.retrieve("e0", load(toks), BLOCKS, 0))
-        await asyncio.sleep(0.01)
-        session.lock.release()
-        assert await ahead is True
-        assert await worker == 4
-        assert storage.copies == 1
-        assert gw.counters.retrieves_joined == 1
+        assert gw.counters.retrieves_ahead_refused == int(worker_first)
+        assert gw.counters.retrieves_joined == int(not worker_first)
 
     asyncio.run(main())
 
