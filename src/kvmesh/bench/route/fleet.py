@@ -8,7 +8,8 @@ Started as an operator starts them (docs/routing.md):
 - per engine a ``kvmesh node`` with its own instance id, reporting its
   cache to the coordinator (L2 off; P2P only with ``--p2p``);
 - per engine vLLM's OpenAI server with kvmesh's connector on its node's
-  lane and KV events published on ZMQ (``--kv-events-config``).
+  lane and KV events published on ZMQ (``--kv-events-config``), on unix
+  sockets in the run's folder (:func:`event_endpoints`).
 
 The two vLLM servers start side by side. Every process is stopped by
 :meth:`Fleet.close`, also when a start fails or the run is interrupted.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from kvmesh.bench.common import Progress, free_port
+from kvmesh.bench.common import Progress
 from kvmesh.bench.serve.servers import (
     Node,
     Process,
@@ -100,18 +101,40 @@ def start_fleet(work: Path, model: Path, sizes: Sizes, progress: Progress) -> Fl
     return fleet
 
 
+#: The longest path a unix socket address holds (sun_path, less its NUL).
+UNIX_PATH_MAX = 107
+
+
+def event_endpoints(work: Path, engine_id: str) -> tuple[str, str]:
+    """ZMQ ``ipc://`` endpoints for an engine's KV events and its replay socket.
+
+    Unix sockets, not TCP ports picked ahead: vLLM binds its event sockets
+    in the engine core, tens of seconds after the benchmark would have
+    picked a free port, and a port picked that early may meanwhile be taken
+    by any other process on the host (the engine core then fails to start).
+    """
+    paths = (work / f"{engine_id}-events.sock", work / f"{engine_id}-replay.sock")
+    for path in paths:
+        if len(str(path)) > UNIX_PATH_MAX:
+            raise RuntimeError(
+                f"the unix socket path {path} is longer than {UNIX_PATH_MAX} bytes; "
+                "set TMPDIR to a shorter folder"
+            )
+    return f"ipc://{paths[0]}", f"ipc://{paths[1]}"
+
+
 def _start(fleet: Fleet, work: Path, model: Path, sizes: Sizes, progress: Progress) -> None:
     ids = [(f"engine-{i}", f"route-node-{i}") for i in range(ENGINES)]
-    ports = [(free_port(), free_port()) for _ in range(ENGINES)]  # events, replay
+    endpoints = [event_endpoints(work, engine_id) for engine_id, _ in ids]
     specs = [
         {
             "engine_id": engine_id,
-            "endpoint": f"tcp://127.0.0.1:{events}",
-            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+            "endpoint": events,
+            "replay_endpoint": replay,
             "model_name": str(model),  # the connector's model_name: vLLM's --model
             "instance_id": instance_id,
         }
-        for (engine_id, instance_id), (events, replay) in zip(ids, ports, strict=True)
+        for (engine_id, instance_id), (events, replay) in zip(ids, endpoints, strict=True)
     ]
     engines_file = work / "engines.json"
     engines_file.write_text(json.dumps(specs))
@@ -136,13 +159,13 @@ def _start(fleet: Fleet, work: Path, model: Path, sizes: Sizes, progress: Progre
     )
     servers = []
     for (engine_id, _), (events, replay), node, bind in zip(
-        ids, ports, nodes, sizes.omp_binds, strict=True
+        ids, endpoints, nodes, sizes.omp_binds, strict=True
     ):
         kv_events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{events}",
-            "replay_endpoint": f"tcp://*:{replay}",
+            "endpoint": events,  # an ipc:// endpoint: vLLM binds it
+            "replay_endpoint": replay,
         }
         server = launch_vllm(
             work,

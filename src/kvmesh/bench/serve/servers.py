@@ -70,6 +70,31 @@ class Process:
         except OSError:
             return ""
 
+    def failure(self, chars: int = 3000) -> str:
+        """The log's first error (its root cause, where vLLM names one) and the log's tail.
+
+        A vLLM engine core that fails to start logs its traceback first and
+        then more from the process that started it, so the tail alone often
+        misses the cause.
+        """
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+        tail = text[-chars:]
+        first = min(
+            (
+                i
+                for i in (text.find("Traceback (most recent call last)"), text.find(" ERROR "))
+                if i >= 0
+            ),
+            default=-1,
+        )
+        if first < 0 or first >= len(text) - chars:
+            return tail
+        start = text.rfind("\n", 0, first) + 1
+        return f"{text[start : start + chars]}\n[...]\n{tail}"
+
     def stop(self, grace_s: float = 60.0) -> None:
         """SIGTERM to its process group; SIGKILL if it is still running after ``grace_s``."""
         if self.proc.poll() is None:
@@ -114,11 +139,13 @@ def wait_ready(check: object, process: Process, timeout: float, what: str) -> No
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not process.alive():
-            raise RuntimeError(f"{what} exited with {process.proc.returncode}:\n{process.tail()}")
+            raise RuntimeError(
+                f"{what} exited with {process.proc.returncode}:\n{process.failure()}"
+            )
         if callable(check) and check():
             return
         time.sleep(0.2)
-    raise RuntimeError(f"{what} not ready after {timeout:.0f} s:\n{process.tail()}")
+    raise RuntimeError(f"{what} not ready after {timeout:.0f} s:\n{process.failure()}")
 
 
 @dataclass
