@@ -12,8 +12,11 @@ plain ZMQ subscriber on the coordinator's re-published events:
    ends equal to what the engine holds;
 3. ``/reset_prefix_cache`` (vLLM's ``AllBlocksCleared``) empties the
    engine's tier while kvmesh's L1 still scores;
-4. vLLM killed and started again on the same ports: its seq restarts at 0,
-   the old incarnation's blocks are gone, and the new one's are learned.
+4. vLLM killed and started again on the same endpoints: its seq restarts
+   at 0, the old incarnation's blocks are gone, and the new one's are learned.
+
+vLLM's event sockets are unix sockets (``ipc://``): a TCP port picked ahead
+could be taken by another process in the half minute before vLLM binds it.
 """
 
 from __future__ import annotations
@@ -58,13 +61,14 @@ class Fleet:
     def __init__(self, tmp: Path, model: Path) -> None:
         self.tmp = tmp
         self.model = str(model)
-        self.events, self.replay = free_port(), free_port()
-        self.proxy = DroppingProxy(f"tcp://127.0.0.1:{self.events}")
+        self.events = f"ipc://{tmp}/vllm-events.sock"
+        self.replay = f"ipc://{tmp}/vllm-replay.sock"
+        self.proxy = DroppingProxy(self.events)
         self.coord_port, self.node_port, self.http = free_port(), free_port(), free_port()
         self.published = free_port()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         engines = (
-            f"{ENGINE}=tcp://127.0.0.1:{self.proxy.port},replay=tcp://127.0.0.1:{self.replay},"
+            f"{ENGINE}=tcp://127.0.0.1:{self.proxy.port},replay={self.replay},"
             f"model={self.model},node=node-a"
         )
         coordinator = [
@@ -108,8 +112,8 @@ class Fleet:
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{self.events}",
-            "replay_endpoint": f"tcp://*:{self.replay}",
+            "endpoint": self.events,
+            "replay_endpoint": self.replay,
         }
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
@@ -223,6 +227,8 @@ def test_vllm_kv_events_feed_scores_through_gaps_clears_and_restarts(fleet: Flee
         fleet.complete(after)
         wait_until(lambda: fleet.score(after).engine_tokens == full, 30)
         assert fleet.score(lost).engine_tokens == full
+        # The replay's batches score as each is applied; the stream is synced once it ends.
+        wait_until(lambda: fleet.stream().synced, 30)
         stream = fleet.stream()
         assert stream.gaps == 1
         assert stream.synced
@@ -238,7 +244,7 @@ def test_vllm_kv_events_feed_scores_through_gaps_clears_and_restarts(fleet: Flee
         assert fleet.score(first).local_l1_tokens == full
         assert fleet.stream().chunks == PROMPT // CHUNK
 
-        # 4. vLLM restarted on the same ports: a new incarnation.
+        # 4. vLLM restarted on the same endpoints: a new incarnation.
         fleet.kill_vllm()
         fleet.start_vllm()
         # The new process's first batch (seq 0 again) tells the restart.
@@ -246,6 +252,7 @@ def test_vllm_kv_events_feed_scores_through_gaps_clears_and_restarts(fleet: Flee
         wait_until(lambda: fleet.score(first).engine_tokens == full, 60)
         assert fleet.stream().incarnations >= 1
         assert fleet.score(later).engine_tokens == 0
+        wait_until(lambda: fleet.stream().synced, 30)
         stream = fleet.stream()
         assert stream.chunks == PROMPT // CHUNK
         assert stream.synced

@@ -8,7 +8,9 @@ vLLM servers are in tests/e2e/with_vllm/test_vllm_kv_events.py.
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -462,3 +464,36 @@ def test_a_follower_that_fails_starts_over_and_relearns_from_the_replay(
     # The first live frame kills the follower; the new one replays it from vLLM's buffer.
     wait_until(lambda: _engine_tokens(coord, tokens, "engine-a") == 2 * CHUNK, 15)
     assert failures == [1]
+
+
+def test_a_restart_is_reported_before_its_replay_ends(
+    make_coord: CoordFactory, engines: list[Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader who sees the new incarnation's blocks also sees the restart counted."""
+    gate = threading.Event()
+    apply = StreamFollower._apply
+
+    async def held_after_a_restart(self: StreamFollower, seq: int, payload: bytes) -> None:
+        await apply(self, seq, payload)
+        if self.counts["batches"] > 1 and not gate.is_set():
+            await asyncio.to_thread(gate.wait, 30)  # the replay, paused mid-way
+
+    a = _engine(engines)
+    coord = make_coord(chunk_size=CHUNK)
+    _register(coord, **a.spec("engine-a"))
+    old, new = _prompt(2, seed=11), _prompt(2, seed=12)
+    wait_until(lambda: _stream(coord, "engine-a").replays >= 1)
+    a.publish(_stored(old, "old"))
+    wait_until(lambda: _engine_tokens(coord, old, "engine-a") == 2 * CHUNK)
+    monkeypatch.setattr(StreamFollower, "_apply", held_after_a_restart)
+    a.close()
+    engines.remove(a)
+    b = wait_until(lambda: _try_engine(engines, a.port, a.replay_port))
+    b.publish(_stored(new, "new"))
+    try:
+        wait_until(lambda: _engine_tokens(coord, new, "engine-a") == 2 * CHUNK)
+        assert _stream(coord, "engine-a").incarnations >= 1
+    finally:
+        gate.set()
+    wait_until(lambda: _stream(coord, "engine-a").replays >= 2)
+    assert _engine_tokens(coord, old, "engine-a") == 0

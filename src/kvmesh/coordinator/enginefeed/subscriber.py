@@ -205,6 +205,9 @@ class StreamFollower:
         )
         self.counts["incarnations"] += 1
         self._reset()
+        # Reported before the replay: its batches are visible (ScoreEngines) as
+        # each is applied, and a reader seeing them must see the restart too.
+        self._report()
         if self.replay_endpoint:
             await self._replay(0)
         self._report()
@@ -244,7 +247,7 @@ class StreamFollower:
                 seq,
                 self.last,
             )
-        self.engines.update(self.spec.engine_id, self.rank, synced=False)
+        self.engines.update(self.spec.engine_id, self.rank, synced=False, **self.counts)
         repaired = bool(self.replay_endpoint) and await self._replay(self.last + 1)
         if not repaired and not first_seen and self.last + 1 < seq:
             # What the engine dropped meanwhile is unknown: forget, learn again.
