@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from kvmesh.kernels._plan import BlockIds, blocks_for_tokens
     from kvmesh.kernels.kinds import KVLayoutKind, paged_layer_shape
     from kvmesh.kernels.layouts import SUPPORTED_DTYPES, PagedKVCache
-    from kvmesh.kernels.ops import copy_threads, gather_chunks, scatter_chunks, set_copy_threads
+    from kvmesh.kernels.ops import gather_chunks, scatter_chunks
+    from kvmesh.kernels.parallel import copy_threads, set_copy_threads
     from kvmesh.kernels.reference import ref_gather_chunks, ref_scatter_chunks
 
 #: Where each public name lives.
@@ -36,10 +37,10 @@ _HOMES = {
     "paged_layer_shape": "kinds",
     "SUPPORTED_DTYPES": "layouts",
     "PagedKVCache": "layouts",
-    "copy_threads": "ops",
+    "copy_threads": "parallel",
     "gather_chunks": "ops",
     "scatter_chunks": "ops",
-    "set_copy_threads": "ops",
+    "set_copy_threads": "parallel",
     "ref_gather_chunks": "reference",
     "ref_scatter_chunks": "reference",
 }

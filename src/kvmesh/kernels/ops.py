@@ -50,12 +50,9 @@ before handing raw addresses to C.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -65,120 +62,14 @@ import torch
 from kvmesh.kernels import native, vllm_cpu
 from kvmesh.kernels._plan import BlockIds, ChunkPlan, plan_chunks
 from kvmesh.kernels.layouts import PagedKVCache
+from kvmesh.kernels.parallel import copy_threads, group, num_pieces, run_parallel, split
 
 logger = logging.getLogger(__name__)
-
-#: Below this many bytes a CPU copy stays on the calling thread: handing work to
-#: the pool costs tens of microseconds, as much as copying a few hundred KiB.
-_MIN_PARALLEL_BYTES = 1 << 20
-#: Size of the pieces a parallel copy is cut into (see :class:`_Batch`).
-_PIECE_BYTES = 2 << 20
-
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-_pool_workers = 0
-_copy_threads: int | None = None
 
 #: Which implementation copies for a CPU cache: "native" (the default: the C
 #: kernel when it is loaded, NumPy otherwise), "numpy", or "torch" (the ops
 #: CUDA runs). Tests run all three; the benchmark compares them.
 _CPU_BACKEND = "native"
-
-
-def set_copy_threads(threads: int | None) -> None:
-    """Set how many threads one CPU copy may use; ``None`` follows ``torch.get_num_threads()``.
-
-    One thread reaches about half of a large ``memcpy`` on these machines
-    (32 KiB block runs use cached stores, a 32 MiB ``memcpy`` non-temporal
-    ones); two threads reach it. Copies smaller than 1 MiB always use one.
-    """
-    global _copy_threads  # noqa: PLW0603 - process-wide setting, like torch.set_num_threads
-    if threads is not None and (isinstance(threads, bool) or threads < 1):
-        raise ValueError(f"copy threads must be >= 1 or None, got {threads!r}")
-    _copy_threads = threads
-
-
-def copy_threads() -> int:
-    """Threads one CPU copy may use (see :func:`set_copy_threads`)."""
-    return _copy_threads if _copy_threads is not None else max(1, torch.get_num_threads())
-
-
-def _helper_pool(workers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_workers  # noqa: PLW0603 - one lazily created pool per process
-    with _pool_lock:
-        if _pool is None or _pool_workers < workers:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvmesh-copy")
-            _pool_workers = workers
-        return _pool
-
-
-class _Batch:
-    """Pieces of one copy, pulled from a shared queue by the caller and the helpers.
-
-    Pulling (rather than handing each thread a fixed half) means a thread that
-    the OS deschedules, because another process holds its core, delays the copy
-    by one piece at most: the others take the rest. The caller waits for the
-    pieces, not for the helpers, so a helper that starts late finds nothing to
-    do and the copy is already complete.
-    """
-
-    def __init__(self, pieces: Sequence[Callable[[], None]]) -> None:
-        self._pieces = pieces
-        self._next = 0
-        self._done = 0
-        self._error: BaseException | None = None
-        self._cv = threading.Condition()
-
-    def work(self) -> None:
-        """Run pieces until none are left."""
-        n = len(self._pieces)
-        while True:
-            with self._cv:
-                i = self._next
-                self._next += 1
-            if i >= n:
-                return
-            try:
-                self._pieces[i]()
-            except BaseException as exc:  # re-raised on the caller's thread
-                with self._cv:
-                    self._error = self._error or exc
-            finally:
-                with self._cv:
-                    self._done += 1
-                    if self._done == n:
-                        self._cv.notify_all()
-
-    def wait(self) -> None:
-        """Block until every piece has run; re-raise the first failure."""
-        with self._cv:
-            self._cv.wait_for(lambda: self._done == len(self._pieces))
-        if self._error is not None:
-            raise self._error
-
-
-def _run_parallel(pieces: Sequence[Callable[[], None]], nbytes: int) -> None:
-    """Run ``pieces`` (about equal shares of ``nbytes``) on up to :func:`copy_threads` threads."""
-    threads = min(copy_threads(), len(pieces)) if nbytes >= _MIN_PARALLEL_BYTES else 1
-    if threads <= 1:
-        for piece in pieces:
-            piece()
-        return
-    batch = _Batch(pieces)
-    pool = _helper_pool(threads - 1)
-    for _ in range(threads - 1):
-        pool.submit(batch.work)
-    batch.work()
-    batch.wait()
-
-
-def _num_pieces(nbytes: int) -> int:
-    """How many pieces to cut a copy into: ~2 MiB each, at least one per thread."""
-    if nbytes < _MIN_PARALLEL_BYTES:
-        return 1
-    return max(copy_threads(), -(-nbytes // _PIECE_BYTES))
 
 
 def _use_numpy(kv: PagedKVCache) -> bool:
@@ -249,11 +140,6 @@ def _void_rows(rows: torch.Tensor) -> npt.NDArray[Any]:
     return arr.view(np.dtype((np.void, arr.shape[-1])))[..., 0]
 
 
-def _split(count: int, parts: int) -> list[tuple[int, int]]:
-    bounds = [count * i // parts for i in range(parts + 1)]
-    return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
-
-
 def _take_task(
     src: npt.NDArray[Any], index: npt.NDArray[Any], out: npt.NDArray[Any]
 ) -> Callable[[], None]:
@@ -274,19 +160,6 @@ def _assign_task(
     return run
 
 
-def _sequence(tasks: Sequence[Callable[[], None]]) -> Callable[[], None]:
-    def run() -> None:
-        for t in tasks:
-            t()
-
-    return run
-
-
-def _group(tasks: Sequence[Callable[[], None]], pieces: int) -> list[Callable[[], None]]:
-    """Consecutive ``tasks`` joined into at most ``pieces`` sequential pieces."""
-    return [_sequence(tasks[lo:hi]) for lo, hi in _split(len(tasks), min(pieces, len(tasks)))]
-
-
 def _gather_numpy(kv: PagedKVCache, plan: ChunkPlan) -> None:
     rows_per_block, num_rows, row_elems = _row_geometry(kv, plan.num_tokens)
     out = plan.chunk
@@ -294,13 +167,13 @@ def _gather_numpy(kv: PagedKVCache, plan: ChunkPlan) -> None:
         out = torch.empty(out.shape, dtype=out.dtype)
     out_rows = _void_rows(_chunk_rows(out, kv, num_rows, row_elems))  # [kv, layers, rows]
     nbytes = out_rows.size * row_elems * kv.itemsize
-    pieces = _num_pieces(nbytes)
+    pieces = num_pieces(nbytes)
     if kv.fused:
         src = kv._fused_void_rows(rows_per_block)
         index = _fused_index(kv, plan, rows_per_block, 0).reshape(-1)
         flat_out = out_rows.reshape(-1)
         tasks = [
-            _take_task(src, index[lo:hi], flat_out[lo:hi]) for lo, hi in _split(index.size, pieces)
+            _take_task(src, index[lo:hi], flat_out[lo:hi]) for lo, hi in split(index.size, pieces)
         ]
     else:
         index = _rows_in_layer(kv, plan, rows_per_block, 0)
@@ -311,8 +184,8 @@ def _gather_numpy(kv: PagedKVCache, plan: ChunkPlan) -> None:
             for layer in range(kv.num_layers)
             for plane in range(kv.kv_size)
         ]
-        tasks = _group(per_plane, pieces)
-    _run_parallel(tasks, nbytes)
+        tasks = group(per_plane, pieces)
+    run_parallel(tasks, nbytes)
     if out is not plan.chunk:
         plan.chunk.copy_(out)
 
@@ -325,7 +198,7 @@ def _scatter_numpy(kv: PagedKVCache, plan: ChunkPlan) -> None:
     src = plan.chunk if plan.chunk.device.type == "cpu" else plan.chunk.cpu()
     src_rows = _void_rows(_chunk_rows(src, kv, num_rows, row_elems))[:, :, first_row:]
     nbytes = src_rows.size * row_elems * kv.itemsize
-    pieces = _num_pieces(nbytes)
+    pieces = num_pieces(nbytes)
     if kv.fused:
         dst = kv._fused_void_rows(rows_per_block)
         index = _fused_index(kv, plan, rows_per_block, first_row)
@@ -334,7 +207,7 @@ def _scatter_numpy(kv: PagedKVCache, plan: ChunkPlan) -> None:
         flat_src = src_rows.reshape(-1, src_rows.shape[-1])
         tasks = [
             _assign_task(dst, flat_index[lo:hi], flat_src[lo:hi])
-            for lo, hi in _split(flat_index.shape[0], pieces)
+            for lo, hi in split(flat_index.shape[0], pieces)
         ]
     else:
         index = _rows_in_layer(kv, plan, rows_per_block, first_row)
@@ -342,8 +215,8 @@ def _scatter_numpy(kv: PagedKVCache, plan: ChunkPlan) -> None:
             _assign_task(kv._layer_void_rows(layer, rows_per_block), index, src_rows[:, layer])
             for layer in range(kv.num_layers)
         ]
-        tasks = _group(per_layer, pieces)
-    _run_parallel(tasks, nbytes)
+        tasks = group(per_layer, pieces)
+    run_parallel(tasks, nbytes)
 
 
 def _check_rows(index: npt.NDArray[np.int64], limit: int) -> None:
@@ -415,12 +288,12 @@ def _copy_native(
     nbytes = src_off.size * row_bytes
     # One thread makes one call: each call ends with a store fence and restarts
     # its streams, ~4 % of a 32 MiB copy cut into 16 pieces.
-    pieces = _num_pieces(nbytes) if copy_threads() > 1 else 1
+    pieces = num_pieces(nbytes) if copy_threads() > 1 else 1
     tasks = [
         _native_task(kernel, src_base, dst_base, src_off[lo:hi], dst_off[lo:hi], row_bytes)
-        for lo, hi in _split(src_off.size, pieces)
+        for lo, hi in split(src_off.size, pieces)
     ]
-    _run_parallel(tasks, nbytes)
+    run_parallel(tasks, nbytes)
 
 
 def _row_dtype(row_bytes: int, *byte_offsets: int) -> torch.dtype:
@@ -497,7 +370,7 @@ def gather_chunks(
     """
     plans = plan_chunks(kv, block_ids, outs, chunks_field="outs")
     if kv.kind.is_vllm_cpu:
-        vllm_cpu.gather_all(kv, plans, _run_parallel)
+        vllm_cpu.gather_all(kv, plans, run_parallel)
         return
     kernel = _native_kernel(kv)
     gather_one = _gather_numpy if _use_numpy(kv) else _gather_torch
@@ -536,7 +409,7 @@ def scatter_chunks(
         forbid_duplicates=True,
     )
     if kv.kind.is_vllm_cpu:
-        vllm_cpu.scatter_all(kv, plans, _run_parallel)
+        vllm_cpu.scatter_all(kv, plans, run_parallel)
         return
     kernel = _native_kernel(kv)
     scatter_one = _scatter_numpy if _use_numpy(kv) else _scatter_torch

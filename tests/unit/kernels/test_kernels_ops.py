@@ -404,7 +404,7 @@ def _flat(block: torch.Tensor) -> torch.Tensor:
 def test_parallel_pieces_each_run_once_and_a_failure_reaches_the_caller() -> None:
     import threading
 
-    from kvmesh.kernels.ops import _run_parallel
+    from kvmesh.kernels.parallel import run_parallel
 
     set_copy_threads(3)
     try:
@@ -419,7 +419,7 @@ def test_parallel_pieces_each_run_once_and_a_failure_reaches_the_caller() -> Non
 
         pieces = [functools.partial(piece, i) for i in range(12)]
         with pytest.raises(RuntimeError, match="piece 5"):
-            _run_parallel(pieces, nbytes=1 << 30)
+            run_parallel(pieces, nbytes=1 << 30)
         assert sorted(runs) == list(range(12))  # the failure did not stop the other pieces
     finally:
         set_copy_threads(None)

@@ -166,10 +166,10 @@ def test_a_batch_cut_into_many_pieces_over_two_threads_matches_the_reference(
 ) -> None:
     # Pieces of one byte: every (chunk, layer) copy is a piece of its own, pulled by the
     # calling thread and a helper; the result must not depend on who ran which.
-    from kvmesh.kernels import ops, set_copy_threads, vllm_cpu
+    from kvmesh.kernels import parallel, set_copy_threads, vllm_cpu
 
     monkeypatch.setattr(vllm_cpu, "_PIECE_BYTES", 1)
-    monkeypatch.setattr(ops, "_MIN_PARALLEL_BYTES", 0)
+    monkeypatch.setattr(parallel, "MIN_PARALLEL_BYTES", 0)
     set_copy_threads(2)
     try:
         fast_kv = make_cache(kind, torch.bfloat16, 32, 64)
