@@ -17,11 +17,11 @@ import pytest
 
 from kvmesh.common.keys import object_name
 from kvmesh.storage.core.l2.base import L2Entry, L2Unavailable
-from kvmesh.storage.core.l2.disk import (
+from kvmesh.storage.core.l2.disk import DiskL2Adapter
+from kvmesh.storage.core.l2.disk_format import (
     OBJECT_SUFFIX,
     PAYLOAD_OFFSET,
     TEMP_PREFIX,
-    DiskL2Adapter,
     encode_header,
     file_name_for,
 )
