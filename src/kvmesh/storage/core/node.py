@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvmesh.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
-from kvmesh.common.events import EventType, Tier
+from kvmesh.common.events import Tier
 from kvmesh.common.keys import (
     ObjectKey,
     validate_cache_salt,
@@ -42,6 +42,7 @@ from kvmesh.common.keys import (
 )
 from kvmesh.common.layer_range import check_layer_range
 from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
+from kvmesh.storage.core import inventory
 from kvmesh.storage.core.copies import ChunkCopier
 from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.manager import L1_BACKEND, StorageManager
@@ -407,38 +408,11 @@ class StorageNode:
 
     def apply_quota(self, cache_salt: str, tier: Tier, limit_bytes: int | None) -> int:
         """Set (or with None remove) one tier of a salt's quota."""
-        current = self.manager.get_quota(cache_salt)
-        l1 = current.l1_bytes if current else None
-        l2 = current.l2_bytes if current else None
-        if tier is Tier.L1:
-            l1 = limit_bytes
-        elif tier is Tier.L2:
-            l2 = limit_bytes
-        else:
-            raise InvalidArgument("a quota's tier must be L1 or L2", field="tier")
-        if l1 is None and l2 is None:
-            self.manager.delete_quota(cache_salt)
-        else:
-            self.manager.set_quota(cache_salt, l1_bytes=l1, l2_bytes=l2)
-        return 1
+        return inventory.apply_quota(self.manager, cache_salt, tier, limit_bytes)
 
     def resync(self, tier: Tier | None) -> int:
-        """Re-announce every placement this node holds as STORE events.
-
-        The coordinator asks for it when its view of this node has a hole (a
-        cold start, a seq gap, a drop while this node lived on).
-        """
-        announced = 0
-        sink = self.manager.event_sink
-        if tier in (None, Tier.L1) and sink is not None:
-            # Recorded under the L1 lock, in order with the L1 events of concurrent changes.
-            announced += self.manager.l1.announce_resident(
-                lambda entries: sink.record(EventType.STORE, Tier.L1, L1_BACKEND, False, entries)
-            )
-        if tier in (None, Tier.L2):
-            for l2 in self.manager.tiers:
-                announced += l2.rebuild_index()
-        return announced
+        """Re-announce every placement this node holds as STORE events (see :mod:`.inventory`)."""
+        return inventory.resync(self.manager, tier)
 
     # ---------------------------------------------------------------- quotas
 
@@ -449,45 +423,17 @@ class StorageNode:
 
     def salt_usage(self, cache_salt: str, tier: Tier) -> tuple[int, int | None]:
         """(bytes the salt holds on the tier, its explicit limit or None)."""
-        if tier is Tier.L1:
-            used = self.manager.l1.bytes_by_salt().get(cache_salt, 0)
-        else:
-            used = sum(t.index.bytes_by_salt().get(cache_salt, 0) for t in self.manager.tiers)
-        quota = self.manager.get_quota(cache_salt)
-        limit = None
-        if quota is not None:
-            limit = quota.l1_bytes if tier is Tier.L1 else quota.l2_bytes
-        return used, limit
+        return inventory.salt_usage(self.manager, cache_salt, tier)
 
     def salts(self, tier: Tier) -> list[str]:
         """Salts with bytes on the tier or a quota for it."""
-        if tier is Tier.L1:
-            found = set(self.manager.l1.bytes_by_salt())
-        else:
-            found = {s for t in self.manager.tiers for s in t.index.bytes_by_salt()}
-        for salt, quota in self.manager.list_quotas().items():
-            if (quota.l1_bytes if tier is Tier.L1 else quota.l2_bytes) is not None:
-                found.add(salt)
-        return sorted(found)
+        return inventory.salts(self.manager, tier)
 
     def list_objects(
         self, tier: Tier | None, backend: str, model_name: str
     ) -> list[tuple[ObjectKey, Tier, str, int]]:
         """Objects held by this node (a snapshot), L1 first, then each adapter."""
-        out: list[tuple[ObjectKey, Tier, str, int]] = []
-        if tier in (None, Tier.L1):
-            for key in self.manager.l1.resident_keys():
-                size = self.manager.l1.size_of(key)
-                if size is not None and (not model_name or key.model_name == model_name):
-                    out.append((key, Tier.L1, L1_BACKEND, size))
-        if tier in (None, Tier.L2):
-            for l2 in self.manager.tiers:
-                if backend and backend not in (l2.backend, l2.name):
-                    continue
-                for key, size in l2.index.items():
-                    if not model_name or key.model_name == model_name:
-                        out.append((key, Tier.L2, l2.backend, size))
-        return out
+        return inventory.list_objects(self.manager, tier, backend, model_name)
 
     # ---------------------------------------------------------------- status
 
