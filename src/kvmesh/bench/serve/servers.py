@@ -82,14 +82,8 @@ class Process:
         except OSError:
             return ""
         tail = text[-chars:]
-        first = min(
-            (
-                i
-                for i in (text.find("Traceback (most recent call last)"), text.find(" ERROR "))
-                if i >= 0
-            ),
-            default=-1,
-        )
+        marks = (text.find("Traceback (most recent call last)"), text.find(" ERROR "))
+        first = min((i for i in marks if i >= 0), default=-1)
         if first < 0 or first >= len(text) - chars:
             return tail
         start = text.rfind("\n", 0, first) + 1
