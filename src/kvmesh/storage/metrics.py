@@ -113,6 +113,12 @@ SERIES = [
         label="cache_salt",
     ),
     Series("kvmesh_storage_active_prefetches", "Prefetches in flight.", "active_prefetches"),
+    Series(
+        "kvmesh_storage_lookups_by_index",
+        "Lookups whose miss the L2 indexes answered at once (no adapter asked, no worker).",
+        "prefetch_completed_by_index",
+        "counter",
+    ),
     Series("kvmesh_storage_lookup_leases", "Lookup leases alive.", "lookup_leases"),
     Series("kvmesh_storage_lease_locks", "Read locks held by lookup leases.", "lease_locks"),
     Series(

@@ -284,6 +284,35 @@ def test_lookup_mixes_l1_and_l2_hits_and_stops_at_the_first_miss(
     assert node.l1_bytes(hashes) == [engine.chunk(chunk_blocks(c)) for c in range(4)]
 
 
+def test_a_miss_on_the_nodes_own_disk_is_answered_by_its_index(
+    disk_node: Node, engine: Engine
+) -> None:
+    """The disk directory is the node's alone: a chunk its index lacks is absent, and the
+    lookup ends there without a prefetch worker (kvmesh_storage_lookups_by_index_total)."""
+    node = disk_node
+    registry = CollectorRegistry()
+    for collector in node.app.collectors():
+        registry.register(collector)
+
+    def by_index() -> float:
+        samples = parse(generate_latest(registry).decode())
+        return sum(
+            v for (n, _), v in samples.items() if n == "kvmesh_storage_lookups_by_index_total"
+        )
+
+    hashes = new_hashes(2)
+    node.store(engine, hashes[:1], blocks_of(range(1)))
+    wait_until(lambda: node.l2_hashes() == set(hashes[:1]))
+    node.delete(hashes[:1], common_pb2.TIER_L1)  # on disk only
+    response = node.lookup(hashes[1:], wait_ms=0)  # absent everywhere
+    assert response.completed  # answered within the call, without waiting
+    assert response.result.hit_chunks == 0
+    assert by_index() == 1
+    response = node.lookup(hashes, wait_ms=5000)  # chunk 0 on disk: loaded, then chunk 1 misses
+    assert (response.result.hit_chunks, response.result.l2_hit_chunks) == (1, 1)
+    assert by_index() == 1
+
+
 def test_a_copy_whose_caller_is_about_to_give_up_never_starts(node: Node, engine: Engine) -> None:
     """A deadline under the copy-start margin: DEADLINE_EXCEEDED, no engine memory touched."""
     import grpc

@@ -422,3 +422,63 @@ def test_the_memory_adapter_round_trips_through_l2(make_manager: MakeManager) ->
     assert result.l2_hit_cells == 3
     objs = m.unsafe_read(KEYS[:3])
     assert all(bytes(objs[k].view()) == payload(k) for k in KEYS[:3])
+
+
+# -- prefetch: a miss answered from the L2 index ---------------------------------------------
+
+
+class SoleWriterL2(FakeL2):
+    """An adapter nothing else writes (like a local directory it locks)."""
+
+    sole_writer = True
+
+
+def test_a_miss_on_a_sole_writer_is_answered_at_submit_without_asking_it(
+    make_manager: MakeManager,
+) -> None:
+    adapter = SoleWriterL2()
+    m = make_manager([adapter])
+    write(m, KEYS[:2])
+    adapter.contains_raises = True  # asking the adapter would fail the lookup's L2 part
+    handle = m.submit_prefetch("r", [KEYS[:4], ROW1[:4]], 1, row_nbytes=[CHUNK, CHUNK])
+    result = m.query_prefetch(handle)  # no wait: complete when submit returned
+    assert result is not None
+    assert result.hit_chunks == 0  # ROW1 holds nothing: no column is whole
+    assert [m.l1.read_lock_count(k) for k in KEYS[:2]] == [0, 0]
+    assert m.status()["prefetch"]["completed_by_index"] == 1
+    assert not m.status()["l2"][0]["degraded"]
+
+
+def test_a_chunk_in_the_sole_writers_index_is_still_loaded(make_manager: MakeManager) -> None:
+    adapter = SoleWriterL2()
+    m = make_manager([adapter])
+    write(m, KEYS[:3])  # written through to the adapter: in its index
+    assert m.delete(KEYS[1:3], Tier.L1) == (2, 0)
+    result = result_of(m, [KEYS[:4]])
+    assert result.hit_chunks == 3
+    assert result.l2_hit_cells == 2
+    assert adapter.get_log == KEYS[1:3]
+    assert m.status()["prefetch"]["completed_by_index"] == 0
+
+
+def test_an_adapter_that_others_may_write_is_always_asked(make_manager: MakeManager) -> None:
+    shared = SoleWriterL2(shared=True)  # a shared pool: another node may have written it
+    plain = FakeL2()  # says nothing: asked as before
+    for adapter in (shared, plain):
+        m = make_manager([adapter])
+        seed(adapter, KEYS[:2])  # not in this node's index
+        result = result_of(m, [KEYS[:2]])
+        assert result.hit_chunks == 2
+        assert m.status()["prefetch"]["completed_by_index"] == 0
+
+
+def test_the_index_answers_only_once_it_is_complete(make_manager: MakeManager) -> None:
+    adapter = SoleWriterL2()
+    m = make_manager([adapter])
+    tier = m.tiers[0]
+    assert tier.sole_writer
+    assert tier.surely_absent(KEYS[0])
+    tier.index_state = "building"  # a resync listing the adapter again
+    assert not tier.surely_absent(KEYS[0])
+    seed(adapter, KEYS[:1])
+    assert result_of(m, [KEYS[:1]]).hit_chunks == 1

@@ -296,3 +296,38 @@ def test_crash_mid_write_leaves_only_whole_objects(
         assert list(store.rglob(f"{TEMP_PREFIX}*")) == []
     finally:
         adapter.close()
+
+
+def test_a_node_answers_misses_from_its_disk_index_and_finds_what_it_listed(
+    store: Path, tmp_path: Path, opened: list[DiskL2Adapter]
+) -> None:
+    """The directory is locked to one adapter, so the node's index of it is complete:
+    objects there at start are found, a chunk that is not there is a miss at once."""
+    from kvmesh.storage.core.manager import StorageManager
+    from kvmesh.storage.core.options import StorageOptions
+
+    assert not open_disk(tmp_path / "shared", opened, shared=True).sole_writer
+    earlier = open_disk(store, opened)
+    store_objects(earlier, range(0, 2), size=10_000)
+    earlier.close()
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    options = StorageOptions(segment_bytes=4 << 20, shm_dir=str(shm), initial_l1_bytes=4 << 20)
+    disk = DiskL2Adapter(store)
+    assert disk.sole_writer
+    manager = StorageManager("node", 4 << 20, l2_adapters=[disk], options=options)
+    try:
+        assert manager.wait_l2_index(10)
+        keys = [make_key(i) for i in range(4)]
+        handle = manager.submit_prefetch("r", [keys], 1, row_nbytes=[10_000])
+        assert manager.wait_prefetch(handle, 10)
+        result = manager.query_prefetch(handle)
+        assert result is not None
+        assert result.hit_chunks == 2  # listed at start, loaded from disk
+        assert result.l2_hit_cells == 2
+        manager.finish_read(keys[:2])
+        miss = manager.submit_prefetch("r2", [[make_key(9)]], 1, row_nbytes=[10_000])
+        assert manager.query_prefetch(miss) is not None  # complete when submit returned
+        assert manager.status()["prefetch"]["completed_by_index"] == 1
+    finally:
+        manager.close()

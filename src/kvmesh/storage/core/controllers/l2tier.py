@@ -53,6 +53,8 @@ class L2Tier:
         self.adapter = adapter
         self.backend = adapter.backend
         self.shared = bool(adapter.shared)
+        #: The index alone can tell a key is absent (see :meth:`surely_absent`).
+        self.sole_writer = bool(getattr(adapter, "sole_writer", False)) and not self.shared
         self.name = name or adapter.backend
         self.index = ByteLRU()
         self.declared_capacity_bytes = 0
@@ -185,6 +187,17 @@ class L2Tier:
                 self.index.touch([k for k, _ in loaded])
                 self._record(EventType.ACCESS, loaded)
         return ok
+
+    def surely_absent(self, key: ObjectKey) -> bool:
+        """True when the adapter certainly does not hold ``key``, known without asking it.
+
+        Only for an adapter that is the sole writer of its backend, once its
+        index is complete (listed at start, kept since): a key the index lacks
+        is then not there. False means "ask the adapter" (:meth:`contains`).
+        """
+        return (
+            self.sole_writer and self.index_state == "complete" and self.index.size_of(key) is None
+        )
 
     def contains(self, keys: Sequence[ObjectKey]) -> list[bool]:
         """Per-key presence."""

@@ -71,6 +71,11 @@ class L2Adapter(Protocol):
     backend: str
     #: True when several nodes mount the same pool (an S3 bucket, a shared Redis).
     shared: bool
+    # An adapter may also set ``sole_writer = True``: nothing but this adapter
+    # writes its backend, and ``iter_entries`` lists everything it holds (a
+    # local directory it locks). The node's index of it is then complete, and
+    # a lookup takes a key missing from the index as absent without asking the
+    # adapter (see L2Tier.surely_absent). Optional: without it, the adapter is asked.
 
     def put_many(self, items: Sequence[tuple[ObjectKey, memoryview]]) -> list[bool]:
         """Store each object atomically; returns per-item success.

@@ -100,6 +100,8 @@ class DiskL2Adapter:
         if capacity_bytes < 0:
             raise InvalidArgument("capacity_bytes must be >= 0", field="capacity_bytes")
         self.shared = shared
+        #: The lock on the directory makes this adapter its only writer (unless shared).
+        self.sole_writer = not shared
         self.capacity_bytes = capacity_bytes
         self.base_path = Path(base_path)
         self._fsync = fsync
