@@ -482,3 +482,41 @@ def test_the_index_answers_only_once_it_is_complete(make_manager: MakeManager) -
     assert not tier.surely_absent(KEYS[0])
     seed(adapter, KEYS[:1])
     assert result_of(m, [KEYS[:1]]).hit_chunks == 1
+
+
+class FakePeers:
+    """A PeerSource that finds nothing; ``lonely`` is what alone() says."""
+
+    def __init__(self, lonely: bool) -> None:
+        self.lonely = lonely
+        self.asked: list[str] = []
+
+    def alone(self) -> bool:
+        return self.lonely
+
+    def submit(
+        self,
+        request_id: str,
+        rows: Sequence[Sequence[ObjectKey]],
+        readers: int,
+        row_nbytes: Sequence[int] | None,
+        done: Callable[[int], None],
+    ) -> None:
+        self.asked.append(request_id)
+        done(0)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("lonely", [True, False])
+def test_peers_are_asked_unless_the_node_is_known_to_be_alone(
+    make_manager: MakeManager, lonely: bool
+) -> None:
+    m = make_manager([SoleWriterL2()])
+    peers = FakePeers(lonely)
+    m.prefetch.set_peer_source(peers)
+    result = result_of(m, [KEYS[:2]])
+    assert result.hit_chunks == 0
+    assert peers.asked == ([] if lonely else ["req"])
+    assert m.status()["prefetch"]["completed_by_index"] == (1 if lonely else 0)

@@ -44,6 +44,10 @@ class Directory:
         self.live = peers
         self.fail = False
         self.holder_calls = 0
+        #: What the last peers() call returned, and whether that listing has aged.
+        self.listed: dict[str, PeerTarget] | None = None
+        self.stale = False
+        self.asked_age = 0.0
 
     def holders(self, keys: Sequence[ObjectKey], timeout: float) -> list[frozenset[str]]:
         self.holder_calls += 1
@@ -52,7 +56,12 @@ class Directory:
         return [frozenset(self.map.get(k, set())) for k in keys]
 
     def peers(self, timeout: float) -> dict[str, PeerTarget]:
+        self.listed = dict(self.live)
         return dict(self.live)
+
+    def last_peers(self, max_age_s: float) -> dict[str, PeerTarget] | None:
+        self.asked_age = max_age_s
+        return None if self.listed is None or self.stale else dict(self.listed)
 
     def close(self) -> None:
         pass
@@ -344,5 +353,25 @@ def test_a_node_alone_in_its_fleet_misses_without_asking_the_directory(
         assert link.locks == 0
         stats = f.stats()
         assert (stats["misses"], stats["directory_lookups"], stats["fetch_failures"]) == (1, 0, 0)
+    finally:
+        f.close()
+
+
+def test_alone_trusts_only_a_recent_listing_with_no_other_node(l1: L1Manager) -> None:
+    ks = keys(2)
+    me = {"node-b": PeerTarget("node-b", "127.0.0.1:2", 1)}
+    directory = Directory({}, me)
+    f = PeerFetcher(l1, directory, Link(held=0), instance_id="node-b")
+    try:
+        assert not f.alone()  # nothing listed yet: unknown, so ask
+        assert f.fetch("r", [ks], 1, None) == 0  # lists the members: only this node
+        assert f.alone()
+        assert directory.asked_age == fetch_module.ALONE_HINT_MAX_AGE_S
+        directory.stale = True
+        assert not f.alone()  # too old to trust: the next miss lists again
+        directory.stale = False
+        directory.live = {**me, "node-a": PEER}
+        assert f.fetch("r", [ks], 1, None) == 0
+        assert not f.alone()  # another node joined
     finally:
         f.close()

@@ -104,6 +104,12 @@ class CoordinatorPeerDirectory:
             self._peers_at = time.monotonic()
         return dict(peers)
 
+    def last_peers(self, max_age_s: float) -> dict[str, PeerTarget] | None:
+        with self._lock:
+            if time.monotonic() - self._peers_at <= max_age_s:
+                return dict(self._peers)
+        return None
+
     def find(
         self,
         like: ObjectKey,

@@ -93,6 +93,10 @@ class PeerSource(Protocol):
         """
         ...
 
+    def alone(self) -> bool:
+        """True when, as far as is known without blocking, no other node could help."""
+        ...
+
     def close(self) -> None:
         """Stop: running fetches end early, nothing new starts."""
         ...
@@ -216,7 +220,8 @@ class PrefetchController:
             handle = PrefetchHandle(next(self._ids), request_id)
             self.submitted += 1
         job = PrefetchJob(handle, rows, readers, nbytes, [[False] * len(r) for r in rows])
-        job.allow_peers = allow_peers and self._peers is not None
+        peers = self._peers
+        job.allow_peers = allow_peers and peers is not None and not peers.alone()
         if job.num_chunks:
             flat = [k for r in rows for k in r]
             held = [res is L1Result.SUCCESS for res in self.l1.reserve_read(flat, readers)]

@@ -65,6 +65,9 @@ from kvmesh.storage.core.peer.ports import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: How old a membership listing may be for :meth:`PeerFetcher.alone` to trust it.
+ALONE_HINT_MAX_AGE_S = 5.0
 _tracer = trace.get_tracer("kvmesh.storage.p2p")
 
 DEFAULT_LOOKUP_TIMEOUT_S = 30.0
@@ -192,6 +195,16 @@ class PeerFetcher:
         )
 
     # -- PeerSource -------------------------------------------------------------
+
+    def alone(self) -> bool:
+        """True when a listing at most :data:`ALONE_HINT_MAX_AGE_S` old had no other node.
+
+        The prefetch controller then answers a miss without handing it here. A
+        node that joined since is asked from the next listing on (a fetch that
+        runs once the hint has aged lists the members again).
+        """
+        peers = self.directory.last_peers(ALONE_HINT_MAX_AGE_S)
+        return peers is not None and not any(i != self.instance_id for i in peers)
 
     def submit(
         self,

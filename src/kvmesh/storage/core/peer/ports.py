@@ -78,6 +78,13 @@ class PeerDirectory(Protocol):
         """Live instances that advertised a storage address, by instance id."""
         ...
 
+    def last_peers(self, max_age_s: float) -> dict[str, PeerTarget] | None:
+        """The last :meth:`peers` listing if at most ``max_age_s`` old, else None.
+
+        Never calls the coordinator: a hint for callers that must not block.
+        """
+        ...
+
     def close(self) -> None:
         """Release connections."""
         ...
