@@ -77,7 +77,7 @@ from kvmesh.kernels import native
 from kvmesh.rpc.metrics import StatsCollector
 from kvmesh.rpc.server import ServiceBinding
 from kvmesh.storage.config import StorageConfig
-from kvmesh.storage.core.controllers.prefetch import PrefetchPolicy
+from kvmesh.storage.core.controllers.prefetch_types import PrefetchPolicy
 from kvmesh.storage.core.controllers.store import StorePolicy
 from kvmesh.storage.core.copies import default_copy_threads
 from kvmesh.storage.core.incarnation import InstanceLock, next_incarnation

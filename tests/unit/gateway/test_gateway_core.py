@@ -21,7 +21,7 @@ from kvmesh.common.keys import ObjectKey, worker_kv_rank
 from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
 from kvmesh.gateway.core import EngineSpec, Gateway, PromptRangeSpec
 from kvmesh.gateway.core.node_storage import KeyGridSpec, KeyRow, PreparedSlots
-from kvmesh.storage.core.controllers.prefetch import PrefetchResult
+from kvmesh.storage.core.controllers.prefetch_types import PrefetchResult
 from kvmesh.storage.core.lookup_leases import LookupLeases
 
 CHUNK = 16

@@ -10,7 +10,7 @@ import pytest
 from kvmesh.common.errors import InvalidArgument, NotFound
 from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.core.controllers.prefetch import PrefetchPolicy, PrefetchResult
+from kvmesh.storage.core.controllers.prefetch_types import PrefetchPolicy, PrefetchResult
 from kvmesh.storage.core.controllers.store import StorePolicy
 from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.l2.base import L2Adapter

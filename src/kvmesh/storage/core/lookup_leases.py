@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.core.controllers.prefetch import PrefetchResult
+from kvmesh.storage.core.controllers.prefetch_types import PrefetchResult
 from kvmesh.storage.core.manager import StorageManager
 
 logger = logging.getLogger(__name__)

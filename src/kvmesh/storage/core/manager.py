@@ -26,11 +26,9 @@ from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.controllers.l2index import L2Indexer
 from kvmesh.storage.core.controllers.l2tier import L2Tier, make_tiers
-from kvmesh.storage.core.controllers.prefetch import (
-    PrefetchController,
-    PrefetchResult,
-)
+from kvmesh.storage.core.controllers.prefetch import PrefetchController
 from kvmesh.storage.core.controllers.prefetch_job import PrefetchHandle
+from kvmesh.storage.core.controllers.prefetch_types import PrefetchResult
 from kvmesh.storage.core.controllers.store import (
     StoreController,
 )

@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvmesh.storage.core.controllers.l2tier import DEFAULT_BACKOFF_S, DEFAULT_MAX_BACKOFF_S
-from kvmesh.storage.core.controllers.prefetch import DEFAULT_MAX_IN_FLIGHT, PrefetchPolicy
+from kvmesh.storage.core.controllers.prefetch import DEFAULT_MAX_IN_FLIGHT
+from kvmesh.storage.core.controllers.prefetch_types import PrefetchPolicy
 from kvmesh.storage.core.controllers.store import (
     DEFAULT_BATCH_KEYS,
     DEFAULT_MAX_PENDING_KEYS,

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from kvmesh.common.errors import NotFound
 from kvmesh.common.node_types import PrefetchState
-from kvmesh.storage.core.controllers.prefetch import PrefetchResult
 from kvmesh.storage.core.controllers.prefetch_job import PrefetchHandle
+from kvmesh.storage.core.controllers.prefetch_types import PrefetchResult
 from kvmesh.storage.core.manager import StorageManager
 
 logger = logging.getLogger(__name__)

@@ -5,8 +5,11 @@ chunks. A column counts only when every row has it, and only the contiguous
 prefix of counting columns is served (as in LMCache 0.5.6):
 
 1. Read-lock every L1 hit ``num_kv_readers`` times (synchronously, in
-   ``submit``). When L1 alone covers the whole grid, or no L2 adapter is
-   available, the result is ready before ``submit`` returns.
+   ``submit``). When L1 alone covers the whole grid, when no L2 adapter is
+   available, or when the adapters' complete indexes show that the first
+   missing column is missing from L2 too (and no peer could have it: see
+   :meth:`PrefetchController._column_surely_missing`), the result is ready
+   before ``submit`` returns.
 2. Otherwise a worker (at most ``max_in_flight`` requests at once, the rest
    wait in FIFO order) pins the missing cells in each adapter and asks it
    which it holds (``contains``), lowest adapter first.
@@ -40,7 +43,6 @@ request's load, live in :mod:`~kvmesh.storage.core.controllers.prefetch_job`.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import threading
@@ -48,13 +50,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.controllers.l2tier import L2Tier
 from kvmesh.storage.core.controllers.prefetch_job import PrefetchHandle, PrefetchJob, PrefetchLoader
+from kvmesh.storage.core.controllers.prefetch_types import (
+    PeerSource,
+    PrefetchPolicy,
+    PrefetchResult,
+)
 from kvmesh.storage.core.l1.manager import MAX_READ_LOCKS_PER_CALL, L1Manager
 from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.pins import PinTable
@@ -65,62 +71,7 @@ DEFAULT_MAX_IN_FLIGHT = 8
 DEFAULT_RESULT_TTL_S = 300.0
 
 
-class PrefetchPolicy(enum.Enum):
-    """Retention of objects loaded from L2."""
-
-    DEFAULT = "default"  # temporary: freed when the last reader releases it
-    RETAIN = "retain"  # kept resident like a client-written object
-
-
 DoneCallback = Callable[[PrefetchHandle], None]
-
-
-class PeerSource(Protocol):
-    """Fetches a missing prefix from other nodes into L1 (the P2P fetcher)."""
-
-    def submit(
-        self,
-        request_id: str,
-        rows: Sequence[Sequence[ObjectKey]],
-        readers: int,
-        row_nbytes: Sequence[int] | None,
-        done: Callable[[int], None],
-    ) -> None:
-        """Start fetching; ``done(columns)`` is called once, with the columns now in L1.
-
-        Columns ``[0, columns)`` of ``rows`` are resident and read-locked
-        ``readers`` times for the caller. Raises RuntimeError when closed.
-        """
-        ...
-
-    def alone(self) -> bool:
-        """True when, as far as is known without blocking, no other node could help."""
-        ...
-
-    def close(self) -> None:
-        """Stop: running fetches end early, nothing new starts."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchResult:
-    """Outcome of a prefetch, returned exactly once.
-
-    ``hit_chunks`` is the servable prefix in chunks (columns); every key of
-    ``locked_keys`` (row-major over the prefix) is read-locked
-    ``num_kv_readers`` times for the caller, who releases them with
-    ``finish_read``. ``error`` is empty unless the request was aborted.
-    """
-
-    request_id: str
-    hit_chunks: int
-    num_rows: int
-    num_chunks: int
-    num_kv_readers: int
-    l1_hit_cells: int
-    l2_hit_cells: int
-    locked_keys: tuple[ObjectKey, ...]
-    error: str = ""
 
 
 class PrefetchController:

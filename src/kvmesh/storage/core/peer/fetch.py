@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
@@ -53,7 +53,6 @@ from opentelemetry.trace import Status, StatusCode
 
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.l1.manager import L1Manager
-from kvmesh.storage.core.l1.objects import L1Object
 from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.peer.choice import pick_peer
 from kvmesh.storage.core.peer.ports import (
@@ -63,6 +62,7 @@ from kvmesh.storage.core.peer.ports import (
     PeerTarget,
     PeerUnavailable,
 )
+from kvmesh.storage.core.peer.transfer import Cell, Transfer, TransferSink
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +73,6 @@ _tracer = trace.get_tracer("kvmesh.storage.p2p")
 DEFAULT_LOOKUP_TIMEOUT_S = 30.0
 DEFAULT_LOAD_TIMEOUT_S = 30.0
 DEFAULT_MAX_IN_FLIGHT = 4
-
-Cell = tuple[int, int]  # (row, column)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,74 +94,6 @@ class _Counters:
     joined_fetches: int = 0
     misses: int = 0
     received_bytes: int = 0
-
-
-@dataclass(eq=False)
-class _Transfer:
-    """One fetch's staged objects and bytes received."""
-
-    rows: list[list[ObjectKey]]
-    sizes: list[int]  # column-major, per locked cell
-    tag: str
-    staged: dict[Cell, L1Object] = field(default_factory=dict)
-    local: set[Cell] = field(default_factory=set)
-    received: list[int] = field(default_factory=list)
-    complete: bool = False  # the stream ended normally (the peer ended the lease)
-    error: Exception | None = None  # why the stream broke, when it did
-    problem: str = ""  # what cut the prefix short, for the span
-
-    @property
-    def height(self) -> int:
-        return len(self.rows)
-
-    def cell(self, index: int) -> Cell:
-        return index % self.height, index // self.height
-
-    def key(self, cell: Cell) -> ObjectKey:
-        return self.rows[cell[0]][cell[1]]
-
-
-class _Sink:
-    """A transfer's staged objects as the link's FrameSink: every piece checked first.
-
-    A piece must continue its chunk (in order, within the size the peer
-    announced); chunks beyond what this node could stage stop the stream, and
-    chunks that were already resident here are read into a scratch buffer and
-    dropped.
-    """
-
-    def __init__(self, fetcher: PeerFetcher, peer: PeerTarget, t: _Transfer, limit: int) -> None:
-        self.fetcher = fetcher
-        self.peer = peer
-        self.t = t
-        self.limit = limit
-        self._scratch = bytearray()
-
-    def place(self, index: int, offset: int, nbytes: int) -> memoryview | None:
-        t = self.t
-        if self.fetcher.closing:
-            t.problem = "this node is closing"
-            return None
-        if not 0 <= index < len(t.sizes) or offset != t.received[index]:
-            logger.warning("P2P: %s sent frame %d@%d out of order", self.peer, index, offset)
-            t.problem = f"frame {index}@{offset} out of order"
-            return None
-        if offset + nbytes > t.sizes[index]:
-            logger.warning("P2P: %s sent more bytes than chunk %d holds", self.peer, index)
-            t.problem = f"more bytes than chunk {index} holds"
-            return None
-        if index >= self.limit:
-            return None  # beyond what this node could stage: the rest is not needed
-        obj = t.staged.get(t.cell(index))
-        if obj is not None:
-            return obj.view()[offset : offset + nbytes]
-        if len(self._scratch) < nbytes:
-            self._scratch = bytearray(nbytes)
-        return memoryview(self._scratch)[:nbytes]
-
-    def wrote(self, index: int, nbytes: int) -> None:
-        self.t.received[index] += nbytes
-        self.fetcher.count_received(nbytes)
 
 
 class PeerFetcher:
@@ -352,7 +282,7 @@ class PeerFetcher:
             self._count(miss=True)
             span.set_attribute("kvmesh.p2p.outcome", "miss")
             return 0
-        transfer = _Transfer(
+        transfer = Transfer(
             [row[: lease.locked_chunks] for row in rows], [], f"p2p:{next(self._ids)}"
         )
         try:
@@ -392,7 +322,7 @@ class PeerFetcher:
         return got
 
     def _check_sizes(
-        self, lease: PeerLease, transfer: _Transfer, row_nbytes: list[int] | None
+        self, lease: PeerLease, transfer: Transfer, row_nbytes: list[int] | None
     ) -> int:
         """Columns whose announced sizes are sane (and match the expected chunk size)."""
         height = transfer.height
@@ -414,7 +344,7 @@ class PeerFetcher:
         transfer.received = [0] * len(transfer.sizes)
         return columns
 
-    def _stage(self, transfer: _Transfer, columns: int) -> int:
+    def _stage(self, transfer: Transfer, columns: int) -> int:
         """Reserve an L1 object per cell; a cell already resident here is used as is."""
         cells = [(r, c) for c in range(columns) for r in range(transfer.height)]
         if not cells:
@@ -435,9 +365,15 @@ class PeerFetcher:
                 columns = min(columns, cell[1])
         return columns
 
-    def _receive(self, peer: PeerTarget, lease: PeerLease, t: _Transfer, columns: int) -> int:
+    def _receive(self, peer: PeerTarget, lease: PeerLease, t: Transfer, columns: int) -> int:
         """Stream the lease into the staged objects; the columns received whole, in order."""
-        sink = _Sink(self, peer, t, columns * t.height)
+        sink = TransferSink(
+            peer,
+            t,
+            columns * t.height,
+            closing=lambda: self.closing,
+            on_received=self.count_received,
+        )
         try:
             t.complete = self.link.read(peer, lease, sink, self.settings.load_timeout_s)
         except PeerUnavailable as exc:
@@ -452,7 +388,7 @@ class PeerFetcher:
             whole = c + 1
         return whole
 
-    def _publish(self, t: _Transfer, columns: int, readers: int) -> int:
+    def _publish(self, t: Transfer, columns: int, readers: int) -> int:
         """Publish staged cells of the whole columns, lock local ones; the columns kept."""
         cells = [(r, c) for c in range(columns) for r in range(t.height)]
         staged = [cell for cell in cells if cell in t.staged]
@@ -478,7 +414,7 @@ class PeerFetcher:
             self.l1.finish_read(late, readers)
         return kept
 
-    def _discard(self, t: _Transfer) -> None:
+    def _discard(self, t: Transfer) -> None:
         if t.staged:
             self.l1.finish_write_and_delete([t.key(c) for c in t.staged], tag=t.tag)
             t.staged.clear()
