@@ -47,7 +47,6 @@ class Directory:
         #: What the last peers() call returned, and whether that listing has aged.
         self.listed: dict[str, PeerTarget] | None = None
         self.stale = False
-        self.asked_age = 0.0
 
     def holders(self, keys: Sequence[ObjectKey], timeout: float) -> list[frozenset[str]]:
         self.holder_calls += 1
@@ -59,8 +58,7 @@ class Directory:
         self.listed = dict(self.live)
         return dict(self.live)
 
-    def last_peers(self, max_age_s: float) -> dict[str, PeerTarget] | None:
-        self.asked_age = max_age_s
+    def cached_peers(self) -> dict[str, PeerTarget] | None:
         return None if self.listed is None or self.stale else dict(self.listed)
 
     def close(self) -> None:
@@ -357,7 +355,7 @@ def test_a_node_alone_in_its_fleet_misses_without_asking_the_directory(
         f.close()
 
 
-def test_alone_trusts_only_a_recent_listing_with_no_other_node(l1: L1Manager) -> None:
+def test_alone_trusts_only_a_cached_listing_with_no_other_node(l1: L1Manager) -> None:
     ks = keys(2)
     me = {"node-b": PeerTarget("node-b", "127.0.0.1:2", 1)}
     directory = Directory({}, me)
@@ -366,9 +364,8 @@ def test_alone_trusts_only_a_recent_listing_with_no_other_node(l1: L1Manager) ->
         assert not f.alone()  # nothing listed yet: unknown, so ask
         assert f.fetch("r", [ks], 1, None) == 0  # lists the members: only this node
         assert f.alone()
-        assert directory.asked_age == fetch_module.ALONE_HINT_MAX_AGE_S
         directory.stale = True
-        assert not f.alone()  # too old to trust: the next miss lists again
+        assert not f.alone()  # the cache expired: the next miss lists again
         directory.stale = False
         directory.live = {**me, "node-a": PEER}
         assert f.fetch("r", [ks], 1, None) == 0

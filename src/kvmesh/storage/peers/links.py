@@ -104,9 +104,9 @@ class CoordinatorPeerDirectory:
             self._peers_at = time.monotonic()
         return dict(peers)
 
-    def last_peers(self, max_age_s: float) -> dict[str, PeerTarget] | None:
+    def cached_peers(self) -> dict[str, PeerTarget] | None:
         with self._lock:
-            if time.monotonic() - self._peers_at <= max_age_s:
+            if time.monotonic() - self._peers_at < MEMBERSHIP_TTL_S:
                 return dict(self._peers)
         return None
 

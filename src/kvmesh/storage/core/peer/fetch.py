@@ -66,8 +66,6 @@ from kvmesh.storage.core.peer.transfer import Cell, Transfer, TransferSink
 
 logger = logging.getLogger(__name__)
 
-#: How old a membership listing may be for :meth:`PeerFetcher.alone` to trust it.
-ALONE_HINT_MAX_AGE_S = 5.0
 _tracer = trace.get_tracer("kvmesh.storage.p2p")
 
 DEFAULT_LOOKUP_TIMEOUT_S = 30.0
@@ -127,13 +125,14 @@ class PeerFetcher:
     # -- PeerSource -------------------------------------------------------------
 
     def alone(self) -> bool:
-        """True when a listing at most :data:`ALONE_HINT_MAX_AGE_S` old had no other node.
+        """True when the directory's cached membership names no other node.
 
-        The prefetch controller then answers a miss without handing it here. A
-        node that joined since is asked from the next listing on (a fetch that
-        runs once the hint has aged lists the members again).
+        The same listing a fetch would use now (the directory keeps it for a
+        moment), read without blocking: the prefetch controller then answers a
+        miss without handing it here, as the fetch would have ended it at once.
+        With no listing cached, False: the next fetch lists the members.
         """
-        peers = self.directory.last_peers(ALONE_HINT_MAX_AGE_S)
+        peers = self.directory.cached_peers()
         return peers is not None and not any(i != self.instance_id for i in peers)
 
     def submit(

@@ -78,10 +78,10 @@ class PeerDirectory(Protocol):
         """Live instances that advertised a storage address, by instance id."""
         ...
 
-    def last_peers(self, max_age_s: float) -> dict[str, PeerTarget] | None:
-        """The last :meth:`peers` listing if at most ``max_age_s`` old, else None.
+    def cached_peers(self) -> dict[str, PeerTarget] | None:
+        """What :meth:`peers` would answer now from its cache; None when it would ask.
 
-        Never calls the coordinator: a hint for callers that must not block.
+        Never calls the coordinator: for callers that must not block.
         """
         ...
 
