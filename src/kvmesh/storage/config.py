@@ -98,6 +98,12 @@ class StorageConfig(ServerSettings):
     p2p_lease_ttl: float = setting(
         30.0, "seconds a prefix locked for a peer stays locked if the peer never reads it"
     )
+    p2p_membership_refresh: float = setting(
+        0.5,
+        "seconds between the coordinator listings that keep this node's list of peers "
+        "fresh in the background, so an idle node's miss never waits for one (P2P; "
+        "below 1, the listing's lifetime; 0 = list only when a fetch needs it)",
+    )
     p2p_frame_bytes: int = setting(
         1024**2, "largest frame of a P2P byte stream (1 MiB measured best; kvmesh bench p2p)"
     )
@@ -121,6 +127,8 @@ class StorageConfig(ServerSettings):
             raise ConfigError("p2p_frame_bytes must be in [64KiB, 16MiB]")
         if self.p2p_frame_bytes > self.max_message_bytes - 4096:
             raise ConfigError("p2p_frame_bytes must leave room within max_message_bytes")
+        if not 0 <= self.p2p_membership_refresh < 1:
+            raise ConfigError("p2p_membership_refresh must be in [0, 1) seconds")
         if self.p2p_max_in_flight < 1:
             raise ConfigError("p2p_max_in_flight must be >= 1")
         if not 1 <= self.p2p_max_streams <= 256:

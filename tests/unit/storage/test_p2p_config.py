@@ -48,6 +48,8 @@ def test_unusable_advertised_addresses_are_refused(address: str) -> None:
         {"p2p_frame_bytes": 1024},
         {"p2p_frame_bytes": 32 * 1024**2},
         {"p2p_max_in_flight": 0},
+        {"p2p_membership_refresh": -0.1},
+        {"p2p_membership_refresh": 1.0},
     ],
 )
 def test_p2p_bounds_are_checked(fields: dict[str, float]) -> None:

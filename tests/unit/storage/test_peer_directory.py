@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
+import grpc
 import pytest
 
 from kvmesh.api.coordinator.v1 import membership_pb2
@@ -52,3 +55,73 @@ def test_cached_peers_is_the_listing_peers_would_give_and_never_asks(
         assert membership.calls == 1
     finally:
         directory.close()
+
+
+class FlakyMembership(Membership):
+    """Fails while ``down`` is set, as a coordinator that is restarting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+        self.listed = threading.Event()
+
+    def list_instances(self, request: Any, timeout: float) -> membership_pb2.ListInstancesResponse:
+        if self.down:
+            self.calls += 1
+            raise _Unavailable()
+        response = super().list_instances(request, timeout)
+        self.listed.set()
+        return response
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "coordinator restarting"
+
+
+def test_the_refresher_keeps_the_listing_fresh_while_nobody_asks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    membership = FlakyMembership()
+    membership.down = True  # the first listing fails: nothing cached, nothing raised
+    monkeypatch.setattr(links, "MembershipClient", lambda target, channel: membership)
+    directory = CoordinatorPeerDirectory("127.0.0.1:1", refresh_s=0.02)
+    try:
+        deadline = time.monotonic() + 10
+        while membership.calls < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert membership.calls >= 2  # retried after failing
+        assert directory.cached_peers() is None
+        membership.down = False
+        assert membership.listed.wait(10)
+        # Listed with no caller: a lookup now reads the members without asking.
+        assert directory.cached_peers() == {"a": PeerTarget("a", "127.0.0.1:7001", 3)}
+        before = membership.calls
+        deadline = time.monotonic() + 10
+        while membership.calls < before + 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert membership.calls >= before + 3  # it goes on listing
+    finally:
+        directory.close()
+    stopped = membership.calls
+    time.sleep(0.1)
+    assert membership.calls == stopped  # close() stopped the thread
+
+
+def test_no_refresher_unless_asked_and_bad_periods_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    membership = Membership()
+    monkeypatch.setattr(links, "MembershipClient", lambda target, channel: membership)
+    directory = CoordinatorPeerDirectory("127.0.0.1:1")
+    try:
+        time.sleep(0.1)
+        assert membership.calls == 0
+    finally:
+        directory.close()
+    for bad in (-1.0, MEMBERSHIP_TTL_S):
+        with pytest.raises(ValueError, match="refresh_s"):
+            CoordinatorPeerDirectory("127.0.0.1:1", refresh_s=bad)

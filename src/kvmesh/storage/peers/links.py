@@ -50,15 +50,51 @@ class _NoDataPlane(Exception):
 
 
 class CoordinatorPeerDirectory:
-    """Who holds which key (DirectoryService.Lookup), who is alive (ListInstances)."""
+    """Who holds which key (DirectoryService.Lookup), who is alive (ListInstances).
 
-    def __init__(self, target: str) -> None:
+    With ``refresh_s`` > 0 a daemon thread lists the members that often, so the
+    cached listing never ages past :data:`MEMBERSHIP_TTL_S` while the
+    coordinator answers: a lookup's miss on a node alone in its fleet then
+    never waits for a listing, however long the node was idle (see
+    docs/p2p.md). A listing that fails is logged and tried again a period
+    later; the cache then expires as without the thread.
+    """
+
+    def __init__(self, target: str, *, refresh_s: float = 0.0) -> None:
+        if refresh_s < 0 or refresh_s >= MEMBERSHIP_TTL_S:
+            raise ValueError(f"refresh_s must be in [0, {MEMBERSHIP_TTL_S}) seconds")
         self._channel = create_channel(target)
         self._directory = DirectoryClient(target, channel=self._channel)
         self._membership = MembershipClient(target, channel=self._channel)
         self._lock = threading.Lock()
         self._peers: dict[str, PeerTarget] = {}
         self._peers_at = -1e9
+        self._closed = threading.Event()
+        self._refresher: threading.Thread | None = None
+        if refresh_s > 0:
+            self._refresher = threading.Thread(
+                target=self._refresh_loop,
+                args=(refresh_s,),
+                name="kvmesh-p2p-membership",
+                daemon=True,
+            )
+            self._refresher.start()
+
+    def _refresh_loop(self, period_s: float) -> None:
+        failing = False
+        while not self._closed.wait(period_s):
+            try:
+                self._list(timeout=period_s)
+            except (PeerUnavailable, ValueError) as exc:  # ValueError: closed meanwhile
+                if self._closed.is_set():
+                    return
+                if not failing:  # once per outage, not every period
+                    logger.warning("P2P membership refresh failed (retrying): %s", exc)
+                failing = True
+            else:
+                if failing:
+                    logger.info("P2P membership refresh works again")
+                failing = False
 
     def holders(self, keys: Sequence[ObjectKey], timeout: float) -> list[frozenset[str]]:
         if len(keys) > MAX_LOOKUP_KEYS:
@@ -88,6 +124,11 @@ class CoordinatorPeerDirectory:
         with self._lock:
             if time.monotonic() - self._peers_at < MEMBERSHIP_TTL_S:
                 return dict(self._peers)
+        return self._list(timeout)
+
+    def _list(self, timeout: float) -> dict[str, PeerTarget]:
+        """Ask the coordinator for the live members and cache the answer."""
+        started = time.monotonic()
         try:
             response = self._membership.list_instances(
                 membership_pb2.ListInstancesRequest(), timeout=timeout
@@ -100,8 +141,9 @@ class CoordinatorPeerDirectory:
             if i.endpoints.storage_address and not i.endpoints.storage_address.startswith("lane:")
         }
         with self._lock:
-            self._peers = peers
-            self._peers_at = time.monotonic()
+            if started >= self._peers_at:  # never overwrite a newer listing
+                self._peers = peers
+                self._peers_at = started
         return dict(peers)
 
     def cached_peers(self) -> dict[str, PeerTarget] | None:
@@ -136,7 +178,10 @@ class CoordinatorPeerDirectory:
         return [(m.start_token, m.num_tokens, m.chunk_hash) for m in response.matches]
 
     def close(self) -> None:
-        self._channel.close()
+        self._closed.set()
+        self._channel.close()  # a listing in flight ends at once
+        if self._refresher is not None:
+            self._refresher.join()
 
 
 class GrpcPeerLink:

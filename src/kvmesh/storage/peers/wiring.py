@@ -59,7 +59,9 @@ class PeerWiring:
         if config.coordinator_target and config.p2p:
             from kvmesh.storage.peers.links import CoordinatorPeerDirectory, GrpcPeerLink
 
-            directory = CoordinatorPeerDirectory(config.coordinator_target)
+            directory = CoordinatorPeerDirectory(
+                config.coordinator_target, refresh_s=config.p2p_membership_refresh
+            )
             # FindSegments also finds the segments other nodes hold (fetched by P2P).
             node.segments.fleet = directory
             self.fetcher = PeerFetcher(
