@@ -12,7 +12,8 @@ from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.eviction import Quota
 from kvmesh.storage.core.l1.results import L1Result
-from kvmesh.storage.core.manager import L1_BACKEND, StorageManager
+from kvmesh.storage.core.l1_events import L1_BACKEND
+from kvmesh.storage.core.manager import StorageManager
 from kvmesh.storage.core.options import StorageOptions
 from tests.unit.storage.helpers import MIB, FakeClock, FakeL2, RecordingSink, make_key
 

@@ -3,6 +3,8 @@
 :class:`Coordinator` is :class:`~.components.CoreComponents` (every
 component, built and wired in a load-bearing order described there) plus the
 :class:`~.runtime.CoreRuntime` and one short typed method per servicer call.
+Quotas and pins, the operator's metadata, are methods of its base
+:class:`~.operator_metadata.OperatorMetadata`.
 The parts with a job of their own live in sibling modules: operator deletes
 in :mod:`.deletes`, the token-form lookup in :mod:`.tokens`, the status view
 in :mod:`.status`, the memory and quota read models in :mod:`.reports`.
@@ -40,7 +42,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -50,10 +52,10 @@ from kvmesh.common.keys import ObjectKey, salt_with_lora
 
 from . import deletes, reports, scoring, tokens
 from .blendindex import BlendMatch
-from .components import CoreComponents
 from .directory import DEFAULT_LIST_LIMIT
 from .eviction import DeleteDispatcher
 from .membership import evict_stale
+from .operator_metadata import OperatorMetadata
 from .persistence import LoadReport
 from .runtime import CoreRuntime
 from .scheduler import PeriodicTask
@@ -73,8 +75,6 @@ from .types import (
     InstanceMemoryStatus,
     KeyInfo,
     KeyPage,
-    PinPage,
-    PinResult,
     QuotaListing,
     QuotaStatus,
     Registration,
@@ -88,7 +88,7 @@ logger = logging.getLogger(__name__)
 _SWEEP_SLICE = 1024
 
 
-class Coordinator(CoreComponents):
+class Coordinator(OperatorMetadata):
     """Every coordinator component, wired, with the servicers' typed entry points."""
 
     def __init__(
@@ -370,85 +370,6 @@ class Coordinator(CoreComponents):
     def list_quota_status(self, tier: Tier = Tier.L2) -> QuotaListing:
         """Status of every salt with usage on ``tier`` or (L2) a quota, sorted by salt."""
         return reports.quota_listing(self.usage, self.quotas, tier)
-
-    # -- quotas (metadata: saved before returning) ------------------------------
-
-    def set_quota(self, cache_salt: str, limit_bytes: int) -> None:
-        """Set an L2 quota for ``cache_salt`` and persist it."""
-        self.quotas.set_quota(cache_salt, limit_bytes)
-        self.metadata.save()
-
-    def delete_quota(self, cache_salt: str) -> bool:
-        """Remove ``cache_salt``'s quota (persisted even when absent); True if it existed."""
-        existed = self.quotas.delete_quota(cache_salt)
-        self.metadata.save()
-        return existed
-
-    def list_quotas(self) -> dict[str, int]:
-        """Every explicit quota."""
-        return self.quotas.list_quotas()
-
-    def set_default_quota(self, limit_bytes: int | None) -> None:
-        """Set the default quota (None = unquota'd salts exempt) and persist it."""
-        self.quotas.set_default_limit_bytes(limit_bytes)
-        self.metadata.save()
-
-    def get_default_quota(self) -> int | None:
-        """The default quota (None at boot)."""
-        return self.quotas.get_default_limit_bytes()
-
-    # -- pins ------------------------------------------------------------------
-
-    def pin_keys(self, keys: Iterable[ObjectKey]) -> int:
-        """Pin keys (one more pin each) and persist; returns the number of keys."""
-        n = self.pins.pin(keys)
-        self.metadata.save()
-        return n
-
-    def unpin_keys(self, keys: Iterable[ObjectKey]) -> int:
-        """Remove one pin from each key and persist; returns the number of keys."""
-        n = self.pins.unpin(keys)
-        self.metadata.save()
-        return n
-
-    def pin_tokens(
-        self,
-        model_name: str,
-        world_size: int,
-        cache_salt: str,
-        token_ids: Sequence[int] | np.ndarray,
-    ) -> PinResult:
-        """Pin every key of a token sequence (resolved locally).
-
-        See docs/coordinator.md, "Token lookups".
-        """
-        keys, chunks = tokens.resolve_token_keys(
-            self.hasher, model_name, world_size, cache_salt, token_ids
-        )
-        return PinResult(chunks, self.pin_keys(keys) if keys else 0)
-
-    def unpin_tokens(
-        self,
-        model_name: str,
-        world_size: int,
-        cache_salt: str,
-        token_ids: Sequence[int] | np.ndarray,
-    ) -> PinResult:
-        """Unpin every key of a token sequence."""
-        keys, chunks = tokens.resolve_token_keys(
-            self.hasher, model_name, world_size, cache_salt, token_ids
-        )
-        return PinResult(chunks, self.unpin_keys(keys) if keys else 0)
-
-    def list_pins(
-        self,
-        cache_salt: str | None = None,
-        model_name: str | None = None,
-        limit: int = 1000,
-        page_token: str = "",
-    ) -> PinPage:
-        """Pins in first-pinned order, optionally filtered by salt and model."""
-        return self.pins.list_pins(cache_salt, model_name, limit, page_token)
 
     # -- eviction ----------------------------------------------------------------
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import EventType, Tier
 from kvmesh.common.keys import ObjectKey
-from kvmesh.storage.core.manager import L1_BACKEND, StorageManager
+from kvmesh.storage.core.l1_events import L1_BACKEND
+from kvmesh.storage.core.manager import StorageManager
 
 
 def apply_quota(

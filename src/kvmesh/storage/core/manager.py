@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument, Unavailable
-from kvmesh.common.events import EventType, Tier
+from kvmesh.common.events import Tier
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.controllers.l2index import L2Indexer
 from kvmesh.storage.core.controllers.l2tier import L2Tier, make_tiers
@@ -43,42 +43,14 @@ from kvmesh.storage.core.l1.manager import (
 )
 from kvmesh.storage.core.l1.objects import L1Object
 from kvmesh.storage.core.l1.pool import L1Pool
-from kvmesh.storage.core.l1.results import L1Result, RemovalReason
+from kvmesh.storage.core.l1.results import L1Result
+from kvmesh.storage.core.l1_events import L1_BACKEND, L1EventBridge
 from kvmesh.storage.core.l2.base import L2Adapter, L2Unavailable
 from kvmesh.storage.core.options import StorageOptions
 from kvmesh.storage.core.pins import PinTable
 from kvmesh.storage.core.ports import CapacityModule, EventSink
 
 logger = logging.getLogger(__name__)
-
-#: Backend name of the DRAM L1 in cache events (LMCache's ``L1BackendType.dram``).
-L1_BACKEND = "dram"
-
-
-class _L1EventBridge:
-    """Turns L1 listener calls into placement events."""
-
-    def __init__(self, sink: EventSink) -> None:
-        self._sink = sink
-
-    def on_admitted(self, keys: Sequence[ObjectKey], sizes: Sequence[int], from_l2: bool) -> None:
-        self._emit(EventType.STORE, L1_BACKEND, list(zip(keys, sizes, strict=True)))
-
-    def on_removed(
-        self, keys: Sequence[ObjectKey], sizes: Sequence[int], reason: RemovalReason
-    ) -> None:
-        self._emit(EventType.DELETE, L1_BACKEND, [(k, 0) for k in keys])
-
-    def on_touched(self, keys: Sequence[ObjectKey]) -> None:
-        self._emit(EventType.ACCESS, "", [(k, 0) for k in keys])
-
-    def _emit(
-        self, event_type: EventType, backend: str, entries: list[tuple[ObjectKey, int]]
-    ) -> None:
-        try:
-            self._sink.record(event_type, Tier.L1, backend, False, entries)
-        except Exception:
-            logger.exception("event sink rejected %s L1 events", event_type.name)
 
 
 class StorageManager:
@@ -169,7 +141,7 @@ class StorageManager:
         # Events first, so a listener further down can never report a change
         # before the coordinator has heard of it.
         if event_sink is not None:
-            self.l1.add_listener(_L1EventBridge(event_sink))
+            self.l1.add_listener(L1EventBridge(event_sink))
         self.l1.add_listener(self.eviction.policy)
         self.l1.add_listener(self.store)
         self.l1.set_reclaim(self._reclaim)

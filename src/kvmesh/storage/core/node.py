@@ -45,7 +45,8 @@ from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
 from kvmesh.storage.core import inventory
 from kvmesh.storage.core.copies import ChunkCopier
 from kvmesh.storage.core.l1.results import L1Result
-from kvmesh.storage.core.manager import L1_BACKEND, StorageManager
+from kvmesh.storage.core.l1_events import L1_BACKEND
+from kvmesh.storage.core.manager import StorageManager
 from kvmesh.storage.core.node_lookups import MAX_CHUNK_BYTES, NodeLookups
 from kvmesh.storage.core.node_segments import NodeSegments
 from kvmesh.storage.core.transactions import EngineTransactions
