@@ -287,15 +287,29 @@ def _build_provider(service: str, settings: TracingSettings) -> tuple[Any, list[
     return provider, [target for _, target in exporters]
 
 
-def untraced_health_checks() -> Any:
-    """The gRPC instrumentation's filter for kvmesh's interceptors: every call but health probes.
+#: The user agent of the calls a process makes on its own clock, not for a request
+#: (the P2P membership poll): servers and clients make no span for them.
+BACKGROUND_USER_AGENT = "kvmesh-background"
 
-    Orchestrators and the services themselves probe ``grpc.health.v1`` every few
-    seconds; a trace per probe would bury the traces of real work.
+
+def untraced_calls() -> Any:
+    """The gRPC instrumentation's filter for kvmesh's interceptors: every call but probes and polls.
+
+    Orchestrators and the services themselves probe ``grpc.health.v1`` every
+    few seconds, and nodes poll the coordinator's membership on a channel whose
+    user agent starts with :data:`BACKGROUND_USER_AGENT`; a trace per probe or
+    poll would bury the traces of real work.
     """
     from opentelemetry.instrumentation.grpc import filters
 
-    return filters.negate(filters.health_check())
+    def background(details: Any) -> bool:
+        metadata = getattr(details, "invocation_metadata", None) or ()
+        return any(
+            key == "user-agent" and str(value).startswith(BACKGROUND_USER_AGENT)
+            for key, value in metadata
+        )
+
+    return filters.negate(filters.any_of(filters.health_check(), background))
 
 
 def current_trace_id() -> str:

@@ -45,7 +45,7 @@ from kvmesh.common.telemetry import (
     configure_tracing,
     shutdown_tracing,
     tracing_enabled,
-    untraced_health_checks,
+    untraced_calls,
 )
 from kvmesh.rpc.handlers import HandlerRegistry
 from kvmesh.rpc.interceptors import ServiceInterceptor
@@ -330,7 +330,7 @@ def create_server(
     if configure_tracing(app.name) or tracing_enabled():
         from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
-        interceptors.append(aio_server_interceptor(filter_=untraced_health_checks()))
+        interceptors.append(aio_server_interceptor(filter_=untraced_calls()))
     rpc_metrics = RpcMetrics(registry, app.name)
     interceptors.append(ServiceInterceptor(rpc_metrics))
     server = grpc.aio.server(

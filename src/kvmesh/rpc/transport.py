@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from kvmesh.common.telemetry import tracing_enabled, untraced_health_checks
+from kvmesh.common.telemetry import BACKGROUND_USER_AGENT, tracing_enabled, untraced_calls
 from kvmesh.rpc.errors import RpcError
 from kvmesh.rpc.lane.client import AsyncLaneTransport, LaneTransport
 from kvmesh.rpc.lane.framing import lane_path
@@ -84,19 +84,24 @@ def _grpc_target(target: str) -> str:
     return target
 
 
-def create_channel(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
-    """A blocking gRPC channel to ``host:port`` or ``unix:path``; traced if enabled."""
-    channel = grpc.insecure_channel(
-        _grpc_target(target), options=channel_options(max_message_bytes)
-    )
-    if tracing_enabled():
+def create_channel(
+    target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *, background: bool = False
+) -> grpc.Channel:
+    """A blocking gRPC channel to ``host:port`` or ``unix:path``; traced if enabled.
+
+    ``background``: for calls made on the process's own clock (a poll), never
+    traced; its user agent tells the server not to trace them either.
+    """
+    options = channel_options(max_message_bytes)
+    if background:
+        options.append(("grpc.primary_user_agent", BACKGROUND_USER_AGENT))
+    channel = grpc.insecure_channel(_grpc_target(target), options=options)
+    if tracing_enabled() and not background:
         from opentelemetry.instrumentation.grpc import client_interceptor, grpcext
 
         # The instrumentation's interceptor has its own channel wrapper (it is not a
         # grpc.*ClientInterceptor, so grpc.intercept_channel refuses it).
-        channel = grpcext.intercept_channel(
-            channel, client_interceptor(filter_=untraced_health_checks())
-        )
+        channel = grpcext.intercept_channel(channel, client_interceptor(filter_=untraced_calls()))
     return channel
 
 
@@ -108,7 +113,7 @@ def create_aio_channel(
     if tracing_enabled():
         from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
-        interceptors = aio_client_interceptors(filter_=untraced_health_checks())
+        interceptors = aio_client_interceptors(filter_=untraced_calls())
     return grpc.aio.insecure_channel(
         _grpc_target(target), options=channel_options(max_message_bytes), interceptors=interceptors
     )

@@ -71,20 +71,24 @@ class CoordinatorPeerDirectory:
         self._peers_at = -1e9
         self._closed = threading.Event()
         self._refresher: threading.Thread | None = None
+        self._poll_channel: grpc.Channel | None = None
         if refresh_s > 0:
+            # A channel of its own, untraced: a poll is no request's work.
+            self._poll_channel = create_channel(target, background=True)
+            poll = MembershipClient(target, channel=self._poll_channel)
             self._refresher = threading.Thread(
                 target=self._refresh_loop,
-                args=(refresh_s,),
+                args=(refresh_s, poll),
                 name="kvmesh-p2p-membership",
                 daemon=True,
             )
             self._refresher.start()
 
-    def _refresh_loop(self, period_s: float) -> None:
+    def _refresh_loop(self, period_s: float, poll: MembershipClient) -> None:
         failing = False
         while not self._closed.wait(period_s):
             try:
-                self._list(timeout=period_s)
+                self._list(timeout=period_s, membership=poll)
             except (PeerUnavailable, ValueError) as exc:  # ValueError: closed meanwhile
                 if self._closed.is_set():
                     return
@@ -126,11 +130,13 @@ class CoordinatorPeerDirectory:
                 return dict(self._peers)
         return self._list(timeout)
 
-    def _list(self, timeout: float) -> dict[str, PeerTarget]:
+    def _list(
+        self, timeout: float, membership: MembershipClient | None = None
+    ) -> dict[str, PeerTarget]:
         """Ask the coordinator for the live members and cache the answer."""
         started = time.monotonic()
         try:
-            response = self._membership.list_instances(
+            response = (membership or self._membership).list_instances(
                 membership_pb2.ListInstancesRequest(), timeout=timeout
             )
         except grpc.RpcError as exc:
@@ -180,6 +186,8 @@ class CoordinatorPeerDirectory:
     def close(self) -> None:
         self._closed.set()
         self._channel.close()  # a listing in flight ends at once
+        if self._poll_channel is not None:
+            self._poll_channel.close()
         if self._refresher is not None:
             self._refresher.join()
 
