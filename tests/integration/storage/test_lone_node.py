@@ -23,6 +23,7 @@ from tests.integration.p2p.support import coordinator_args
 from tests.integration.storage.conftest import NodeFactory
 from tests.integration.storage.support import Engine, Node, new_hashes
 from tests.support.ports import free_port
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
@@ -69,3 +70,24 @@ def test_an_idle_lone_node_answers_a_miss_within_the_lookup(
         assert (by_index, p2p_misses) == (1, 0)  # fresh listing: no P2P thread, no listing
     else:
         assert (by_index, p2p_misses) == (0, 1)  # expired: the P2P path listed the members
+
+
+def test_while_the_coordinator_is_down_a_miss_does_not_wait_for_it(
+    make_node: NodeFactory, engine: Engine, coordinator: CliProcess
+) -> None:
+    """No coordinator, no directory to find a peer in: the poll's failure says so at once,
+    and each miss ends in the lookup instead of waiting for a listing to fail."""
+    node = make_node(l2=["disk"], coordinator_target=coordinator.target)
+    node.register(engine)
+    fetcher = node.app.peers.fetcher
+    assert fetcher is not None
+    wait_until(lambda: fetcher.directory.cached_peers() is not None, timeout=10)
+    coordinator.kill()  # SIGKILL
+    wait_until(lambda: fetcher.directory.cached_peers() == {}, timeout=10)
+    before = counters(node)
+    for _ in range(3):
+        response = node.lookup(new_hashes(2), wait_ms=5000)
+        assert response.completed
+        assert response.result.hit_chunks == 0
+    by_index, p2p_misses = (a - b for a, b in zip(counters(node), before, strict=True))
+    assert (by_index, p2p_misses) == (3, 0)
