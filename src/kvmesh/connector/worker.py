@@ -9,7 +9,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -39,6 +39,17 @@ if TYPE_CHECKING:  # the engine hands tensors in; importing the connector loads 
 logger = logging.getLogger(__name__)
 
 _Resp = TypeVar("_Resp")
+_Result = TypeVar("_Result")
+
+
+def _run_now(fn: Callable[..., _Result], *args: object) -> Future[_Result]:
+    """``fn(*args)`` run on this thread, as a finished future (its result or its exception)."""
+    future: Future[_Result] = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as exc:
+        future.set_exception(exc)
+    return future
 
 
 @dataclass
@@ -342,6 +353,9 @@ class WorkerHooks(ConnectorBase):
     ) -> None:
         """Start the step's retrieves (before the forward pass).
 
+        Each runs on a transfer thread, except a step's only whole load, which
+        runs on the calling thread before this returns.
+
         ``producer_event`` (GPU): IPC handle of a CUDA event recorded on the
         engine's stream; storage's copies into the blocks wait for it.
         ``by_layer``: send each retrieve in parts by layers (:mod:`.layered`);
@@ -350,7 +364,16 @@ class WorkerHooks(ConnectorBase):
         """
         self._require(KVConnectorRole.WORKER)
         groups = self._layer_groups() if by_layer else None
-        for op in metadata.retrieve_ops:
+        ops = metadata.retrieve_ops
+        if groups is None and len(ops) == 1:
+            # Every caller waits for a whole load next (nothing overlaps it), so a lone
+            # one runs here: a hand-off to a transfer thread and back cost milliseconds
+            # beside a busy engine (docs/performance.md, "A step's only load").
+            done = _run_now(self._retrieve, ops[0], producer_event)
+            self._loads.append(_Transfer(ops[0].request_id, done))
+            self._load_ops.append(ops[0])
+            return
+        for op in ops:
             if groups is None:
                 future = self._executor().submit(self._retrieve, op, producer_event)
             else:

@@ -8,6 +8,7 @@ tests see every call the connector makes.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -379,3 +380,35 @@ def test_shutdown_unregisters_the_kv_memory(kv: SharedKVCache) -> None:
 
     assert [r.engine_id for r in gateway.requests("UnregisterKVCache")] == [conn.engine_id]
     assert not gateway.registered
+
+
+def test_a_lone_whole_load_runs_on_the_callers_thread_and_several_on_transfer_threads(
+    worker: tuple[KVMeshConnector, FakeGateway], kv: SharedKVCache
+) -> None:
+    """The caller waits for a whole load next anyway, so a step's only load skips the
+    hand-off to a transfer thread; two loads of one step still run side by side."""
+    conn, gateway = worker
+    threads: list[str] = []
+    retrieve = gateway.retrieve
+
+    def recording(request: object, **kwargs: object) -> object:
+        threads.append(threading.current_thread().name)
+        return retrieve(request, **kwargs)
+
+    gateway.retrieve = recording  # type: ignore[method-assign]
+    load_blocks = list(range(40, 72))
+    assert _store_then_load(conn, kv, 512, load_blocks) == set()
+    assert threads == [threading.current_thread().name]
+    for layer in kv.layers:
+        assert torch.equal(layer[:, load_blocks[:31]], layer[:, 1:32])
+
+    threads.clear()
+    sched = _scheduler(gateway)
+    for rid, blocks in (("a", list(range(40, 72))), ("b", list(range(8, 40)))):
+        request = _request(512, rid)
+        need, _ = sched.get_num_new_matched_tokens(request, 0)
+        sched.update_state_after_alloc(request, blocks, need or 0)
+    conn.start_load_kv(sched.build_connector_meta(SchedulerOutput({"a": 16, "b": 16})))
+    assert conn.wait_for_load() == set()
+    assert len(threads) == 2
+    assert all(name.startswith("kvmesh-transfer") for name in threads)
