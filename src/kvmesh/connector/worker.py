@@ -353,8 +353,8 @@ class WorkerHooks(ConnectorBase):
     ) -> None:
         """Start the step's retrieves (before the forward pass).
 
-        Each runs on a transfer thread, except a step's only whole load, which
-        runs on the calling thread before this returns.
+        Each runs on a transfer thread, except the first of whole loads, which
+        runs on the calling thread (beside the others) before this returns.
 
         ``producer_event`` (GPU): IPC handle of a CUDA event recorded on the
         engine's stream; storage's copies into the blocks wait for it.
@@ -364,16 +364,15 @@ class WorkerHooks(ConnectorBase):
         """
         self._require(KVConnectorRole.WORKER)
         groups = self._layer_groups() if by_layer else None
-        ops = metadata.retrieve_ops
-        if groups is None and len(ops) == 1:
-            # Every caller waits for a whole load next (nothing overlaps it), so a lone
-            # one runs here: a hand-off to a transfer thread and back cost milliseconds
-            # beside a busy engine (docs/performance.md, "A step's only load").
-            done = _run_now(self._retrieve, ops[0], producer_event)
-            self._loads.append(_Transfer(ops[0].request_id, done))
-            self._load_ops.append(ops[0])
-            return
+        ops = list(metadata.retrieve_ops)
+        # Every caller waits for whole loads next (nothing overlaps them), so the
+        # first runs here, beside the others on transfer threads: a hand-off to a
+        # thread and back cost milliseconds beside a busy engine
+        # (docs/performance.md, "A step's only load").
+        here = ops[0] if groups is None and ops else None
         for op in ops:
+            if op is here:
+                continue
             if groups is None:
                 future = self._executor().submit(self._retrieve, op, producer_event)
             else:
@@ -382,6 +381,11 @@ class WorkerHooks(ConnectorBase):
                 future = self._executor().submit(self._retrieve_by_layer, op, producer_event, parts)
             self._loads.append(_Transfer(op.request_id, future))
             self._load_ops.append(op)
+        if here is not None:
+            self._loads.append(
+                _Transfer(here.request_id, _run_now(self._retrieve, here, producer_event))
+            )
+            self._load_ops.append(here)
 
     def _layer_groups(self) -> list[tuple[int, int]] | None:
         """The parts of a load by layers for the registered layout (None: one whole part)."""
