@@ -13,6 +13,7 @@ from kvmesh.api.coordinator.v1 import membership_pb2
 from kvmesh.storage.core.peer.ports import PeerTarget
 from kvmesh.storage.peers import links
 from kvmesh.storage.peers.links import MEMBERSHIP_TTL_S, CoordinatorPeerDirectory
+from tests.support.waiting import wait_until
 
 
 class Membership:
@@ -60,14 +61,16 @@ def test_cached_peers_is_the_listing_peers_would_give_and_never_asks(
 class FlakyMembership(Membership):
     """Fails while ``down`` is set, as a coordinator that is restarting."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail_after_s: float = 0.0) -> None:
         super().__init__()
         self.down = False
+        self.fail_after_s = fail_after_s
         self.listed = threading.Event()
 
     def list_instances(self, request: Any, timeout: float) -> membership_pb2.ListInstancesResponse:
         if self.down:
             self.calls += 1
+            time.sleep(self.fail_after_s)
             raise _Unavailable()
         response = super().list_instances(request, timeout)
         self.listed.set()
@@ -94,8 +97,10 @@ def test_the_refresher_keeps_the_listing_fresh_while_nobody_asks(
         while membership.calls < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert membership.calls >= 2  # retried after failing
-        # The coordinator does not answer: no peer can be found, the lookup need not ask.
+        # The coordinator does not answer: no peer can be found, the lookup need not ask,
+        # and a fetch does not list the members itself (the poll goes on doing it).
         assert directory.cached_peers() == {}
+        assert directory.peers(1.0) == {}
         membership.down = False
         assert membership.listed.wait(10)
         # Listed with no caller: a lookup now reads the members without asking.
@@ -126,3 +131,28 @@ def test_no_refresher_unless_asked_and_bad_periods_are_refused(
     for bad in (-1.0, MEMBERSHIP_TTL_S):
         with pytest.raises(ValueError, match="refresh_s"):
             CoordinatorPeerDirectory("127.0.0.1:1", refresh_s=bad)
+
+
+def test_no_peers_while_polls_fail_however_long_each_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A coordinator that times out makes polls longer than a listing's lifetime: the
+    directory still names no peers between them, never an expired (asking) listing."""
+    membership = FlakyMembership(fail_after_s=MEMBERSHIP_TTL_S * 0.6)
+    monkeypatch.setattr(links, "MembershipClient", lambda target, channel: membership)
+    directory = CoordinatorPeerDirectory("127.0.0.1:1", refresh_s=MEMBERSHIP_TTL_S / 2)
+    try:
+        assert directory.peers(1.0) == {"a": PeerTarget("a", "127.0.0.1:7001", 3)}
+        membership.down = True
+        wait_until(lambda: directory.cached_peers() == {}, timeout=10)
+        seen = set()
+        deadline = time.monotonic() + MEMBERSHIP_TTL_S * 2.5
+        while time.monotonic() < deadline:
+            peers = directory.cached_peers()
+            seen.add(None if peers is None else len(peers))
+            time.sleep(0.02)
+        assert seen == {0}
+        membership.down = False
+        wait_until(lambda: directory.cached_peers() == {"a": PeerTarget("a", "127.0.0.1:7001", 3)})
+    finally:
+        directory.close()

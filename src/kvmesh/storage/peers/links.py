@@ -56,11 +56,11 @@ class CoordinatorPeerDirectory:
     cached listing never ages past :data:`MEMBERSHIP_TTL_S` while the
     coordinator answers: a lookup's miss on a node alone in its fleet then
     never waits for a listing, however long the node was idle (see
-    docs/p2p.md). A poll that fails (logged once per outage) caches an empty
-    listing: the coordinator's directory is what finds holders, so while it
-    does not answer no peer can be found, and misses end in the lookup
-    instead of each waiting for a listing to fail (about 0.2–0.3 s with its
-    retries). The next poll that succeeds restores the members.
+    docs/p2p.md). After a poll fails (logged once per outage) the directory
+    names no peers until a listing succeeds again: the coordinator's directory
+    is what finds holders, so while it does not answer no peer can be found,
+    and misses end in the lookup instead of each waiting for a listing to
+    fail (about 0.2–0.3 s with its retries). The polls go on meanwhile.
     """
 
     def __init__(self, target: str, *, refresh_s: float = 0.0) -> None:
@@ -72,6 +72,8 @@ class CoordinatorPeerDirectory:
         self._lock = threading.Lock()
         self._peers: dict[str, PeerTarget] = {}
         self._peers_at = -1e9
+        #: The last poll failed and nothing has listed the members since: no peers.
+        self._unreachable = False
         self._closed = threading.Event()
         self._refresher: threading.Thread | None = None
         self._poll_channel: grpc.Channel | None = None
@@ -98,7 +100,7 @@ class CoordinatorPeerDirectory:
                     return
                 with self._lock:
                     if started >= self._peers_at:
-                        self._peers, self._peers_at = {}, started
+                        self._unreachable = True
                 if not failing:  # once per outage, not every period
                     logger.warning(
                         "P2P membership poll failed; no peers until it works again: %s", exc
@@ -135,6 +137,8 @@ class CoordinatorPeerDirectory:
 
     def peers(self, timeout: float) -> dict[str, PeerTarget]:
         with self._lock:
+            if self._unreachable:
+                return {}
             if time.monotonic() - self._peers_at < MEMBERSHIP_TTL_S:
                 return dict(self._peers)
         return self._list(timeout)
@@ -159,10 +163,13 @@ class CoordinatorPeerDirectory:
             if started >= self._peers_at:  # never overwrite a newer listing
                 self._peers = peers
                 self._peers_at = started
+                self._unreachable = False
         return dict(peers)
 
     def cached_peers(self) -> dict[str, PeerTarget] | None:
         with self._lock:
+            if self._unreachable:
+                return {}
             if time.monotonic() - self._peers_at < MEMBERSHIP_TTL_S:
                 return dict(self._peers)
         return None
