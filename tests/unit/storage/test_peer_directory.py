@@ -77,6 +77,30 @@ class FlakyMembership(Membership):
         return response
 
 
+class Broken(FlakyMembership):
+    """Fails with an error no gRPC call should raise."""
+
+    def list_instances(self, request: Any, timeout: float) -> membership_pb2.ListInstancesResponse:
+        if self.down:
+            self.calls += 1
+            raise KeyError("not an RpcError")
+        return super().list_instances(request, timeout)
+
+
+def test_an_unexpected_error_does_not_stop_the_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    membership = Broken()
+    membership.down = True
+    monkeypatch.setattr(links, "MembershipClient", lambda target, channel: membership)
+    directory = CoordinatorPeerDirectory("127.0.0.1:1", refresh_s=0.02)
+    try:
+        wait_until(lambda: membership.calls >= 3)  # it went on polling
+        assert directory.cached_peers() == {}
+        membership.down = False
+        wait_until(lambda: directory.cached_peers() == {"a": PeerTarget("a", "127.0.0.1:7001", 3)})
+    finally:
+        directory.close()
+
+
 class _Unavailable(grpc.RpcError):
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE

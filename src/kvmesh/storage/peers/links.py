@@ -95,7 +95,9 @@ class CoordinatorPeerDirectory:
             started = time.monotonic()
             try:
                 self._list(timeout=MEMBERSHIP_TTL_S, membership=poll)
-            except (PeerUnavailable, ValueError) as exc:  # ValueError: closed meanwhile
+            except Exception as exc:  # PeerUnavailable; ValueError: closed meanwhile
+                # Whatever went wrong, the thread goes on: a poll that stopped while the
+                # directory names no peers would leave P2P off for good.
                 if self._closed.is_set():
                     return
                 with self._lock:
