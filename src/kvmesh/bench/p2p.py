@@ -284,6 +284,12 @@ def _run(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the directory never placed the prefix on node A")
                 time.sleep(0.05)
+        # Node B lists the members in the background (at most half a second old).
+        deadline = time.monotonic() + 60
+        while b.GetStatus(storage_pb2.GetStatusRequest(), timeout=10).p2p.peers < 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError("node B never listed node A as a peer")
+            time.sleep(0.05)
         total = chunk_bytes * args.chunks
         times: list[float] = []
         tcp_rounds: list[float] = []

@@ -20,6 +20,7 @@ from tests.integration.p2p.support import (
 )
 from tests.integration.storage.support import Engine
 from tests.support.ports import free_port
+from tests.support.waiting import wait_until
 
 
 @dataclass
@@ -107,6 +108,11 @@ def running_fleet(
             node.proc.wait_serving()  # the finally below kills both if one fails
             node.connect()
             node.register()
+        # Nodes list the members in the background (docs/p2p.md): wait until each one
+        # that fetches knows the other, so a test's first miss already sees its peer.
+        for node, extra in zip(nodes, (a_args, b_args), strict=True):
+            if "--no-p2p" not in extra and "--p2p-membership-refresh" not in extra:
+                wait_until(lambda n=node: n.status().p2p.peers >= 1, timeout=30)  # type: ignore[misc]
         yield Fleet(coordinator, nodes[0], nodes[1], shm_root)
     finally:
         for node in nodes:

@@ -39,6 +39,7 @@ def test_node_b_gets_node_a_prefix_with_equal_bytes(fleet: Fleet, tmp_path: Path
     wait_in_directory(fleet.coordinator.target, hashes, _instance(b))
     status = b.status().p2p
     assert status.enabled
+    assert status.peers == 1  # A, in the listing B keeps fresh
     assert status.transport == "tcp-stream"
     assert status.fetched_chunks == 6
     assert a.status().p2p.served_chunks == 6

@@ -68,6 +68,7 @@ def test_served_traffic_shows_in_metrics_and_status(tmp_path: Path, shm_root: Pa
                 status = storage.GetStatus(storage_pb2.GetStatusRequest(), timeout=5).p2p
 
             assert not status.enabled  # no coordinator: serves peers, fetches nothing
+            assert status.peers == -1  # and knows no members
             assert status.transport == "tcp-stream"
             assert status.advertise_address == server.target
             assert (status.leases_granted, status.served_chunks) == (1, 3)
@@ -78,6 +79,7 @@ def test_served_traffic_shows_in_metrics_and_status(tmp_path: Path, shm_root: Pa
             assert sample("kvmesh_storage_p2p_served_bytes_total", labels) == 3 * CHUNK_BYTES
             assert sample("kvmesh_storage_p2p_leases_granted_total", labels) == 1
             assert sample("kvmesh_storage_p2p_active_leases", labels) == 0
+            assert sample("kvmesh_storage_p2p_peers", labels) == -1
             assert sample("kvmesh_storage_p2p_enabled", labels) == 0
             assert sample("kvmesh_storage_p2p_fetched_chunks_total", labels) == 0
             assert sample("kvmesh_storage_p2p_misses_total", labels) == 0

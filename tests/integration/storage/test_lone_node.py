@@ -84,6 +84,7 @@ def test_while_the_coordinator_is_down_a_miss_does_not_wait_for_it(
     wait_until(lambda: fetcher.directory.cached_peers() is not None, timeout=10)
     coordinator.kill()  # SIGKILL
     wait_until(lambda: fetcher.directory.cached_peers() == {}, timeout=10)
+    assert fetcher.known_peers() == 0  # what GetStatus reports
     before = counters(node)
     for _ in range(3):
         response = node.lookup(new_hashes(2), wait_ms=5000)

@@ -13,6 +13,11 @@ from kvmesh.storage.peers.dataplane import PeerDataPlane
 SERIES = [
     Series("kvmesh_storage_p2p_enabled", "1 when misses are fetched from peers.", "p2p_enabled"),
     Series(
+        "kvmesh_storage_p2p_peers",
+        "Other nodes in the membership listing this node uses now (-1: none cached).",
+        "p2p_peers",
+    ),
+    Series(
         "kvmesh_storage_p2p_fetches",
         "Fetches sent to a peer (a lock was asked).",
         "p2p_fetches",
@@ -103,6 +108,7 @@ def flat_stats(
     """The P2P counters as ``p2p_*`` values (SERIES's keys)."""
     out: dict[str, Any] = {"p2p_enabled": 1 if fetcher is not None else 0}
     fetched = fetcher.stats() if fetcher is not None else {}
+    out["p2p_peers"] = int(fetched.get("peers", -1))
     for name in (
         "fetches",
         "fetched_chunks",
@@ -136,6 +142,7 @@ def peer_status(
         enabled=fetcher is not None,
         transport=transport,
         data_port=data_port,
+        peers=stats["p2p_peers"],
         advertise_address=advertise_address,
         fetches=stats["p2p_fetches"],
         fetched_chunks=stats["p2p_fetched_chunks"],

@@ -253,6 +253,7 @@ class PeerStatus(_message.Message):
     MISSES_FIELD_NUMBER: _builtins.int
     RECEIVED_BYTES_FIELD_NUMBER: _builtins.int
     DATA_PORT_FIELD_NUMBER: _builtins.int
+    PEERS_FIELD_NUMBER: _builtins.int
     enabled: _builtins.bool
     transport: _builtins.str
     """How this node serves chunk bytes to peers: "tcp-stream" (its data
@@ -288,6 +289,12 @@ class PeerStatus(_message.Message):
     """
     data_port: _builtins.int
     """The TCP port of the data plane ("tcp-stream"); 0 when it is off."""
+    peers: _builtins.int
+    """Other nodes in the membership listing this node uses now (kept fresh in
+    the background, see --p2p-membership-refresh); -1 when it has none (it
+    lists the members at its next miss). 0 also while the coordinator does
+    not answer its polls.
+    """
     def __init__(
         self,
         *,
@@ -308,10 +315,11 @@ class PeerStatus(_message.Message):
         misses: _builtins.int = ...,
         received_bytes: _builtins.int = ...,
         data_port: _builtins.int = ...,
+        peers: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "advertise_address", b"advertise_address", "data_port", b"data_port", "directory_lookups", b"directory_lookups", "enabled", b"enabled", "fetch_failures", b"fetch_failures", "fetched_bytes", b"fetched_bytes", "fetched_chunks", b"fetched_chunks", "fetches", b"fetches", "joined_fetches", b"joined_fetches", "leases_expired", b"leases_expired", "leases_granted", b"leases_granted", "misses", b"misses", "received_bytes", b"received_bytes", "served_bytes", b"served_bytes", "served_chunks", b"served_chunks", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "advertise_address", b"advertise_address", "data_port", b"data_port", "directory_lookups", b"directory_lookups", "enabled", b"enabled", "fetch_failures", b"fetch_failures", "fetched_bytes", b"fetched_bytes", "fetched_chunks", b"fetched_chunks", "fetches", b"fetches", "joined_fetches", b"joined_fetches", "leases_expired", b"leases_expired", "leases_granted", b"leases_granted", "misses", b"misses", "peers", b"peers", "received_bytes", b"received_bytes", "served_bytes", b"served_bytes", "served_chunks", b"served_chunks", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

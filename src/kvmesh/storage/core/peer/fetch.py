@@ -182,7 +182,13 @@ class PeerFetcher:
                 "misses": c.misses,
                 "received_bytes": c.received_bytes,
                 "running": len(self._flights),
+                "peers": self.known_peers(),
             }
+
+    def known_peers(self) -> int:
+        """Other nodes in the membership listing a fetch would use now; -1 with none cached."""
+        peers = self.directory.cached_peers()
+        return -1 if peers is None else sum(1 for i in peers if i != self.instance_id)
 
     # -- one fetch ----------------------------------------------------------------
 
