@@ -58,6 +58,11 @@ class Child:
     endpoints: dict[str, Any] = field(default_factory=dict)
 
 
+#: The longest a storage node waits between two membership polls (its default
+#: --p2p-membership-refresh is 0.5 s; the setting must stay below 1 s).
+MEMBERSHIP_POLL_S = 1.0
+
+
 @dataclass
 class FleetOptions:
     """What ``kvmesh up`` (or a test, or ``kvmesh demo``) asks for."""
@@ -242,6 +247,8 @@ class Fleet:
                 self._spawn(child)
                 storages.append(child)
             self._wait_ready(storages)
+            if opts.nodes > 1:
+                self._wait_peers(storages)
             if opts.colocated:
                 self._write_fleet_file()
                 return
@@ -271,6 +278,34 @@ class Fleet:
             # The error names a log file: it stays for the operator to read.
             self.stop(keep_logs=True)
             raise
+
+    def _wait_peers(self, storages: list[Child]) -> None:
+        """Wait until every node that fetches from peers lists all the others.
+
+        Nodes list the members in the background (docs/p2p.md), so a node
+        sees another at its next poll; a fleet reported ready has no such gap.
+        """
+        import grpc
+
+        from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
+
+        started = time.monotonic()
+        deadline = started + self.options.startup_timeout_s
+        for child in storages:
+            with grpc.insecure_channel(str(child.endpoints["grpc"])) as channel:
+                stub = storage_pb2_grpc.StorageServiceStub(channel)
+                while True:
+                    p2p = stub.GetStatus(storage_pb2.GetStatusRequest(), timeout=10).p2p
+                    if not p2p.enabled or p2p.peers >= len(storages) - 1:
+                        break
+                    if p2p.peers == -1 and time.monotonic() - started > 2 * MEMBERSHIP_POLL_S:
+                        break  # no listing yet: polls are off (it lists at its first miss)
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"{child.name} lists {p2p.peers} peers after "
+                            f"{self.options.startup_timeout_s} s, not {len(storages) - 1}"
+                        )
+                    time.sleep(0.05)
 
     def _write_fleet_file(self) -> None:
         if self.options.fleet_file is not None:
