@@ -132,8 +132,7 @@ class PeerFetcher:
         miss without handing it here, as the fetch would have ended it at once.
         With no listing cached, False: the next fetch lists the members.
         """
-        peers = self.directory.cached_peers()
-        return peers is not None and not any(i != self.instance_id for i in peers)
+        return self.known_peers() == 0
 
     def submit(
         self,
