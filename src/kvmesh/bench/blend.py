@@ -56,7 +56,14 @@ import torch
 
 from kvmesh.bench.blend_oracle import oracle_name, oracle_rows
 from kvmesh.bench.blend_vllm import measure_reorder, summary
-from kvmesh.bench.common import Progress, ServiceProcess, bench_main, size_text, start_service
+from kvmesh.bench.common import (
+    Progress,
+    ServiceProcess,
+    bench_main,
+    service_deaths_named,
+    size_text,
+    start_service,
+)
 from kvmesh.engine.blend import Segment, blend_prefill
 from kvmesh.engine.llama import LlamaModel, SequenceKV
 from kvmesh.engine.segment_store import SegmentStore
@@ -255,7 +262,8 @@ def _node(args: argparse.Namespace, l1_bytes: int, progress: Progress) -> Iterat
             workdir,
             "node",
         )  # fmt: skip
-        yield str(node.wait_ready()["grpc"])
+        with service_deaths_named(owned):
+            yield str(node.wait_ready()["grpc"])
     finally:
         for proc in owned:
             proc.stop()

@@ -13,7 +13,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO, TypeVar
@@ -261,6 +262,23 @@ def start_service(
     return proc
 
 
+@contextmanager
+def service_deaths_named(owned: Sequence[ServiceProcess]) -> Iterator[None]:
+    """Re-raise a failure inside the block as one that names each service of ``owned``
+    that has exited, with its status and the end of its log.
+
+    A service that died shows up first as a refused connection or an RPC error
+    in the benchmark; its log (in a work folder the benchmark removes) says why.
+    """
+    try:
+        yield
+    except Exception as exc:
+        reports = [r for r in (proc.exit_report() for proc in owned) if r is not None]
+        if not reports:
+            raise
+        raise RuntimeError(f"{exc}\n" + "\n".join(reports)) from exc
+
+
 class ServiceProcess:
     """A kvmesh service (``kvmesh <service> ...``) run as a subprocess for a benchmark.
 
@@ -288,6 +306,17 @@ class ServiceProcess:
             time.sleep(0.05)
         self.endpoints = json.loads(self.ready.read_text())
         return self.endpoints
+
+    def exit_report(self, chars: int = 3000) -> str | None:
+        """None while it runs; once it has exited, its status and the end of its log."""
+        status = self.proc.poll()
+        if status is None:
+            return None
+        try:
+            tail = Path(self.log.name).read_text(errors="replace")[-chars:]
+        except OSError as exc:
+            tail = f"(its log cannot be read: {exc})"
+        return f"{self.log.name}: exited with {status}; its log ends:\n{tail}"
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -41,7 +41,13 @@ import grpc
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.coordinator.v1 import directory_pb2, directory_pb2_grpc
 from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
-from kvmesh.bench.common import Progress, ServiceProcess, size_text, start_service
+from kvmesh.bench.common import (
+    Progress,
+    ServiceProcess,
+    service_deaths_named,
+    size_text,
+    start_service,
+)
 
 MIB = 1 << 20
 MODEL = "bench/p2p"
@@ -207,161 +213,165 @@ def _run(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
     shm = Path("/dev/shm") / f"kvmesh-bench-p2p-{uuid.uuid4().hex[:8]}"
     procs: list[ServiceProcess] = []
     try:
-        progress.phase("starting the coordinator")
-        coordinator = start_service(
-            procs,
-            "coordinator",
-            ["--port", "0", "--metrics-port", "-1", "--log-level", "WARNING"],
-            workdir,
-            "coordinator",
-        )
-        coord_target = coordinator.wait_ready()["grpc"]
-        progress.phase(f"starting storage nodes A and B (L1 {size_text(l1_bytes)} each)")
-        nodes = []
-        for name in ("a", "b"):
-            (shm / name).mkdir(parents=True)
-            segment = min(l1_bytes, 1024 * MIB)
-            segment -= segment % (4 * MIB)
-            proc = start_service(
+        with service_deaths_named(procs):
+            progress.phase("starting the coordinator")
+            coordinator = start_service(
                 procs,
-                "storage",
-                [
-                    "--port",
-                    "0",
-                    "--metrics-port",
-                    "-1",
-                    "--log-level",
-                    "WARNING",
-                    "--instance-id",
-                    f"bench-p2p-{name}-{uuid.uuid4().hex[:6]}",
-                    "--data-dir",
-                    str(workdir / name),
-                    "--coordinator-target",
-                    coord_target,
-                    "--l2",
-                    "none",
-                    "--l1-size-bytes",
-                    str(l1_bytes),
-                    "--l1-segment-bytes",
-                    str(segment),
-                    "--l1-prefault-bytes",
-                    str(l1_bytes),
-                    "--shm-dir",
-                    str(shm / name),
-                    "--p2p-frame-bytes",
-                    str(args.frame_kib * 1024),
-                    "--max-message-bytes",
-                    str(max(64 * MIB, 2 * args.frame_kib * 1024)),
-                    "--event-flush-ms",
-                    "5",
-                    # The prefix fills L1 on purpose: no watermark eviction of it.
-                    "--eviction-watermark",
-                    "1.0",
-                    "--p2p-data-port",
-                    "0" if args.transport == "tcp-stream" else "-1",
-                ],
+                "coordinator",
+                ["--port", "0", "--metrics-port", "-1", "--log-level", "WARNING"],
                 workdir,
-                f"storage-{name}",
+                "coordinator",
             )
-            nodes.append(proc)
-        targets = [p.wait_ready()["grpc"] for p in nodes]
-        channels = [grpc.insecure_channel(t) for t in targets]
-        a, b = (storage_pb2_grpc.StorageServiceStub(c) for c in channels)
-        a_id = a.GetStatus(storage_pb2.GetStatusRequest(), timeout=10).instance_id
-        hashes = [os.urandom(32) for _ in range(args.chunks)]
-        digests = _fill_a(a, hashes, chunk_bytes, progress)
-        progress.phase("waiting until the directory places the prefix on node A")
-        with grpc.insecure_channel(coord_target) as cc:
-            directory = directory_pb2_grpc.DirectoryServiceStub(cc)
-            keys = [common_pb2.ObjectKey(chunk_hash=h, model_name=MODEL, kv_rank=0) for h in hashes]
+            coord_target = coordinator.wait_ready()["grpc"]
+            progress.phase(f"starting storage nodes A and B (L1 {size_text(l1_bytes)} each)")
+            nodes = []
+            for name in ("a", "b"):
+                (shm / name).mkdir(parents=True)
+                segment = min(l1_bytes, 1024 * MIB)
+                segment -= segment % (4 * MIB)
+                proc = start_service(
+                    procs,
+                    "storage",
+                    [
+                        "--port",
+                        "0",
+                        "--metrics-port",
+                        "-1",
+                        "--log-level",
+                        "WARNING",
+                        "--instance-id",
+                        f"bench-p2p-{name}-{uuid.uuid4().hex[:6]}",
+                        "--data-dir",
+                        str(workdir / name),
+                        "--coordinator-target",
+                        coord_target,
+                        "--l2",
+                        "none",
+                        "--l1-size-bytes",
+                        str(l1_bytes),
+                        "--l1-segment-bytes",
+                        str(segment),
+                        "--l1-prefault-bytes",
+                        str(l1_bytes),
+                        "--shm-dir",
+                        str(shm / name),
+                        "--p2p-frame-bytes",
+                        str(args.frame_kib * 1024),
+                        "--max-message-bytes",
+                        str(max(64 * MIB, 2 * args.frame_kib * 1024)),
+                        "--event-flush-ms",
+                        "5",
+                        # The prefix fills L1 on purpose: no watermark eviction of it.
+                        "--eviction-watermark",
+                        "1.0",
+                        "--p2p-data-port",
+                        "0" if args.transport == "tcp-stream" else "-1",
+                    ],
+                    workdir,
+                    f"storage-{name}",
+                )
+                nodes.append(proc)
+            targets = [p.wait_ready()["grpc"] for p in nodes]
+            channels = [grpc.insecure_channel(t) for t in targets]
+            a, b = (storage_pb2_grpc.StorageServiceStub(c) for c in channels)
+            a_id = a.GetStatus(storage_pb2.GetStatusRequest(), timeout=10).instance_id
+            hashes = [os.urandom(32) for _ in range(args.chunks)]
+            digests = _fill_a(a, hashes, chunk_bytes, progress)
+            progress.phase("waiting until the directory places the prefix on node A")
+            with grpc.insecure_channel(coord_target) as cc:
+                directory = directory_pb2_grpc.DirectoryServiceStub(cc)
+                keys = [
+                    common_pb2.ObjectKey(chunk_hash=h, model_name=MODEL, kv_rank=0) for h in hashes
+                ]
+                deadline = time.monotonic() + 60
+                while True:
+                    found = directory.Lookup(
+                        directory_pb2.LookupRequest(keys=directory_pb2.KeyList(keys=keys)),
+                        timeout=10,
+                    )
+                    if all(any(p.instance_id == a_id for p in r.placements) for r in found.results):
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the directory never placed the prefix on node A")
+                    time.sleep(0.05)
+            # Node B lists the members in the background (at most half a second old).
             deadline = time.monotonic() + 60
-            while True:
-                found = directory.Lookup(
-                    directory_pb2.LookupRequest(keys=directory_pb2.KeyList(keys=keys)), timeout=10
-                )
-                if all(any(p.instance_id == a_id for p in r.placements) for r in found.results):
-                    break
+            while b.GetStatus(storage_pb2.GetStatusRequest(), timeout=10).p2p.peers < 1:
                 if time.monotonic() > deadline:
-                    raise RuntimeError("the directory never placed the prefix on node A")
+                    raise RuntimeError("node B never listed node A as a peer")
                 time.sleep(0.05)
-        # Node B lists the members in the background (at most half a second old).
-        deadline = time.monotonic() + 60
-        while b.GetStatus(storage_pb2.GetStatusRequest(), timeout=10).p2p.peers < 1:
-            if time.monotonic() > deadline:
-                raise RuntimeError("node B never listed node A as a peer")
-            time.sleep(0.05)
-        total = chunk_bytes * args.chunks
-        times: list[float] = []
-        tcp_rounds: list[float] = []
-        hot_rounds: list[float] = []
-        rounds = max(1, args.rounds)
-        for index in range(1, rounds + 1):
-            # The socket's limit is measured between the rounds, so that both see the
-            # same moment of a shared (noisy) host.
-            progress.phase(
-                f"round {index}/{rounds}: loopback TCP baselines ({size_text(total)}, then "
-                "in cache)"
-            )
-            tcp_rounds.append(loopback_tcp_gbps(total))
-            hot_rounds.append(loopback_tcp_gbps(total, hot=True))
-            b.DeleteKeys(
-                storage_pb2.DeleteKeysRequest(keys=keys, tier=common_pb2.TIER_L1, force=True),
-                timeout=30,
-            )
-            progress.phase(f"round {index}/{rounds}: node B fetches the prefix from node A")
-            start = time.perf_counter()
-            reply = b.LookupAndLock(
-                storage_pb2.LookupAndLockRequest(
-                    keys=_grid(hashes),
-                    num_kv_readers=1,
-                    wait_timeout_ms=120_000,
-                    request_id="bench-p2p",
-                    chunk_bytes=chunk_bytes,
-                ),
-                timeout=130,
-            )
-            elapsed = time.perf_counter() - start
-            if not reply.completed or reply.result.hit_chunks != args.chunks:
-                raise RuntimeError(
-                    f"node B fetched {reply.result.hit_chunks} of {args.chunks} chunks"
+            total = chunk_bytes * args.chunks
+            times: list[float] = []
+            tcp_rounds: list[float] = []
+            hot_rounds: list[float] = []
+            rounds = max(1, args.rounds)
+            for index in range(1, rounds + 1):
+                # The socket's limit is measured between the rounds, so that both see the
+                # same moment of a shared (noisy) host.
+                progress.phase(
+                    f"round {index}/{rounds}: loopback TCP baselines ({size_text(total)}, then "
+                    "in cache)"
                 )
-            times.append(elapsed)
-            b.ReleaseLocks(storage_pb2.ReleaseLocksRequest(keys=_grid(hashes)), timeout=10)
-        progress.phase("comparing node B's bytes with node A's")
-        equal = _digests_on_b(b, hashes, chunk_bytes) == digests
-        p2p_status = b.GetStatus(storage_pb2.GetStatusRequest(), timeout=10).p2p
-        for c in channels:
-            c.close()
-        tcp = max(tcp_rounds)
-        hot = max(hot_rounds)
-        best = total / min(times) / 1e9
-        return {
-            "p2p_gbps": round(best, 3),
-            "p2p_gbps_median": round(total / statistics.median(times) / 1e9, 3),
-            "loopback_tcp_gbps": round(tcp, 3),
-            "p2p_vs_tcp": round(best / tcp, 3) if tcp else None,
-            "loopback_tcp_hot_gbps": round(hot, 3),
-            "p2p_vs_tcp_hot": round(best / hot, 3) if hot else None,
-            "prefix_fetch_p50_ms": round(statistics.median(times) * 1000, 1),
-            "prefix_fetch_ms": [round(t * 1000, 1) for t in times],
-            "loopback_tcp_rounds_gbps": [round(g, 3) for g in tcp_rounds],
-            "bytes_equal": equal,
-            "transport": p2p_status.transport,
-            "chunk_bytes": chunk_bytes,
-            "chunks": args.chunks,
-            "prefix_bytes": total,
-            "frame_bytes": args.frame_kib * 1024,
-            "rounds": len(times),
-            "cpus": os.cpu_count(),
-            "parameters": {
-                "chunk_mib": args.chunk_mib,
+                tcp_rounds.append(loopback_tcp_gbps(total))
+                hot_rounds.append(loopback_tcp_gbps(total, hot=True))
+                b.DeleteKeys(
+                    storage_pb2.DeleteKeysRequest(keys=keys, tier=common_pb2.TIER_L1, force=True),
+                    timeout=30,
+                )
+                progress.phase(f"round {index}/{rounds}: node B fetches the prefix from node A")
+                start = time.perf_counter()
+                reply = b.LookupAndLock(
+                    storage_pb2.LookupAndLockRequest(
+                        keys=_grid(hashes),
+                        num_kv_readers=1,
+                        wait_timeout_ms=120_000,
+                        request_id="bench-p2p",
+                        chunk_bytes=chunk_bytes,
+                    ),
+                    timeout=130,
+                )
+                elapsed = time.perf_counter() - start
+                if not reply.completed or reply.result.hit_chunks != args.chunks:
+                    raise RuntimeError(
+                        f"node B fetched {reply.result.hit_chunks} of {args.chunks} chunks"
+                    )
+                times.append(elapsed)
+                b.ReleaseLocks(storage_pb2.ReleaseLocksRequest(keys=_grid(hashes)), timeout=10)
+            progress.phase("comparing node B's bytes with node A's")
+            equal = _digests_on_b(b, hashes, chunk_bytes) == digests
+            p2p_status = b.GetStatus(storage_pb2.GetStatusRequest(), timeout=10).p2p
+            for c in channels:
+                c.close()
+            tcp = max(tcp_rounds)
+            hot = max(hot_rounds)
+            best = total / min(times) / 1e9
+            return {
+                "p2p_gbps": round(best, 3),
+                "p2p_gbps_median": round(total / statistics.median(times) / 1e9, 3),
+                "loopback_tcp_gbps": round(tcp, 3),
+                "p2p_vs_tcp": round(best / tcp, 3) if tcp else None,
+                "loopback_tcp_hot_gbps": round(hot, 3),
+                "p2p_vs_tcp_hot": round(best / hot, 3) if hot else None,
+                "prefix_fetch_p50_ms": round(statistics.median(times) * 1000, 1),
+                "prefix_fetch_ms": [round(t * 1000, 1) for t in times],
+                "loopback_tcp_rounds_gbps": [round(g, 3) for g in tcp_rounds],
+                "bytes_equal": equal,
+                "transport": p2p_status.transport,
+                "chunk_bytes": chunk_bytes,
                 "chunks": args.chunks,
-                "rounds": args.rounds,
-                "frame_kib": args.frame_kib,
-                "transport": args.transport,
-                "nodes": "2 storage processes + coordinator, loopback, no L2",
-            },
-        }
+                "prefix_bytes": total,
+                "frame_bytes": args.frame_kib * 1024,
+                "rounds": len(times),
+                "cpus": os.cpu_count(),
+                "parameters": {
+                    "chunk_mib": args.chunk_mib,
+                    "chunks": args.chunks,
+                    "rounds": args.rounds,
+                    "frame_kib": args.frame_kib,
+                    "transport": args.transport,
+                    "nodes": "2 storage processes + coordinator, loopback, no L2",
+                },
+            }
     finally:
         progress.phase("stopping the processes")
         for proc in reversed(procs):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.bench.common import ServiceProcess, service_deaths_named, start_service
 from kvmesh.bench.route.fleet import UNIX_PATH_MAX, event_endpoints
 from kvmesh.bench.serve.servers import Process, spawn, wait_ready
 
@@ -72,3 +73,35 @@ def test_event_endpoints_refuse_a_path_a_unix_socket_cannot_hold(tmp_path: Path)
     deep = tmp_path / ("d" * UNIX_PATH_MAX)
     with pytest.raises(RuntimeError, match="longer than 107 bytes"):
         event_endpoints(deep, "engine-0")
+
+
+def test_a_failure_names_the_service_that_died_with_its_log(tmp_path: Path) -> None:
+    # A real `kvmesh coordinator` that cannot start: argparse refuses the option.
+    owned: list[ServiceProcess] = []
+    proc = start_service(owned, "coordinator", ["--no-such-option"], tmp_path, "coordinator")
+    proc.proc.wait(60)
+    try:
+        with pytest.raises(RuntimeError) as err, service_deaths_named(owned):
+            raise ConnectionError("failed to connect to all addresses: Connection refused")
+    finally:
+        proc.stop()
+    message = str(err.value)
+    assert message.startswith("failed to connect to all addresses: Connection refused\n")
+    assert f"{tmp_path / 'coordinator.log'}: exited with 2; its log ends:" in message
+    assert "--no-such-option" in message  # argparse's line from the service's log
+    assert isinstance(err.value.__cause__, ConnectionError)
+
+
+def test_a_failure_passes_unchanged_while_every_service_runs(tmp_path: Path) -> None:
+    owned: list[ServiceProcess] = []
+    proc = start_service(
+        owned, "coordinator", ["--port", "0", "--metrics-port", "-1"], tmp_path, "coordinator"
+    )
+    try:
+        proc.wait_ready(60)
+        with pytest.raises(ValueError, match=r"^the benchmark's own$"), service_deaths_named(owned):
+            raise ValueError("the benchmark's own")
+        assert proc.exit_report() is None
+    finally:
+        proc.stop()
+    assert proc.exit_report() is not None  # stopped: now it names its status
