@@ -33,7 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.bench.common import Progress
-from kvmesh.bench.serve.servers import launch_vllm, start_node, wait_serving
+from kvmesh.bench.serve.servers import (
+    ABANDON_GRACE_S,
+    STOP_GRACE_S,
+    launch_vllm,
+    start_node,
+    wait_serving,
+)
 from kvmesh.connector.reorder import plan_order
 from kvmesh.gateway.client import GatewayClient
 
@@ -104,6 +110,7 @@ def measure_reorder(
     rng = random.Random(args.seed + 2)
     figures: dict[str, list[float]] = {}
     node = server = None
+    abandoned = True
     try:
         progress.phase("reorder_vllm: starting a kvmesh node and vLLM")
         node = start_node(work, "1GiB", CHUNK, ["--l2", "none"])
@@ -164,11 +171,13 @@ def measure_reorder(
                 progress.count(done)
         finally:
             client.close()
+        abandoned = False
     finally:
+        grace = ABANDON_GRACE_S if abandoned else STOP_GRACE_S
         if server is not None:
-            server.process.stop()
+            server.process.stop(grace)
         if node is not None:
-            node.process.stop()
+            node.process.stop(grace)
         shutil.rmtree(work, ignore_errors=True)
     return figures
 

@@ -278,10 +278,16 @@ class StorageApp:
         """The transfer engine, the copy threads, the node and its servicer."""
         self.transfer = TransferEngine(config.allowed_memory_dir)
         # The data path's copies get threads of their own, sized here: nothing else
-        # (waits, L2 I/O, start-up work) may ever queue a store or a retrieve.
+        # (waits, L2 I/O, start-up work) may ever queue a store or a retrieve. Loads
+        # have threads apart from stores: an engine waits for a load before its next
+        # forward pass, while a store runs after the answer (docs/architecture.md,
+        # "Loads never wait behind stores").
         self.copy_threads = config.copy_threads or default_copy_threads()
         self.copy_executor = ThreadPoolExecutor(
             max_workers=self.copy_threads, thread_name_prefix="kvmesh-transfer"
+        )
+        self.load_executor = ThreadPoolExecutor(
+            max_workers=self.copy_threads, thread_name_prefix="kvmesh-load"
         )
         self.node = StorageNode(
             self.manager,
@@ -290,6 +296,7 @@ class StorageApp:
             # A lease must end before the L1 read locks it holds could lapse.
             lease_ttl_s=min(DEFAULT_LEASE_TTL_S, 0.8 * config.read_ttl_seconds),
             copy_executor=self.copy_executor,
+            load_executor=self.load_executor,
         )
         self._handler.node = self.node
         if self._sink is not None:  # segments' STORE events carry their heads
@@ -438,6 +445,7 @@ class StorageApp:
         self.node.close()
         # Running copies finish before L1 and the engines' mappings go away.
         self.copy_executor.shutdown(wait=True)
+        self.load_executor.shutdown(wait=True)
         self.manager.close()
         self.transfer.close()
         if self.emitter is not None and not self.emitter.close(timeout=5.0):

@@ -67,7 +67,9 @@ class StorageConfig(ServerSettings):
     prefetch_max_in_flight: int = setting(8, "L2→L1 prefetches running at once")
     max_chunks_per_request: int = setting(4096, "largest store/retrieve/lookup, in chunks")
     copy_threads: int = setting(
-        0, "threads copying chunks between engines and L1 (0 = one per core, 2 to 8)"
+        0,
+        "threads copying chunks from engines into L1 (stores), and as many again copying "
+        "chunks into engines (loads) (0 = one per core, 2 to 8)",
     )
     heartbeat_seconds: float = setting(5.0, "how often to heartbeat the coordinator")
     event_flush_ms: int = setting(50, "cache events are batched for at most this long")

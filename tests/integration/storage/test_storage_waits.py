@@ -176,7 +176,10 @@ def test_lookups_waiting_then_abandoned_give_their_locks_back_when_the_loads_fin
     wait_until(lambda: node.read_locked_objects() == 0 and not (node.l1_hashes() & set(hashes)))
 
 
-def test_the_copy_threads_setting_sizes_the_copy_executor(make_node: NodeFactory) -> None:
+def test_the_copy_threads_setting_sizes_the_store_and_the_load_executors(
+    make_node: NodeFactory,
+) -> None:
     node = make_node(copy_threads=3)
     assert node.app.copy_threads == 3
     assert node.app.copy_executor._max_workers == 3
+    assert node.app.load_executor._max_workers == 3

@@ -45,6 +45,8 @@ from kvmesh.bench.common import (
 )
 from kvmesh.bench.serve.client import Answer, run_round, stream_completion, ttft_summary
 from kvmesh.bench.serve.servers import (
+    ABANDON_GRACE_S,
+    STOP_GRACE_S,
     Node,
     Server,
     metrics,
@@ -192,6 +194,7 @@ def _arrangement(
     gib = max(1, math.ceil(blocks * block_bytes * 1.1 / 2**30))
     node: Node | None = None
     server: Server | None = None
+    abandoned = True
     try:
         if name == "kvmesh":
             progress.phase("kvmesh: starting a kvmesh node")
@@ -273,12 +276,14 @@ def _arrangement(
                     ),
                 }
             )
+        abandoned = False
         return result
     finally:
+        grace = ABANDON_GRACE_S if abandoned else STOP_GRACE_S
         if server is not None:
-            server.process.stop()
+            server.process.stop(grace)
         if node is not None:
-            node.process.stop()
+            node.process.stop(grace)
 
 
 def _preemptions(server: Server) -> int:

@@ -53,6 +53,14 @@ def model_shape(model: Path) -> dict[str, int]:
     }
 
 
+#: How long a server stopped at the end of a run may take to shut down gracefully.
+STOP_GRACE_S = 60.0
+#: The same for a run that is abandoned (an error, Ctrl-C, SIGTERM): vLLM's graceful
+#: shutdown waits for the requests still streaming to the benchmark's client, which
+#: would hold the exit up for the whole grace.
+ABANDON_GRACE_S = 5.0
+
+
 @dataclass
 class Process:
     """A started process, its log, and how to reach it."""
@@ -89,7 +97,7 @@ class Process:
         start = text.rfind("\n", 0, first) + 1
         return f"{text[start : start + chars]}\n[...]\n{tail}"
 
-    def stop(self, grace_s: float = 60.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM to its process group; SIGKILL if it is still running after ``grace_s``."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)

@@ -106,14 +106,20 @@ class ChunkCopier:
         manager: StorageManager,
         transfer: TransferEngine,
         copy_executor: Executor | None = None,
+        load_executor: Executor | None = None,
     ) -> None:
-        """``copy_executor`` runs the gathers and scatters (the app sizes it); None = own."""
+        """``copy_executor`` runs the gathers (stores) and ``load_executor`` the scatters
+        (retrieves), so a load never queues behind stores; each None = own."""
         self.manager = manager
         self.transfer = transfer
-        self._owns_copies = copy_executor is None
-        self._copies = copy_executor or ThreadPoolExecutor(
-            max_workers=default_copy_threads(), thread_name_prefix="kvmesh-transfer"
-        )
+        self._owned = [
+            ThreadPoolExecutor(max_workers=default_copy_threads(), thread_name_prefix=name)
+            for name, given in (("kvmesh-transfer", copy_executor), ("kvmesh-load", load_executor))
+            if given is None
+        ]
+        owned = iter(self._owned)
+        self._copies = copy_executor or next(owned)
+        self._loads = load_executor or next(owned)
         self.stats = CopyStats()
 
     async def store(
@@ -276,7 +282,8 @@ class ChunkCopier:
                     functools.partial(
                         _timed, self.stats, "retrieve", nbytes_moved,
                         functools.partial(scatter, views),
-                    )
+                    ),
+                    self._loads,
                 )  # fmt: skip
         finally:
             self.manager.finish_read(locked, 1)
@@ -298,8 +305,9 @@ class ChunkCopier:
             return
         future.add_done_callback(functools.partial(_log_prefault_failure, engine_id))
 
-    async def run(self, copy: Callable[[], T]) -> T:
-        """Run a copy on the copy executor; return only once it no longer touches memory.
+    async def run(self, copy: Callable[[], T], executor: Executor | None = None) -> T:
+        """Run a copy on ``executor`` (default: the copy executor, where stores run); return
+        only once it no longer touches memory.
 
         A copy cannot be interrupted: a caller cancelled meanwhile still waits
         for it (then re-raises), so the L1 objects and locks it uses are never
@@ -309,7 +317,7 @@ class ChunkCopier:
         deadline = CALL_DEADLINE.get()
         if deadline is not None:
             copy = functools.partial(_before, deadline, copy)
-        future = asyncio.get_running_loop().run_in_executor(self._copies, copy)
+        future = asyncio.get_running_loop().run_in_executor(executor or self._copies, copy)
         cancelled = False
         while not future.done():
             try:
@@ -323,12 +331,12 @@ class ChunkCopier:
         return future.result()
 
     def close(self) -> None:
-        """Stop the copy executor if this made it (the app closes the one it passed in).
+        """Stop the executors this made (the app closes those it passed in).
 
         Waits for running copies.
         """
-        if self._owns_copies:
-            self._copies.shutdown(wait=True)
+        for executor in self._owned:
+            executor.shutdown(wait=True)
 
 
 def _before(deadline: float, copy: Callable[[], T]) -> T:

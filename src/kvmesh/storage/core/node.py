@@ -73,8 +73,10 @@ class StorageNode:
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
         copy_executor: Executor | None = None,
+        load_executor: Executor | None = None,
     ) -> None:
-        """``copy_executor`` runs the gathers and scatters (the app sizes it); None = own."""
+        """``copy_executor`` runs the stores' gathers, ``load_executor`` the retrieves'
+        scatters (the app sizes both); None = own."""
         self.manager = manager
         self.transfer = transfer
         self.max_chunks = max_chunks_per_request
@@ -84,7 +86,7 @@ class StorageNode:
             lease_ttl_s=lease_ttl_s,
         )  # fmt: skip
         self._txns = EngineTransactions(manager, clock=clock, new_id=self._new_id)
-        self._copier = ChunkCopier(manager, transfer, copy_executor)
+        self._copier = ChunkCopier(manager, transfer, copy_executor, load_executor)
         self.segments = NodeSegments(manager, self._copier, self._layout)
         self._copies_loaded = False
 
