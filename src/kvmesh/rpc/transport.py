@@ -72,6 +72,13 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         # Fail fast while a server restarts; our own retry loop paces reconnects.
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2_000),
+        # Connections of this channel only. gRPC otherwise shares them, through a
+        # process-wide pool, with every channel to the same address and the same
+        # arguments: a channel left open to a server that died then made a new
+        # client to a new server on that address fail at once with the old
+        # "Connection refused" until the old connection's back-off ended (seen in
+        # CI: a node reported ready, its first client refused).
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 
