@@ -125,7 +125,12 @@ class SegmentStore:
         self.close()
 
     def _register(self) -> None:
-        self._client.register_engine_context(self._registration, timeout=self.timeout_s)
+        # Waits (within the timeout) for a gateway that is not accepting yet rather than
+        # failing at the first refused connection: this runs right after a node starts
+        # (bench blend), and once again after a gateway restarted.
+        self._client.register_engine_context(
+            self._registration, timeout=self.timeout_s, wait_for_ready=True
+        )
 
     def _call(self, call: Callable[[], _Resp]) -> _Resp:
         """``call()``, registering the context again once if the gateway forgot it."""
