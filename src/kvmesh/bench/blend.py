@@ -255,7 +255,9 @@ def _node(args: argparse.Namespace, l1_bytes: int, progress: Progress) -> Iterat
         node = start_service(
             owned,
             "node",
-            ["--port", "0", "--metrics-port", "-1", "--log-level", "WARNING",
+            # A unix socket in the run's folder: a local benchmark needs no TCP port.
+            ["--unix-socket", str(workdir / "node.sock"), "--metrics-port", "-1",
+             "--log-level", "WARNING",
              "--instance-id", f"bench-blend-{uuid.uuid4().hex[:6]}", "--data-dir", str(workdir),
              "--l2", "none", "--l1-size-bytes", str(segment), "--l1-segment-bytes", str(segment),
              "--shm-dir", str(shm)],
