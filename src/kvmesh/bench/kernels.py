@@ -101,7 +101,8 @@ def _paged_memory(nbytes: int, backing: str) -> Iterator[torch.Tensor]:
         os.unlink(path)
 
 
-def _gbps(nbytes: int, seconds: list[float]) -> float:
+def median_gbps(nbytes: int, seconds: list[float]) -> float:
+    """GB/s (10⁹ bytes) of the median of ``seconds`` for ``nbytes``."""
     return round(nbytes / statistics.median(seconds) / 1e9, 2)
 
 
@@ -171,9 +172,9 @@ def bench_layout(
                 start = time.perf_counter()
                 t_dst.copy_(t_src)
                 times["torch_copy"].append(time.perf_counter() - start)
-        memcpy = _gbps(nbytes, times["numpy_memcpy"])
-        gather = _gbps(nbytes, times["gather"])
-        scatter = _gbps(nbytes, times["scatter"])
+        memcpy = median_gbps(nbytes, times["numpy_memcpy"])
+        gather = median_gbps(nbytes, times["gather"])
+        scatter = median_gbps(nbytes, times["scatter"])
         best = {name: round(nbytes / min(t) / 1e9, 2) for name, t in times.items()}
         return {
             "layout": kind.name,
@@ -184,7 +185,7 @@ def bench_layout(
             "chunk_shape": list(kv.chunk_shape(num_tokens)),
             "chunk_mib": round(nbytes / 2**20, 2),
             "numpy_memcpy_gbps": memcpy,
-            "torch_copy_gbps": _gbps(nbytes, times["torch_copy"]),
+            "torch_copy_gbps": median_gbps(nbytes, times["torch_copy"]),
             "gather_gbps": gather,
             "scatter_gbps": scatter,
             "gather_vs_memcpy": round(gather / memcpy, 3),

@@ -388,6 +388,11 @@ __attribute__((target("avx2"))) static void amx_tiles_u16_avx2(
                 int64_t n = count - t0 < 16 ? count - t0 : 16;
                 uint16_t *tile = region + (t0 / 16) * 16 * hd;
                 if (n == 16 && gstream) {
+                    /* The next tile's lines (16 tokens' K, contiguous) while this one is
+                     * taken apart. */
+                    if (t0 + 32 <= count)
+                        for (int64_t off = 0; off < 16 * hd * 2; off += LINE)
+                            _mm_prefetch((const char *)(tile + 16 * hd) + off, _MM_HINT_T0);
                     uint32_t *t32 = (uint32_t *)tile;
                     uint32_t *r32 = (uint32_t *)(rows_k + t0 * row_len);
                     int64_t dst_stride = row_len / 2, groups = hd / 16;
@@ -464,6 +469,10 @@ __attribute__((target("avx2"))) static void amx_tiles_u16_avx2(
                 /* V: a token pair's 16-dim tiles, taken apart into the two rows' whole runs. */
                 uint16_t *r0 = rows_v + t * row_len, *r1 = r0 + row_len;
                 __m256i w0[16], w1[16];
+                if (t + 16 < count) /* each 16-dim tile's line of the pair 8 pairs on */
+                    for (int64_t d0 = 0; d0 < hd; d0 += 16)
+                        _mm_prefetch((const char *)(vregion + (d0 / 16) * 16 * bs + (t + 16) * 16),
+                                     _MM_HINT_T0);
                 for (int64_t d0 = 0; d0 < hd; d0 += 16) {
                     uint16_t *tile = vregion + (d0 / 16) * 16 * bs + (t / 2) * 32;
                     __m256i o0 = _mm256_loadu_si256((const __m256i *)tile);
@@ -584,7 +593,8 @@ KVMESH_EXPORT int kvmesh_amx_tiles(void *layer, void *k_rows, void *v_rows,
                 T *rows_k = (T *)k_rows + j * bs * row_len + h * hd;                       \
                 T *rows_v = (T *)v_rows + j * bs * row_len + h * hd;                       \
                 int64_t t0 = simd ? vec_k_u16((uint16_t *)region, (uint16_t *)rows_k,      \
-                                              count, bs, hd, row_len, gather)              \
+                                              (const uint16_t *)rows_v, count, bs, hd,     \
+                                              row_len, gather)                             \
                                   : 0;                                                     \
                 for (int64_t t = t0; t < count; t++)                                       \
                     for (int64_t d = 0; d < hd; d++) {                                     \
@@ -624,17 +634,40 @@ static inline void vec_transpose8x8_u16(__m128i r[8]) {
     r[6] = _mm_unpacklo_epi64(b3, b7); r[7] = _mm_unpackhi_epi64(b3, b7);
 }
 
+/* Prefetches the hd elements of rows [first, first + n) of a chunk's plane (every
+ * line of each token's head run), for rows before `end` only. */
+static inline void vec_prefetch_rows(const uint16_t *rows, int64_t first, int64_t n,
+                                     int64_t end, int64_t hd, int64_t row_len) {
+    for (int64_t t = first; t < first + n && t < end; t++)
+        for (int64_t off = 0; off < hd * 2; off += LINE)
+            _mm_prefetch((const char *)(rows + t * row_len) + off, _MM_HINT_T0);
+}
+
+/* Rows of V prefetched ahead of the one a scatter copies. */
+#ifndef VEC_V_AHEAD
+#define VEC_V_AHEAD 8
+#endif
+
 /* Scatter of K for whole groups of 32 tokens with streaming stores: four 8x8
  * transposes give each of 8 dims 32 tokens, one whole line of the transposed
  * region. Needs a 64-byte aligned region and bs a multiple of 32; returns the
- * tokens done. */
-static int64_t vec_k_scatter_stream_u16(uint16_t *region, const uint16_t *rows, int64_t count,
-                                        int64_t bs, int64_t hd, int64_t row_len) {
+ * tokens done. While a group is transposed, the next group's rows are
+ * prefetched, a share per 8 dims: the group reads 32 rows a row_len apart,
+ * one line of each at a time, and without it each load waited on memory
+ * (7 GB/s from memory on one thread against 17 GB/s with it, the tiny test
+ * model's shape; docs/kernels.md, "Gather and scatter"). */
+static int64_t vec_k_scatter_stream_u16(uint16_t *region, const uint16_t *rows,
+                                        const uint16_t *v_rows, int64_t count, int64_t bs,
+                                        int64_t hd, int64_t row_len) {
     if (bs % 32 || ((uintptr_t)region % 64)) return 0;
     int64_t whole = count - count % 32;
+    int64_t share = 32 / (hd / 8) > 0 ? 32 / (hd / 8) : 1; /* rows prefetched per 8 dims */
     __m128i r[4][8];
+    vec_prefetch_rows(rows, 0, 32, whole, hd, row_len);
     for (int64_t t0 = 0; t0 < whole; t0 += 32)
         for (int64_t d0 = 0; d0 < hd; d0 += 8) {
+            vec_prefetch_rows(rows, t0 + 32 + d0 / 8 * share, share, whole, hd, row_len);
+            vec_prefetch_rows(v_rows, t0 + d0 / 8 * share, share, whole, hd, row_len);
             for (int q = 0; q < 4; q++) {
                 for (int i = 0; i < 8; i++)
                     r[q][i] = _mm_loadu_si128(
@@ -656,7 +689,9 @@ static int64_t vec_k_scatter_stream_u16(uint16_t *region, const uint16_t *rows, 
 static int64_t vec_v_scatter_stream_u16(uint16_t *vregion, const uint16_t *rows, int64_t count,
                                         int64_t hd, int64_t row_len) {
     if ((hd * 2) % 64 || ((uintptr_t)vregion % 64)) return 0;
+    vec_prefetch_rows(rows, 0, VEC_V_AHEAD, count, hd, row_len);
     for (int64_t t = 0; t < count; t++) {
+        vec_prefetch_rows(rows, t + VEC_V_AHEAD, 1, count, hd, row_len);
         const __m128i *src = (const __m128i *)(rows + t * row_len);
         __m128i *dst = (__m128i *)(vregion + t * hd);
         for (int64_t i = 0; i < hd / 8; i++) _mm_stream_si128(dst + i, _mm_loadu_si128(src + i));
@@ -672,8 +707,18 @@ static int64_t vec_k_gather_stream_u16(const uint16_t *region, uint16_t *rows, i
                                        int64_t bs, int64_t hd, int64_t row_len) {
     if ((hd * 2) % 64 || (row_len * 2) % 64 || ((uintptr_t)rows % 64) || hd > 256) return 0;
     int64_t whole = count - count % 8;
+    const uint16_t *vregion = region + bs * hd;
     __m128i buf[32][8];
     for (int64_t t0 = 0; t0 < whole; t0 += 8) {
+        /* A line of the transposed K holds 32 tokens of one dim: each group of 8
+         * tokens prefetches a quarter of the dims' lines of the next 32 tokens,
+         * and the V rows of its own 8 tokens, which the V copy reads next. */
+        int64_t next = t0 - t0 % 32 + 32, quarter = (t0 % 32) / 8;
+        if (next < whole)
+            for (int64_t d = quarter * hd / 4; d < (quarter + 1) * hd / 4; d++)
+                _mm_prefetch((const char *)(region + d * bs + next), _MM_HINT_T0);
+        for (int64_t off = 0; off < 8 * hd * 2; off += LINE)
+            _mm_prefetch((const char *)(vregion + t0 * hd) + off, _MM_HINT_T0);
         for (int64_t d0 = 0; d0 < hd; d0 += 8) {
             __m128i r[8];
             for (int i = 0; i < 8; i++)
@@ -704,14 +749,16 @@ static int64_t vec_v_gather_stream_u16(const uint16_t *vregion, uint16_t *rows, 
 
 /* K of one (block, head), 2-byte elements, whole groups of 8 tokens; returns the
  * first token left for the element loop. Needs hd a multiple of 8. A scatter
- * into an aligned region takes the streaming path for whole groups of 32, a
- * gather into aligned rows one for every group. */
-static int64_t vec_k_u16(uint16_t *region, uint16_t *rows, int64_t count, int64_t bs,
-                         int64_t hd, int64_t row_len, int gather) {
+ * into an aligned region takes the streaming path for whole groups of 32 (and
+ * prefetches the V rows `v_rows` the V copy reads next), a gather into aligned
+ * rows one for every group. */
+static int64_t vec_k_u16(uint16_t *region, uint16_t *rows, const uint16_t *v_rows,
+                         int64_t count, int64_t bs, int64_t hd, int64_t row_len, int gather) {
     if (hd % 8) return 0;
     int64_t whole = count - count % 8;
-    int64_t start = gather ? vec_k_gather_stream_u16(region, rows, whole, bs, hd, row_len)
-                           : vec_k_scatter_stream_u16(region, rows, whole, bs, hd, row_len);
+    int64_t start =
+        gather ? vec_k_gather_stream_u16(region, rows, whole, bs, hd, row_len)
+               : vec_k_scatter_stream_u16(region, rows, v_rows, whole, bs, hd, row_len);
     __m128i r[8];
     for (int64_t t0 = start; t0 < whole; t0 += 8)
         for (int64_t d0 = 0; d0 < hd; d0 += 8) {
@@ -733,9 +780,10 @@ static int64_t vec_k_u16(uint16_t *region, uint16_t *rows, int64_t count, int64_
 }
 #define VEC_SIMD_OK 1
 #else
-static int64_t vec_k_u16(uint16_t *region, uint16_t *rows, int64_t count, int64_t bs,
-                         int64_t hd, int64_t row_len, int gather) {
-    (void)region; (void)rows; (void)count; (void)bs; (void)hd; (void)row_len; (void)gather;
+static int64_t vec_k_u16(uint16_t *region, uint16_t *rows, const uint16_t *v_rows,
+                         int64_t count, int64_t bs, int64_t hd, int64_t row_len, int gather) {
+    (void)region; (void)rows; (void)v_rows; (void)count; (void)bs; (void)hd; (void)row_len;
+    (void)gather;
     return 0;
 }
 static int64_t vec_v_scatter_stream_u16(uint16_t *vregion, const uint16_t *rows, int64_t count,
