@@ -14,14 +14,18 @@ import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 
-# `kvmesh up` writes a fleet file that `kvmesh status`/`demo` read by default: give
-# this test run its own registry and one fixed file, so fleets of other runs on the
-# host are never picked up (tests of the registry itself unset KVMESH_FLEET_FILE).
-if "KVMESH_FLEET_FILE" not in os.environ:
-    _fleet_dir = tempfile.mkdtemp(prefix="kvmesh-tests-")
-    atexit.register(shutil.rmtree, _fleet_dir, True)
-    os.environ["KVMESH_FLEET_FILE"] = os.path.join(_fleet_dir, "fleet.json")
-    os.environ.setdefault("KVMESH_FLEET_DIR", os.path.join(_fleet_dir, "fleets"))
+# `kvmesh up` writes a fleet file that `kvmesh status`/`demo` and the benchmarks'
+# --gateway read by default: give every test process its own registry and one fixed
+# file, so fleets of other runs on the host, and of tests running at the same time
+# on other xdist workers, are never picked up (tests of the registry itself unset
+# KVMESH_FLEET_FILE). Set here, in each process, not inherited: xdist's workers
+# start with the controller's environment, and one file shared by every worker let a
+# benchmark on one worker take the gateway of a fleet another worker's test was
+# about to kill.
+_fleet_dir = tempfile.mkdtemp(prefix="kvmesh-tests-")
+atexit.register(shutil.rmtree, _fleet_dir, True)
+os.environ["KVMESH_FLEET_FILE"] = os.path.join(_fleet_dir, "fleet.json")
+os.environ["KVMESH_FLEET_DIR"] = os.path.join(_fleet_dir, "fleets")
 
 
 #: The modules that take the suite's time (real fleets, real vLLM), heaviest
