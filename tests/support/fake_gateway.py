@@ -53,6 +53,8 @@ class FakeGateway:
     failing_retrieves: set[int] = field(default_factory=set)
     #: While not set, a Retrieve of a layer range that does not start at layer 0 waits.
     later_parts_gate: threading.Event | None = None
+    #: While not set, an EndSession waits (before it is recorded).
+    end_session_gate: threading.Event | None = None
     calls: list[tuple[str, Any]] = field(default_factory=list)
     #: The deadline (``timeout``) each RegisterKVCache, Store and Retrieve was sent with.
     deadlines: list[tuple[str, float | None]] = field(default_factory=list)
@@ -174,6 +176,8 @@ class FakeGateway:
         return gateway_pb2.FreeLookupLocksResponse()
 
     def end_session(self, request: Any, **_: Any) -> Any:
+        if self.end_session_gate is not None:
+            self.end_session_gate.wait(30)
         self._enter("EndSession", request)
         existed = self._lookups.pop(request.request_id, None) is not None
         return gateway_pb2.EndSessionResponse(existed=existed)

@@ -11,13 +11,13 @@ the time: the worker's ``Retrieve`` then copies as it always did.
 
 from __future__ import annotations
 
+import functools
 import logging
-import queue
-import threading
 
 import grpc
 
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.connector.background import BackgroundCalls
 from kvmesh.connector.types import rpc_failure
 from kvmesh.gateway.client import GatewayClient
 
@@ -32,43 +32,27 @@ class AheadSender:
 
     def __init__(self, client: GatewayClient) -> None:
         self.client = client
-        self._queue: queue.SimpleQueue[gateway_pb2.RetrieveRequest | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._calls = BackgroundCalls("kvmesh-retrieve-ahead")
 
     def send(self, request: gateway_pb2.RetrieveRequest) -> None:
         """Queue one request; returns at once."""
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="kvmesh-retrieve-ahead", daemon=True
-                )
-                self._thread.start()
-        self._queue.put(request)
+        self._calls.submit(request.range.request_id, functools.partial(self._send, request))
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued, then stop the thread."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            thread.join(timeout)
+        self._calls.close(timeout)
 
-    def _run(self) -> None:
-        while (request := self._queue.get()) is not None:
-            try:
-                resp = self.client.retrieve_ahead(request, timeout=AHEAD_TIMEOUT_S)
-            except grpc.RpcError as exc:
-                # The worker's Retrieve copies as usual (and reports the same error).
-                logger.debug(
-                    "retrieve ahead of %s failed: %s", request.range.request_id, rpc_failure(exc)
-                )
-                continue
-            except Exception:  # never let the thread die: later loads still go ahead
-                logger.exception("retrieve ahead of %s failed", request.range.request_id)
-                continue
+    def _send(self, request: gateway_pb2.RetrieveRequest) -> None:
+        try:
+            resp = self.client.retrieve_ahead(request, timeout=AHEAD_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            # The worker's Retrieve copies as usual (and reports the same error).
             logger.debug(
-                "load of %s %s ahead",
-                request.range.request_id,
-                "started" if resp.started else "not started",
+                "retrieve ahead of %s failed: %s", request.range.request_id, rpc_failure(exc)
             )
+            return
+        logger.debug(
+            "load of %s %s ahead",
+            request.range.request_id,
+            "started" if resp.started else "not started",
+        )

@@ -19,7 +19,8 @@ scheduler, per request:
   3. :meth:`build_connector_meta` — a retrieve op (``start`` rounded down to a
      chunk, ``skip_first_n_tokens`` = the engine's own prefix hit inside it)
      and store ops for newly computed complete chunks.
-  4. :meth:`request_finished` — ``EndSession`` (releases whatever locks remain).
+  4. :meth:`request_finished` — ``EndSession`` (releases whatever locks remain),
+     sent from a thread of its own (:mod:`kvmesh.connector.background`).
 
 worker, per step: :meth:`start_load_kv` → :meth:`wait_for_load` → forward →
 :meth:`save_kv` → :meth:`wait_for_save`. A failed or short retrieve is
@@ -105,6 +106,7 @@ class KVMeshConnector(SchedulerHooks, WorkerHooks):
         else:
             if self._ahead is not None:
                 self._ahead.close()
+            self.flush_session_ends()
             for request_id in list(self._requests):
                 self._end_session(request_id)
             self._requests.clear()

@@ -232,7 +232,31 @@ def test_request_finished_ends_the_session_and_holds_blocks_while_stores_run() -
 
     assert sched.request_finished(stored) is True
     assert sched.request_finished(unstored) is False
+    sched.flush_session_ends()
     assert [r.request_id for r in gateway.requests("EndSession")] == ["stored", "unstored"]
+
+
+def test_request_finished_does_not_wait_for_end_session_but_a_new_lookup_of_its_id_does() -> None:
+    gateway = FakeGateway(end_session_gate=threading.Event())
+    sched = _scheduler(gateway)
+    first = _request(600, "r1")
+    sched.get_num_new_matched_tokens(first, 0)
+
+    assert sched.request_finished(first) is False  # returns while EndSession is held
+    assert gateway.requests("EndSession") == []
+    other = _request(600, "r2")
+    assert sched.get_num_new_matched_tokens(other, 0) == (0, False)  # another id: no wait
+
+    again = _request(600, "r1")
+    asked = threading.Thread(target=sched.get_num_new_matched_tokens, args=(again, 0))
+    asked.start()
+    asked.join(0.3)
+    assert asked.is_alive()  # held until r1's session has ended
+    gateway.end_session_gate.set()  # type: ignore[union-attr]
+    asked.join(10)
+    assert not asked.is_alive()
+    order = [(n, r.request_id) for n, r in gateway.calls if n in ("Lookup", "EndSession")]
+    assert order == [("Lookup", "r1"), ("Lookup", "r2"), ("EndSession", "r1"), ("Lookup", "r1")]
 
 
 def test_request_finished_survives_a_gateway_error() -> None:

@@ -17,6 +17,7 @@ import torch
 
 from kvmesh.engine import Engine, EngineConfig, ModelConfig, NoFreeBlocksError, RequestOutput
 from tests.support.fake_gateway import FakeGateway
+from tests.support.waiting import wait_until
 
 # Smaller than the demo's model, to keep the suite fast; tests/unit/engine/test_model.py
 # covers the demo's dimensions.
@@ -132,7 +133,9 @@ def test_each_request_follows_the_vllm_hook_order(engine: Engine, gateway: FakeG
     engine.generate(tokens)
 
     # Lookup → (free locks of unretrieved chunks: none here) → Retrieve → Store
-    # (nothing new: the hit is not stored again) → EndSession.
+    # (nothing new: the hit is not stored again) → EndSession (sent off the
+    # scheduler's loop, so waited for here).
+    wait_until(lambda: "EndSession" in gateway.names())
     assert gateway.names() == ["Lookup", "Retrieve", "EndSession"]
 
 
@@ -176,5 +179,6 @@ def test_a_request_that_gets_no_blocks_still_ends_its_session(gateway: FakeGatew
         with pytest.raises(NoFreeBlocksError):
             engine.generate(_tokens(300, seed=9), request_id="too-long")
 
+        wait_until(lambda: gateway.requests("EndSession"))
         assert [r.request_id for r in gateway.requests("EndSession")] == ["too-long"]
         assert engine.allocator.num_free_blocks == 7
