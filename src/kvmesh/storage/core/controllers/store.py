@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kvmesh.common.keys import ObjectKey
+from kvmesh.common.thread_priority import lower_this_thread
 from kvmesh.storage.core.controllers.l2tier import L2Tier
 from kvmesh.storage.core.l1.manager import L1Manager
 from kvmesh.storage.core.l1.results import L1Result, RemovalReason
@@ -83,8 +84,11 @@ class StoreController:
         self._handled = 0
         self._closing = False
         self._thread: threading.Thread | None = None
+        # Both threads run at a lower CPU priority: nobody waits for a write-through.
         self._io = ThreadPoolExecutor(
-            max_workers=max(1, len(self.tiers)), thread_name_prefix="kvmesh-l2-put"
+            max_workers=max(1, len(self.tiers)),
+            thread_name_prefix="kvmesh-l2-put",
+            initializer=lower_this_thread,
         )
         # Counters.
         self.queued_keys = 0
@@ -206,6 +210,7 @@ class StoreController:
     # -- dispatcher ---------------------------------------------------------
 
     def _run(self) -> None:
+        lower_this_thread()
         while True:
             with self._cond:
                 while not self._pending and not self._closing:
