@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
 from kvmesh.common.config import ConfigError, check_creatable, setting
+from kvmesh.common.long_lived import freeze_long_lived
 from kvmesh.common.telemetry import (
     configure_tracing,
     shutdown_tracing,
@@ -412,6 +413,7 @@ async def run_until_signalled(server: Server) -> None:
     for sig in _STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     await server.start()
+    freeze_long_lived(server.app.name)  # before the first request: see common/long_lived.py
     if server.settings.ready_file:
         write_ready_file(server.settings.ready_file, server.endpoints())
     try:

@@ -41,6 +41,7 @@ from kvmesh.common.keys import (
     validate_object_keys,
 )
 from kvmesh.common.layer_range import check_layer_range
+from kvmesh.common.long_lived import freeze_more
 from kvmesh.common.node_types import PrefetchState, Slot, StoreOutcome
 from kvmesh.storage.core import inventory
 from kvmesh.storage.core.copies import ChunkCopier
@@ -102,6 +103,9 @@ class StorageNode:
         if not self._copies_loaded:
             await self._copier.run(load_copy_half)
             self._copies_loaded = True
+            # torch's objects, most of the process's, out of full collections
+            # (common/long_lived.py).
+            freeze_more("torch and the copy code")
 
     def register_engine(
         self, engine_id: str, layout: KVLayout, handles: Sequence[KVHandle]
