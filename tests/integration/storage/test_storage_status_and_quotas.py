@@ -28,6 +28,13 @@ def test_status_reports_identity_l1_usage_engines_l2_and_salts(
     # Delivered: the lock stays, the prefetch is forgotten.
     assert node.lookup(hashes[:1], salt="tenant-a").result.hit_chunks == 1
     wait_until(lambda: node.status().l2[0].object_count == 3)
+    # The write-through read-locks its batch until its puts return, a moment after
+    # the disk index counts the objects (longer at its lower thread priority): then
+    # only the lookup's lock is left.
+    wait_until(
+        lambda: node.status().l1.read_locked_objects == 1,
+        message="the lookup's lock, and only it, stays once the write-through is done",
+    )
 
     status = node.status()
     assert status.instance_id == node.app.instance_id
