@@ -8,7 +8,7 @@
 # bench), installed from pyproject.toml below.
 #
 # Two stages. The first builds kvmesh's wheel, compiling the native copy kernel
-# (src/kvmesh/kernels/_native/ntcopy.c, setup.py) with gcc; the second installs that
+# (src/kvmesh/kernels/_native/*.c, setup.py) with gcc; the second installs that
 # wheel and carries no compiler: nothing is compiled where kvmesh runs. Without the
 # kernel a storage node would copy with NumPy at about half the speed, so the build
 # fails unless it loads.

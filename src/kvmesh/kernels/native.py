@@ -1,4 +1,4 @@
-"""Loader of the native copy kernel: ``kernels/_native/ntcopy.c`` through ctypes.
+"""Loader of the native copy kernel (``kernels/_native/*.c``, one library) through ctypes.
 
 :mod:`kvmesh.kernels.ops` copies CPU chunks with this kernel when it is available
 and with NumPy otherwise; both produce the same bytes. Why a C kernel at all:

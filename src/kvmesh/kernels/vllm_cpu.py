@@ -18,7 +18,7 @@ One layer is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; inside one
   16 tokens, each ``[head_dim / 2][16][2]``; V in tiles of 16 dims, each
   ``[block_size / 2][16][2]``: a transpose at the grain of one or two
   elements, which no strided view or run copy expresses. On the CPU the
-  native kernel (``kvmesh_amx_tiles`` in ``_native/ntcopy.c``, with AVX2 for
+  native kernel (``kvmesh_amx_tiles`` in ``_native/tiles_amx.c``, with AVX2 for
   2-byte elements) moves them in one pass per layer on the calling thread
   (measured 16 MiB: 4-6 ms; both directions write whole lines with streaming
   stores, and a scatter prefetches the next tile's rows, which took SmolLM2's

@@ -112,7 +112,8 @@ def test_the_build_context_leaves_out_environments_history_and_caches() -> None:
         assert not _ignored(needed, patterns), needed
     context = set(_context(patterns))
     assert not any(path.startswith((".venv/", ".git/")) for path in context)
-    assert "src/kvmesh/kernels/_native/ntcopy.c" in context
+    for native in ("ntcopy.c", "ntcopy.h", "tiles_amx.c", "tiles_vec.c"):
+        assert f"src/kvmesh/kernels/_native/{native}" in context
 
 
 def test_every_copy_source_is_in_the_build_context() -> None:
