@@ -40,18 +40,15 @@ class BackgroundCalls:
     def submit(self, key: str, call: Callable[[], None]) -> None:
         """Queue ``call`` under ``key``; returns at once. After :meth:`close`, runs it here."""
         with self._lock:
-            if self._closed:
-                run_here = True
-            else:
-                run_here = False
+            if not self._closed:
                 self._pending[key] += 1
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                     self._thread.start()
-        if run_here:
-            self._call(key, call)
-            return
-        self._queue.put((key, call))
+                # Under the lock: a close() cannot queue its stop ahead of this call.
+                self._queue.put((key, call))
+                return
+        self._call(key, call)
 
     def wait_for(self, key: str, timeout: float) -> bool:
         """Block until no call queued under ``key`` is left to run; False on timeout."""

@@ -128,6 +128,8 @@ def test_a_slow_lookup_is_polled_until_it_completes(engine: Engine, gateway: Fak
 def test_each_request_follows_the_vllm_hook_order(engine: Engine, gateway: FakeGateway) -> None:
     tokens = _tokens(600, seed=7)
     engine.generate(tokens)
+    # Its EndSession is sent off the scheduler's loop: let it land before clearing.
+    wait_until(lambda: "EndSession" in gateway.names())
     gateway.calls.clear()
 
     engine.generate(tokens)
