@@ -76,8 +76,8 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         # process-wide pool, with every channel to the same address and the same
         # arguments: a channel left open to a server that died then made a new
         # client to a new server on that address fail at once with the old
-        # "Connection refused" until the old connection's back-off ended (seen in
-        # CI: a node reported ready, its first client refused).
+        # "Connection refused" until the old connection's back-off ended
+        # (tests/integration/rpc/test_channel_state.py).
         ("grpc.use_local_subchannel_pool", 1),
     ]
 

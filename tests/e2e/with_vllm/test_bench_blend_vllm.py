@@ -18,11 +18,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_every_arrangement_runs_on_smollm2_and_vllm_serves_the_reordered_documents(
-    smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2: Path,
 ) -> None:
-    # A benchmark's --gateway defaults to a running `kvmesh up` fleet's: another test's
-    # fleet (killed mid-run) must not be taken for this run's node.
-    monkeypatch.setenv("KVMESH_FLEET_DIR", str(tmp_path / "no-fleets"))
     args = bench_parser("blend", blend).parse_args(
         ["--model", str(smollm2), "--documents", "3", "--docs-per-prompt", "2", "--prompts", "2",
          "--sentences", "8", "--generate", "8", "--ratios", "0,1", "--quiet"]
