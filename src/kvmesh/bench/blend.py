@@ -11,10 +11,13 @@ every arrangement, interleaved so machine noise hits them alike:
   caching gives when the documents come in a new order), the rest computed;
 - ``blend_0``, ``blend_0_15``, ``blend_1`` (``--ratios``): the documents' K/V
   reused where they now sit (re-RoPE), with CacheBlend's selective recompute
-  of that share of the cached tokens (kvmesh.engine.blend);
+  of that share of the cached tokens (kvmesh.engine.blend), the rows chosen
+  by their deviation weighed by the question's attention;
+- ``deviation_0_15`` ... (``--deviation``): the same with CacheBlend's own
+  rule, the deviation alone;
 - ``oracle_0_15`` ... (``--oracle``): each ratio blended with the rows an
-  oracle picks from the full prefill (kvmesh.bench.blend_oracle), the best a
-  fixed choice of rows could do; its TTFT leaves out the picking;
+  oracle picks from the full prefill by their deviation
+  (kvmesh.bench.blend_oracle); its TTFT leaves out the picking;
 - ``reorder_vllm`` (``--no-vllm`` skips it): the reorder plan through real,
   unmodified vLLM (kvmesh.bench.blend_vllm), measured against vLLM's own
   full prefill.
@@ -76,9 +79,9 @@ REQUIRES = ("torch", "safetensors", "transformers")
 RATIOS = (0.0, 0.15, 1.0)
 
 
-def arrangement(ratio: float) -> str:
-    """The arrangement's name of a recompute ratio: 0.15 -> blend_0_15."""
-    return "blend_" + f"{ratio:g}".replace(".", "_")
+def arrangement(ratio: float, rule: str = "blend") -> str:
+    """The arrangement's name of a recompute ratio: 0.15 -> blend_0_15 (deviation_0_15)."""
+    return f"{rule}_" + f"{ratio:g}".replace(".", "_")
 
 
 def _ratios(text: str) -> list[float]:
@@ -131,10 +134,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the reorder_vllm arrangement (real vLLM with kvmesh's connector, ~1 min more)",
     )
     parser.add_argument(
+        "--deviation",
+        action="store_true",
+        help="also blend each ratio with CacheBlend's own rule, the values' deviation alone "
+        "(deviation_R; blend_R weighs it by the question's attention, see docs/blend.md)",
+    )
+    parser.add_argument(
         "--oracle",
         action="store_true",
         help="also blend each ratio with the rows an oracle picks from the full prefill "
-        "(oracle_R: the best a fixed choice of rows could do; a measurement, not a way to serve)",
+        "(oracle_R, by their deviation from it; a measurement, not a way to serve)",
     )
     parser.add_argument(
         "--ratios",
@@ -341,10 +350,14 @@ def _measure(
         store.put(doc, kv.slice(start, start + len(doc)), source_start=start)
         progress.count(done)
     model.prefill(corpus.system + corpus.documents[0])  # warm-up: first calls are slow
-    ratios = {arrangement(r): r for r in args.ratios}
+    # Each blend arrangement's ratio and rule of choosing rows (docs/blend.md).
+    blends = {arrangement(r): (r, "attention") for r in args.ratios}
     # The oracle at 0 and 1 would be blend_0 and blend_1 again.
     oracles = {oracle_name(r): r for r in args.ratios if 0 < r < 1} if args.oracle else {}
-    names = ("full_prefill", "prefix_only", *ratios, *oracles)
+    if args.deviation:
+        between = [r for r in args.ratios if 0 < r < 1]
+        blends |= {arrangement(r, "deviation"): (r, "deviation") for r in between}
+    names = ("full_prefill", "prefix_only", *blends, *oracles)
     figures: dict[str, dict[str, list[float]]] = {name: {} for name in names}
     progress.phase("prompts in every arrangement", total=len(prompts))
     for done, ((docs, question), answer) in enumerate(zip(prompts, answers, strict=True), 1):
@@ -376,7 +389,8 @@ def _measure(
                 # The prompt as the engine gets it, boundaries unknown: the node finds
                 # the stored documents in it (LookupSegments), then they are fetched.
                 segments = store.segments(tokens)
-                result = blend_prefill(model, segments, ratios[name], args.check_layer)
+                ratio, rule = blends[name]
+                result = blend_prefill(model, segments, ratio, args.check_layer, selection=rule)
                 logits, kv, reused = result.logits, result.kv, result.reused_tokens
             ttft = time.perf_counter() - began
             generated = model.generate(logits, kv, args.generate)

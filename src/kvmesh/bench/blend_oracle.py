@@ -1,13 +1,13 @@
-"""The best a fixed choice of rows could do: ``kvmesh bench blend --oracle``.
+"""Rows chosen with the full prefill in hand: ``kvmesh bench blend --oracle``.
 
-CacheBlend chooses the rows to recompute from one early layer. To tell how
-much of its quality loss comes from that rule and how much from the ratio
-itself, the oracle chooses with the answer in hand: the cached rows whose
-reused values deviate most from the full prefill's, summed over every layer
-after the check layer (each layer's deviations divided by their mean over the
-cached rows, so that no layer outweighs the rest). It needs the full prefill
-first, so it is a measurement, never a way to serve (docs/blend.md,
-"Benchmark").
+CacheBlend chooses the rows to recompute from one early layer. The oracle
+chooses with the answer in hand: the cached rows whose reused values deviate
+most from the full prefill's, summed over every layer after the check layer
+(each layer's deviations divided by their mean over the cached rows, so that
+no layer outweighs the rest). It needs the full prefill first, so it is a
+measurement, never a way to serve. It is not a bound either: the engine's
+default rule, which weighs the deviation by the question's attention, does
+better (docs/blend.md, "Benchmark").
 """
 
 from __future__ import annotations

@@ -10,9 +10,13 @@ the part of it that matters (docs/blend.md, "Selective recompute"):
 
 1. layers ``0 .. check_layer`` are computed for every row, as a full prefill
    does;
-2. at ``check_layer`` the fresh values of the cached rows are compared with the
-   cached ones; the ``recompute_ratio`` share of cached rows that deviate most,
-   and every row that had no cached K/V, stay *active*;
+2. at ``check_layer`` the ``recompute_ratio`` share of cached rows that matter
+   most stays *active*, with every row that had no cached K/V and the last row.
+   ``selection="deviation"`` is CacheBlend's rule: the rows whose fresh values
+   deviate most from the cached ones. ``selection="attention"`` (the default)
+   weighs that deviation by the attention the always-computed rows (the
+   question) pay each row in the later layers, read off a probe that runs
+   only those rows over the reused K/V;
 3. in later layers only the active rows are computed: their fresh K/V replace
    the cached rows' (reused as they are) and their queries attend over all of it.
 
@@ -31,6 +35,9 @@ import torch
 
 from kvmesh.engine.llama import LlamaModel, SequenceKV
 from kvmesh.kernels.rope import rerope
+
+#: How the rows to recompute are chosen (see the module docstring).
+SELECTIONS = ("attention", "deviation")
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,8 @@ class BlendResult:
     recomputed_tokens: int
     #: Rows with no cached K/V (always computed).
     computed_tokens: int
+    #: The cached rows recomputed (prompt positions, ascending).
+    recomputed_rows: list[int]
 
     @property
     def num_tokens(self) -> int:
@@ -65,8 +74,14 @@ class BlendResult:
 
 
 def _check(
-    model: LlamaModel, segments: Sequence[Segment], recompute_ratio: float, check_layer: int
+    model: LlamaModel,
+    segments: Sequence[Segment],
+    recompute_ratio: float,
+    check_layer: int,
+    selection: str,
 ) -> None:
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
     if not segments:
         raise ValueError("a blend needs at least one segment")
     if not 0.0 <= recompute_ratio <= 1.0:
@@ -95,23 +110,24 @@ def blend_prefill(
     recompute_ratio: float,
     check_layer: int = 1,
     *,
+    selection: str = "attention",
     recompute_rows: Sequence[int] | None = None,
 ) -> BlendResult:
     """The prompt ``segments`` prefilled with CacheBlend (see the module's docstring).
 
+    ``selection``: how the rows to recompute are chosen, one of :data:`SELECTIONS`.
     ``recompute_rows``: the cached rows (prompt positions) to recompute after the
-    check layer, chosen by the caller instead of by the values' deviation (to
-    measure a selection rule against CacheBlend's); ``recompute_ratio`` is then
-    only checked.
+    check layer, chosen by the caller instead (to measure a selection rule against
+    the others); ``recompute_ratio`` and ``selection`` are then only checked.
     """
-    _check(model, segments, recompute_ratio, check_layer)
+    _check(model, segments, recompute_ratio, check_layer, selection)
     blend = _Blend(model, segments)
     if recompute_rows is not None:
         bad = [r for r in recompute_rows if not 0 <= r < blend.n]
         if bad:
             raise ValueError(f"recompute_rows outside the prompt's {blend.n} rows: {bad[:5]}")
         blend.chosen = torch.tensor(sorted(set(recompute_rows)), dtype=torch.long)
-    return blend.run(recompute_ratio, check_layer)
+    return blend.run(recompute_ratio, check_layer, selection)
 
 
 def placed_kv(model: LlamaModel, segments: Sequence[Segment], layer: int) -> SequenceKV:
@@ -131,8 +147,11 @@ class _Blend:
         for seg in segments:
             cached += [seg.kv is not None] * len(seg.tokens)
         self.cached = torch.tensor(cached, dtype=torch.bool)
-        #: Cached rows to recompute, when the caller chose them (else the deviation rule).
+        #: Cached rows to recompute, when the caller chose them (else the selection rule).
         self.chosen: torch.Tensor | None = None
+        #: Per layer, the cached keys moved to the prompt's positions by the attention
+        #: probe, taken (and dropped) by the blend's own pass over the same layer.
+        self._moved_keys: dict[int, torch.Tensor] = {}
 
     def _old(self, layer: int, values: bool) -> torch.Tensor:
         """Layer ``layer``'s cached values, or keys moved to the prompt's positions."""
@@ -153,10 +172,18 @@ class _Blend:
             at += n
         return torch.cat(parts)
 
-    def _select(self, layer: int, fresh_values: torch.Tensor, ratio: float) -> torch.Tensor:
-        """Sorted rows that stay active: the top ``ratio`` of cached rows by how far their
-        values at ``layer`` deviate from the cached ones (or the rows the caller chose),
-        every uncached row, the last row."""
+    def _select(
+        self,
+        layer: int,
+        fresh_values: torch.Tensor,
+        hidden: torch.Tensor,
+        ratio: float,
+        selection: str,
+    ) -> torch.Tensor:
+        """Sorted rows that stay active after ``layer`` (the check layer): the top
+        ``ratio`` of cached rows by ``selection``'s score (or the rows the caller
+        chose), every uncached row, the last row. ``hidden``: every row's output of
+        ``layer``."""
         active = ~self.cached
         active[-1] = True
         if self.chosen is not None:
@@ -165,14 +192,42 @@ class _Blend:
         cached_rows = torch.nonzero(self.cached & ~active).flatten()
         keep = round(ratio * int(self.cached.sum()))
         keep = min(keep, cached_rows.numel())
-        if keep:
+        if keep == cached_rows.numel():
+            active[cached_rows] = True
+        elif keep:
             old = self._old(layer, values=True)[cached_rows]
-            deviation = (fresh_values[cached_rows] - old).float().pow(2).sum(dim=(1, 2))
-            active[cached_rows[torch.topk(deviation, keep).indices]] = True
+            score = (fresh_values[cached_rows] - old).float().pow(2).sum(dim=(1, 2))
+            if selection == "attention":
+                always = torch.nonzero(active).flatten()
+                score = score * self._attention(layer, hidden[always], always, cached_rows)
+            active[cached_rows[torch.topk(score, keep).indices]] = True
         return torch.nonzero(active).flatten()
 
+    def _attention(
+        self, check_layer: int, hidden: torch.Tensor, rows: torch.Tensor, candidates: torch.Tensor
+    ) -> torch.Tensor:
+        """Per candidate row, the attention ``rows`` pay it in every layer after the check
+        layer when only they are computed over the reused K/V (ratio 0's blend of them),
+        each layer's share divided by its mean over the candidates, summed."""
+        model = self.model
+        positions = torch.arange(self.n)
+        total = torch.zeros(candidates.numel())
+        for layer in range(check_layer + 1, model.num_layers):
+            q, k, v = model.qkv(layer, hidden, positions[rows])
+            keys = self._old(layer, values=False)
+            self._moved_keys[layer] = keys.clone()
+            values = self._old(layer, values=True)
+            keys[rows] = k
+            values[rows] = v
+            attended, paid = model.read_attention(q, positions[rows], keys, values, positions)
+            paid = paid.mean(0)[candidates].float()
+            total += paid / paid.mean().clamp_min(1e-12)
+            if layer + 1 < model.num_layers:
+                hidden = model.finish(layer, hidden, attended)
+        return total
+
     @torch.inference_mode()
-    def run(self, ratio: float, check_layer: int) -> BlendResult:
+    def run(self, ratio: float, check_layer: int, selection: str) -> BlendResult:
         model = self.model
         positions = torch.arange(self.n)
         hidden = model.embed(self.tokens)
@@ -181,7 +236,10 @@ class _Blend:
         for layer in range(model.num_layers):
             q, k, v = model.qkv(layer, hidden, positions[active])
             if layer > check_layer:
-                old_k, old_v = self._old(layer, values=False), self._old(layer, values=True)
+                old_k = self._moved_keys.pop(layer, None)
+                if old_k is None:
+                    old_k = self._old(layer, values=False)
+                old_v = self._old(layer, values=True)
                 old_k[active] = k
                 old_v[active] = v
                 k, v = old_k, old_v
@@ -189,7 +247,7 @@ class _Blend:
             values.append(v)
             hidden = model.attend(layer, hidden, q, positions[active], k, v, positions)
             if layer == check_layer:
-                active = self._select(layer, v, ratio)
+                active = self._select(layer, v, hidden, ratio, selection)
                 hidden = hidden[active]
         computed = int((~self.cached).sum())
         active_cached = int(self.cached[active].sum())
@@ -199,4 +257,5 @@ class _Blend:
             reused_tokens=int(self.cached.sum()) - active_cached,
             recomputed_tokens=active_cached,
             computed_tokens=computed,
+            recomputed_rows=active[self.cached[active]].tolist(),
         )

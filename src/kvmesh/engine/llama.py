@@ -248,7 +248,6 @@ class LlamaModel:
 
         A query at position p sees the keys at positions <= p.
         """
-        w = self.layers[layer]
         c = self.config
         group = c.num_heads // c.num_kv_heads
         q = queries.transpose(0, 1)  # [heads, rows, head_dim]
@@ -256,10 +255,46 @@ class LlamaModel:
         v = values.repeat_interleave(group, dim=1).transpose(0, 1)
         mask = key_positions[None, :] <= query_positions[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self._scale)
-        out = out.transpose(0, 1).reshape(hidden.shape[0], c.num_heads * c.head_dim)
-        hidden = hidden + out @ w.o.T
+        return self.finish(layer, hidden, out.transpose(0, 1))
+
+    @torch.inference_mode()
+    def finish(self, layer: int, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of layer ``layer`` after attention (``attended``: ``[rows, heads,
+        head_dim]``): output projection, MLP, residuals; the rows' next hidden states."""
+        w = self.layers[layer]
+        c = self.config
+        hidden = hidden + attended.reshape(hidden.shape[0], c.num_heads * c.head_dim) @ w.o.T
         x = self._rms(hidden, w.post_norm)
         return hidden + (F.silu(x @ w.gate.T) * (x @ w.up.T)) @ w.down.T
+
+    @torch.inference_mode()
+    def read_attention(
+        self,
+        queries: torch.Tensor,
+        query_positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        key_positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention as in :meth:`attend`, with its weights: ``(attended [rows, heads,
+        head_dim], weights [rows, key rows])``, the weights averaged over the heads.
+
+        An explicit softmax, so equal to :meth:`attend`'s within rounding, not bit
+        for bit. Each KV head's query heads are grouped, so K/V are not repeated.
+        """
+        c = self.config
+        group = c.num_heads // c.num_kv_heads
+        rows = queries.shape[0]
+        # [kv_heads, group * rows, head_dim]: query head h reads KV head h // group.
+        q = queries.view(rows, c.num_kv_heads, group, c.head_dim).permute(1, 2, 0, 3)
+        q = q.reshape(c.num_kv_heads, group * rows, c.head_dim)
+        scores = (q @ keys.permute(1, 2, 0)) * self._scale  # [kv_heads, group * rows, keys]
+        scores = scores.view(c.num_kv_heads, group, rows, -1)
+        hidden_keys = key_positions[None, :] > query_positions[:, None]
+        probs = torch.softmax(scores.masked_fill(hidden_keys, float("-inf")), dim=-1)
+        out = probs.view(c.num_kv_heads, group * rows, -1) @ values.transpose(0, 1)
+        out = out.view(c.num_kv_heads, group, rows, c.head_dim).permute(2, 0, 1, 3)
+        return out.reshape(rows, c.num_heads, c.head_dim), probs.mean(dim=(0, 1))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

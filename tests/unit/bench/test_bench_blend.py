@@ -136,18 +136,20 @@ def test_sigterm_stops_the_node_it_started_and_leaves_no_shared_memory(
             bench.wait()
 
 
-def test_the_oracle_blends_each_ratio_between_0_and_1_with_its_own_rows(
-    tiny_folder: Path,
+@pytest.mark.parametrize(
+    ("flag", "extra"), [("--oracle", "oracle_0_3"), ("--deviation", "deviation_0_3")]
+)
+def test_extra_rules_blend_each_ratio_between_0_and_1_with_their_own_rows(
+    tiny_folder: Path, flag: str, extra: str
 ) -> None:
+    """--oracle (rows from the full prefill), --deviation (CacheBlend's own rule)."""
     args = bench_parser("blend", blend).parse_args(
         ["--model", str(tiny_folder), *SMALL, "--generate", "4", "--quiet", "--no-vllm",
-         "--ratios", "0,0.3,1", "--oracle"]
+         "--ratios", "0,0.3,1", flag]
     )  # fmt: skip
     rows = blend.run(args)["arrangements"]
-    assert set(rows) == {
-        "full_prefill", "prefix_only", "blend_0", "blend_0_3", "blend_1", "oracle_0_3",
-    }  # fmt: skip
+    assert set(rows) == {"full_prefill", "prefix_only", "blend_0", "blend_0_3", "blend_1", extra}
     # The same share of the cached rows is recomputed, only chosen otherwise.
-    assert rows["oracle_0_3"]["reused_token_fraction"] == rows["blend_0_3"]["reused_token_fraction"]
-    assert rows["oracle_0_3"]["ttft_mean_ms"] > 0
-    assert 0.0 <= rows["oracle_0_3"]["greedy_agreement"] <= 1.0
+    assert rows[extra]["reused_token_fraction"] == rows["blend_0_3"]["reused_token_fraction"]
+    assert rows[extra]["ttft_mean_ms"] > 0
+    assert 0.0 <= rows[extra]["greedy_agreement"] <= 1.0

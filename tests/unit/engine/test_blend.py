@@ -193,3 +193,67 @@ def test_the_oracle_picks_the_rows_that_deviate_most_from_the_full_prefill(
     with pytest.raises(ValueError, match="full_kv has"):
         oracle_rows(model, segments, full.slice(0, 10), 0.15, check_layer=1)
     assert oracle_name(0.15) == "oracle_0_15"
+
+
+def _reference_attention_rows(model: LlamaModel, segments: list[Segment], keep: int) -> list[int]:
+    """The attention rule computed apart: layers 0..1 of every row; then the question
+    alone through the later layers over the reused K/V, its attention to each cached row
+    summed (each layer's divided by its mean), times the row's value deviation at layer 1."""
+    n = len(PROMPT)
+    positions = torch.arange(n)
+    cached = torch.tensor([s.kv is not None for s in segments for _ in s.tokens])
+    hidden = model.embed(PROMPT)
+    for layer in (0, 1):
+        q, k, v = model.qkv(layer, hidden, positions)
+        hidden = model.attend(layer, hidden, q, positions, k, v, positions)
+    reused = placed_kv(model, segments, 1).values[0]
+    deviation = (v - reused).pow(2).sum(dim=(1, 2))
+    question = torch.nonzero(~cached).flatten()
+    candidates = torch.nonzero(cached).flatten()
+    hidden = hidden[question]
+    paid_total = torch.zeros(n)
+    for layer in range(2, model.num_layers):
+        q, k, v = model.qkv(layer, hidden, positions[question])
+        placed = placed_kv(model, segments, layer)
+        keys, values = placed.keys[0].clone(), placed.values[0].clone()
+        keys[question], values[question] = k, v
+        scores = torch.einsum(
+            "qhd,khd->hqk", q, keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+        ) / (q.shape[-1] ** 0.5)
+        later = positions[None, :] > positions[question][:, None]  # causal
+        paid = torch.softmax(scores.masked_fill(later, float("-inf")), dim=-1).mean(dim=(0, 1))
+        paid_total += paid / paid[candidates].mean()
+        hidden = model.attend(layer, hidden, q, positions[question], keys, values, positions)
+    score = (deviation * paid_total)[candidates]
+    return sorted(candidates[torch.topk(score, keep).indices].tolist())
+
+
+def test_the_attention_rule_recomputes_what_the_question_reads_and_moved(
+    model: LlamaModel,
+) -> None:
+    segments = _segments(model)
+    cached = len(SYSTEM) + len(DOC_B) + len(DOC_A)
+    keep = 12
+    result = blend_prefill(model, segments, keep / cached)
+    assert result.recomputed_rows == _reference_attention_rows(model, segments, keep)
+    # CacheBlend's own rule reads the deviation alone, and here chooses other rows.
+    deviation = blend_prefill(model, segments, keep / cached, selection="deviation")
+    assert len(deviation.recomputed_rows) == keep
+    assert deviation.recomputed_rows != result.recomputed_rows
+
+
+@pytest.mark.parametrize("selection", ["attention", "deviation"])
+def test_every_selection_is_exact_at_ratio_one_and_pure_reuse_at_zero(
+    model: LlamaModel, selection: str
+) -> None:
+    segments = _segments(model)
+    logits, _ = model.prefill(PROMPT)
+    assert torch.equal(blend_prefill(model, segments, 1.0, selection=selection).logits, logits)
+    zero = blend_prefill(model, segments, 0.0, selection=selection)
+    assert zero.recomputed_rows == []
+    assert torch.equal(zero.logits, blend_prefill(model, segments, 0.0).logits)
+
+
+def test_an_unknown_selection_is_refused_by_name(model: LlamaModel) -> None:
+    with pytest.raises(ValueError, match="selection must be one of attention, deviation"):
+        blend_prefill(model, _segments(model), 0.15, selection="random")

@@ -52,6 +52,31 @@ def test_decode_continues_the_prompt(model: LlamaModel) -> None:
         assert int(torch.argmax(again)) == token
 
 
+def test_read_attention_is_attend_with_its_weights(model: LlamaModel) -> None:
+    """The explicit softmax gives attend's output within rounding, and weights that
+    are each query's causal softmax over the keys, averaged over the heads."""
+    hidden = model.embed(TOKENS)
+    positions = torch.arange(len(TOKENS))
+    _, keys, values = model.qkv(0, hidden, positions)
+    rows = torch.tensor([3, 9, 15])  # some queries, over every key
+    q, _, _ = model.qkv(0, hidden[rows], rows)
+    attended, weights = model.read_attention(q, rows, keys, values, positions)
+    torch.testing.assert_close(
+        model.finish(0, hidden[rows], attended),
+        model.attend(0, hidden[rows], q, rows, keys, values, positions),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    assert weights.shape == (3, len(TOKENS))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(3))
+    assert torch.all(weights[0, 4:] == 0)  # row 3 sees positions 0..3 only
+    c = model.config
+    expanded = keys.repeat_interleave(c.num_heads // c.num_kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, expanded) / c.head_dim**0.5
+    scores = scores.masked_fill(positions[None, :] > rows[:, None], float("-inf"))
+    torch.testing.assert_close(weights, torch.softmax(scores, -1).mean(0))
+
+
 def test_sequence_kv_slices_and_joins(model: LlamaModel) -> None:
     _, kv = model.prefill(TOKENS)
     joined = SequenceKV.cat([kv.slice(0, 5), kv.slice(5, len(TOKENS))])
