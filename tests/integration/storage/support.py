@@ -34,6 +34,7 @@ from kvmesh.rpc.server import Server
 from kvmesh.storage.app import StorageApp
 from kvmesh.storage.client import StorageClient
 from tests.support.harness import ServerThread
+from tests.support.waiting import wait_until
 
 T = TypeVar("T")
 
@@ -354,6 +355,16 @@ class Node:
 
     def read_locked_objects(self) -> int:
         return int(self.status().l1.read_locked_objects)
+
+    def wait_written_through(self, hashes: Sequence[bytes], timeout: float = 10.0) -> None:
+        """Wait until L2 holds ``hashes`` and the write-through let go of its L1 read locks.
+
+        The adapter lists a key before the write-through's batch gives its read locks
+        back, and an L1 delete skips a locked object; a test that deletes from L1
+        after a write-through waits for both (it must hold no locks of its own).
+        """
+        wanted = set(hashes)
+        wait_until(lambda: wanted <= self.l2_hashes() and self.read_locked_objects() == 0, timeout)
 
 
 def _map_region(region: common_pb2.SharedMemoryHandle, *, write: bool) -> tuple[mmap.mmap, int]:

@@ -90,7 +90,7 @@ def test_delete_per_tier_and_backend(disk_node: Node, engine: Engine) -> None:
     node = disk_node
     hashes = new_hashes(4)
     node.store(engine, hashes, blocks_of(range(4)))
-    wait_until(lambda: node.l2_hashes() == set(hashes))
+    node.wait_written_through(hashes)
 
     assert node.delete(hashes[:1], common_pb2.TIER_L1) == (1, 0)
     assert node.l1_hashes() == set(hashes[1:])

@@ -268,7 +268,7 @@ def test_lookup_mixes_l1_and_l2_hits_and_stops_at_the_first_miss(
     node = disk_node
     hashes = new_hashes(4)
     node.store(engine, hashes[:3], blocks_of(range(3)))
-    wait_until(lambda: node.l2_hashes() == set(hashes[:3]))
+    node.wait_written_through(hashes[:3])
     node.delete(hashes[1:3], common_pb2.TIER_L1)  # chunk 0 in L1, chunks 1-2 only on disk
     node.store(engine, hashes[3:], chunk_blocks(3))  # chunk 3: L1 only
 
@@ -302,7 +302,7 @@ def test_a_miss_on_the_nodes_own_disk_is_answered_by_its_index(
 
     hashes = new_hashes(2)
     node.store(engine, hashes[:1], blocks_of(range(1)))
-    wait_until(lambda: node.l2_hashes() == set(hashes[:1]))
+    node.wait_written_through(hashes[:1])
     node.delete(hashes[:1], common_pb2.TIER_L1)  # on disk only
     response = node.lookup(hashes[1:], wait_ms=0)  # absent everywhere
     assert response.completed  # answered within the call, without waiting
