@@ -67,6 +67,23 @@ def test_a_segment_stored_on_a_node_is_found_anywhere_with_its_placements() -> N
     assert found(c, [*a[1:], 3]) == []  # not at its start
 
 
+def test_segments_with_the_same_start_and_length_are_each_found() -> None:
+    """A system prompt followed by one document or another: one head, one length."""
+    c = make()
+    system = doc(1, 20)
+    a, b = [*system, *doc(100, 30)], [*system, *doc(200, 30)]
+    node = Stream("node-a")
+    c.ingest(store(node, [seg_key(a)], a))
+    c.ingest(store(node, [seg_key(b)], b))
+    assert len(c.blend) == 2
+    assert found(c, [*a, 7]) == [(0, 50)]
+    assert found(c, [*b, 7]) == [(0, 50)]
+    c.ingest(node.delete([seg_key(a)]))
+    assert found(c, [*a, 7]) == []
+    assert found(c, [*b, 7]) == [(0, 50)]  # forgetting one kept the other
+    assert len(c.blend) == 1
+
+
 def test_every_kv_rank_must_be_held_and_a_segment_no_node_holds_is_forgotten() -> None:
     c = make()
     a = doc(500, 32)

@@ -39,6 +39,22 @@ def test_two_documents_with_one_start_are_told_apart_by_their_whole_key() -> Non
     assert len(catalog) == 2  # neither hint was dropped
 
 
+def test_segments_with_the_same_start_and_length_are_each_found() -> None:
+    """A system prompt followed by one document or another: one head, one length."""
+    catalog = SegmentCatalog()
+    system = _doc(1, 20)
+    a = np.concatenate([system, _doc(100, 30)])
+    b = np.concatenate([system, _doc(200, 30)])
+    key_a, key_b = _noted(catalog, a), _noted(catalog, b)
+    assert len(catalog) == 2
+    assert catalog.find(LIKE, a, 1, lambda key: True)[0] == [(0, 50, key_a)]
+    assert catalog.find(LIKE, b, 1, lambda key: True)[0] == [(0, 50, key_b)]
+    assert catalog.find(LIKE, a, 1, lambda key: key != key_a)[0] == []  # a left L1
+    assert len(catalog) == 1
+    assert catalog.head_of(key_a) is None
+    assert catalog.find(LIKE, b, 1, lambda key: True)[0] == [(0, 50, key_b)]
+
+
 def test_salt_rank_and_model_keep_entries_apart_and_absent_ones_are_dropped() -> None:
     catalog = SegmentCatalog()
     doc = _doc(5, 16)

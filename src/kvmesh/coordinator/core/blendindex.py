@@ -33,7 +33,7 @@ from kvmesh.common.segment_probe import SEGMENT_FINGERPRINT_TOKENS, fingerprint,
 from .directory import KeyDirectory
 from .types import KeyInfo
 
-#: Index entries kept (one per model, salt, group and first tokens).
+#: Segments indexed (the oldest first tokens' segments dropped beyond it).
 MAX_ENTRIES = 262_144
 
 _Entry = tuple[str, str, int, bytes]  # model, salt, object group, first tokens' bytes
@@ -61,11 +61,13 @@ class BlendIndex:
         self.directory = directory
         self.enabled = enabled
         self._max = max_entries
-        # entry -> {segment length: its chunk hash}
-        self._index: OrderedDict[_Entry, dict[int, bytes]] = OrderedDict()
+        # entry -> {segment length: chunk hashes} (segments may share their start and
+        # length: a system prompt followed by one document or another)
+        self._index: OrderedDict[_Entry, dict[int, set[bytes]]] = OrderedDict()
+        self._size = 0
 
     def __len__(self) -> int:
-        return sum(len(lengths) for lengths in self._index.values())
+        return self._size
 
     # ---- CacheEventConsumer --------------------------------------------------------------------
 
@@ -79,10 +81,14 @@ class BlendIndex:
             key = entry.key
             head = fingerprint(np.asarray(segment.head_tokens, dtype=np.uint32))
             slot = (key.model_name, key.cache_salt, key.object_group_id, head)
-            self._index.setdefault(slot, {})[segment.num_tokens] = key.chunk_hash
+            hashes = self._index.setdefault(slot, {}).setdefault(segment.num_tokens, set())
+            if key.chunk_hash not in hashes:
+                hashes.add(key.chunk_hash)
+                self._size += 1
             self._index.move_to_end(slot)
-        while len(self._index) > self._max:
-            self._index.popitem(last=False)
+        while self._size > self._max:
+            _, dropped = self._index.popitem(last=False)
+            self._size -= sum(map(len, dropped.values()))
 
     def fence_instance(self, instance_id: str) -> None:
         """Nothing to do: placements live in the directory, which a lookup consults."""
@@ -108,7 +114,7 @@ class BlendIndex:
             )
         tokens = np.asarray(prompt, dtype=np.uint32)
         ranks = [worker_kv_rank(world_size, r) for r in range(world_size)]
-        lengths: dict[int, bytes] = {}
+        lengths: dict[int, set[bytes]] = {}
         slot: _Entry = (model_name, cache_salt, 0, b"")
         held: dict[int, BlendMatch] = {}
 
@@ -119,8 +125,9 @@ class BlendIndex:
             return sorted(lengths, reverse=True)
 
         def accept(start: int, length: int) -> bool:
-            chunk_hash = lengths[length]
-            if segment_key(model_name, tokens[start : start + length]) != chunk_hash:
+            chunk_hash = segment_key(model_name, tokens[start : start + length])
+            hashes = lengths[length]
+            if chunk_hash not in hashes:
                 return False  # the same start, another document
             keys = [ObjectKey(chunk_hash, model_name, rank, 0, cache_salt) for rank in ranks]
             infos = self.directory.lookup(keys, with_tokens=False)
@@ -128,9 +135,12 @@ class BlendIndex:
                 held[start] = BlendMatch(start, length, chunk_hash, infos)
                 return True
             if not any(info.placements for info in infos):
-                del lengths[length]  # no node holds it any more
-                if not lengths:
-                    self._index.pop(slot, None)
+                hashes.discard(chunk_hash)  # no node holds it any more
+                self._size -= 1
+                if not hashes:
+                    del lengths[length]
+                    if not lengths:
+                        self._index.pop(slot, None)
             return False
 
         found, probed = probe(tokens, stride, lengths_at, accept)

@@ -28,7 +28,7 @@ from kvmesh.common.hashing import segment_key
 from kvmesh.common.keys import ObjectKey
 from kvmesh.common.segment_probe import SEGMENT_FINGERPRINT_TOKENS, fingerprint, probe
 
-#: Index entries kept (one per distinct model, salt, rank and first tokens).
+#: Segments indexed (oldest first names dropped beyond it).
 MAX_ENTRIES = 65_536
 
 _Entry = tuple[str, str, int, int, bytes]  # model, salt, kv rank, group, first tokens' bytes
@@ -70,28 +70,44 @@ class FleetSegments(Protocol):
 
 
 class SegmentCatalog:
-    """Segments by their first tokens; ``find`` locates them in a prompt."""
+    """Segments by their first tokens; ``find`` locates them in a prompt.
+
+    Several segments may share their first tokens and even their length (a
+    system prompt followed by one document or another): each is kept under its
+    own key, and the prompt's tokens there say which one it holds.
+    """
 
     def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
         self._max = max_entries
-        # entry -> {segment length: its key}
-        self._index: OrderedDict[_Entry, dict[int, ObjectKey]] = OrderedDict()
+        # entry -> {segment length: {chunk hash: its key}}
+        self._index: OrderedDict[_Entry, dict[int, dict[bytes, ObjectKey]]] = OrderedDict()
         # key -> what the node's cache events say of it (docs/blend.md, "The fleet's blend index")
         self._heads: dict[ObjectKey, SegmentHead] = {}
+        self._size = 0
 
     def head_of(self, key: ObjectKey) -> SegmentHead | None:
         """The first tokens and length of the segment under ``key``, if it is indexed."""
         return self._heads.get(key)
 
-    def _drop(self, lengths: dict[int, ObjectKey], length: int) -> None:
-        self._heads.pop(lengths.pop(length), None)
-
     def __len__(self) -> int:
-        return sum(len(lengths) for lengths in self._index.values())
+        return self._size
 
     @staticmethod
     def _entry(key: ObjectKey, head: bytes) -> _Entry:
         return (key.model_name, key.cache_salt, key.kv_rank, key.object_group_id, head)
+
+    def _forget(self, entry: _Entry, length: int, chunk_hash: bytes) -> None:
+        lengths = self._index.get(entry, {})
+        keys = lengths.get(length, {})
+        key = keys.pop(chunk_hash, None)
+        if key is None:
+            return
+        self._size -= 1
+        self._heads.pop(key, None)
+        if not keys:
+            del lengths[length]
+            if not lengths:
+                del self._index[entry]
 
     def note(self, key: ObjectKey, tokens: np.ndarray) -> None:
         """Index a segment (tokens already checked against ``key``); short ones are not."""
@@ -99,16 +115,18 @@ class SegmentCatalog:
             return
         head = tokens[:SEGMENT_FINGERPRINT_TOKENS]
         entry = self._entry(key, fingerprint(head))
-        lengths = self._index.setdefault(entry, {})
-        if int(tokens.size) in lengths:
-            self._drop(lengths, int(tokens.size))
-        lengths[int(tokens.size)] = key
+        keys = self._index.setdefault(entry, {}).setdefault(int(tokens.size), {})
+        if key.chunk_hash not in keys:
+            self._size += 1
+        keys[key.chunk_hash] = key
         self._heads[key] = SegmentHead(tuple(head.tolist()), int(tokens.size))
         self._index.move_to_end(entry)
-        while len(self._index) > self._max:
+        while self._size > self._max:
             _, dropped = self._index.popitem(last=False)
-            for length in list(dropped):
-                self._drop(dropped, length)
+            for by_hash in dropped.values():
+                self._size -= len(by_hash)
+                for old in by_hash.values():
+                    self._heads.pop(old, None)
 
     def find(
         self,
@@ -125,22 +143,22 @@ class SegmentCatalog:
         """
         tokens = np.asarray(prompt, dtype=np.uint32)
         keys: dict[int, ObjectKey] = {}
-        lengths: dict[int, ObjectKey] = {}
+        entry = self._entry(like, b"")
+        lengths: dict[int, dict[bytes, ObjectKey]] = {}
 
         def lengths_at(head: bytes) -> list[int]:
-            nonlocal lengths
+            nonlocal entry, lengths
             entry = self._entry(like, head)
             lengths = self._index.get(entry, {})
             return sorted(lengths, reverse=True)
 
         def accept(start: int, length: int) -> bool:
-            key = lengths[length]
-            if segment_key(key.model_name, tokens[start : start + length]) != key.chunk_hash:
+            chunk_hash = segment_key(like.model_name, tokens[start : start + length])
+            key = lengths[length].get(chunk_hash)
+            if key is None:
                 return False  # the same start, another document: keep it
             if not resident(key):
-                self._drop(lengths, length)  # the segment left L1: forget it
-                if not lengths:
-                    self._index.pop(self._entry(like, fingerprint(tokens[start:])), None)
+                self._forget(entry, length, chunk_hash)  # the segment left L1: forget it
                 return False
             keys[start] = key
             return True
