@@ -1,7 +1,9 @@
 """``kvmesh bench blend``: CacheBlend on a real model, for speed and for what it does to the output.
 
-N documents (short English texts about made-up towns, seeded) are computed
-once, each after the system prompt, and kept under their tokens alone. M
+N documents (short English texts about made-up towns, seeded,
+kvmesh.bench.blend_corpus) are computed once in the two forms a blend reuses
+(kvmesh.engine.documents): after the system prompt, kept with it, and after
+the system prompt and a primer document, kept under their tokens alone. M
 prompts are the system prompt, k of the documents in a random order and a
 question about one of them, in SmolLM2's chat format. Each prompt runs in
 every arrangement, interleaved so machine noise hits them alike:
@@ -43,20 +45,25 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import random
-import re
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvmesh.bench.blend_corpus import (
+    Corpus,
+    Tokenizer,
+    first_river,
+    load_tokenizer,
+    make_corpus,
+    make_prompts,
+)
 from kvmesh.bench.blend_oracle import oracle_name, oracle_rows
 from kvmesh.bench.blend_vllm import measure_reorder, summary
 from kvmesh.bench.common import (
@@ -68,6 +75,7 @@ from kvmesh.bench.common import (
     start_service,
 )
 from kvmesh.engine.blend import Segment, blend_prefill
+from kvmesh.engine.documents import DocumentWriter
 from kvmesh.engine.llama import LlamaModel, SequenceKV
 from kvmesh.engine.segment_store import SegmentStore
 
@@ -92,16 +100,6 @@ def _ratios(text: str) -> list[float]:
     if not ratios or not all(0.0 <= r <= 1.0 for r in ratios):
         raise argparse.ArgumentTypeError(f"ratios must be in [0, 1]: {text!r}")
     return sorted(set(ratios))
-
-
-_TOWNS = [
-    "Arvel", "Brisk", "Calder", "Dunmore", "Elsby", "Fenwick",
-    "Garrow", "Holm", "Ivesly", "Jarrow", "Kelby", "Lorne",
-]  # fmt: skip
-_RIVERS = ["Tam", "Oise", "Lune", "Ribble", "Wear", "Tees", "Nidd", "Aire", "Esk", "Ure", "Swale"]
-_BUILT = ["school", "bridge", "market", "church", "library", "station", "mill", "theatre"]
-_NEAR = ["square", "harbour", "river", "hill", "park", "station"]
-_TRADES = ["weavers", "millers", "smiths", "fishers", "masons", "brewers"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -151,85 +149,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(RATIOS),
         help="recompute ratios to blend at, comma-separated (each an arrangement blend_R)",
     )
-
-
-@dataclass
-class _Corpus:
-    system: list[int]
-    documents: list[list[int]]
-    towns: list[str]
-    rivers: list[str]
-
-
-@dataclass
-class _Tokenizer:
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-
-
-def _document(rng: random.Random, town: str, river: str, sentences: int) -> str:
-    text = [
-        f"{town} is a town on the river {river}, with {rng.randrange(1000, 90000)} people.",
-        f"It was founded in {rng.randrange(900, 1800)} by a family of {rng.choice(_TRADES)}.",
-    ]
-    for _ in range(max(0, sentences - 2)):
-        text.append(
-            f"In {rng.randrange(1800, 2020)} {town} built a new {rng.choice(_BUILT)} "
-            f"near the {rng.choice(_NEAR)}."
-        )
-    return f"Document: {town}.\n" + " ".join(text) + "\n\n"
-
-
-def _tokenizer(folder: Path) -> _Tokenizer:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return _Tokenizer(
-        encode=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
-        decode=lambda tokens: str(tokenizer.decode(tokens)),
-    )
-
-
-def first_river(text: str) -> str | None:
-    """The river of ``_RIVERS`` that ``text`` names first (a whole word), or None."""
-    found = re.search(r"\b(" + "|".join(_RIVERS) + r")\b", text)
-    return found.group(1) if found else None
-
-
-def _corpus(encode: Callable[[str], list[int]], args: argparse.Namespace) -> _Corpus:
-    rng = random.Random(args.seed)
-    towns = [
-        _TOWNS[i % len(_TOWNS)] + (str(i) if i >= len(_TOWNS) else "")
-        for i in range(args.documents)
-    ]
-    rivers = [rng.choice(_RIVERS) for _ in towns]
-    system = encode(
-        "<|im_start|>system\nYou are a helpful assistant. Answer the question from the "
-        "documents.<|im_end|>\n<|im_start|>user\n"
-    )
-    texts = [
-        _document(rng, town, river, args.sentences)
-        for town, river in zip(towns, rivers, strict=True)
-    ]
-    return _Corpus(system, [encode(text) for text in texts], towns, rivers)
-
-
-def _prompts(
-    corpus: _Corpus, encode: Callable[[str], list[int]], args: argparse.Namespace
-) -> tuple[list[tuple[list[list[int]], list[int]]], list[str]]:
-    """(documents in the prompt's order, question tokens) of each prompt, and the
-    river each question asks for."""
-    rng = random.Random(args.seed + 1)
-    prompts, answers = [], []
-    for _ in range(args.prompts):
-        order = rng.sample(range(args.documents), args.docs_per_prompt)
-        asked = rng.choice(order)
-        question = encode(
-            f"Question: on which river is {corpus.towns[asked]}?<|im_end|>\n<|im_start|>assistant\n"
-        )
-        prompts.append(([corpus.documents[i] for i in order], question))
-        answers.append(corpus.rivers[asked])
-    return prompts, answers
 
 
 def _kl(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -294,23 +213,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(
                 f"kvmesh bench blend: --check-layer must be in [0, {model.num_layers})"
             )
-        tokenizer = _tokenizer(folder)
-        corpus = _corpus(tokenizer.encode, args)
+        words = load_tokenizer(folder)
+        texts = make_corpus(words.encode, args)
         c = model.config
         row_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
-        held = len(corpus.system) + sum(map(len, corpus.documents))
-        prompts, answers = _prompts(corpus, tokenizer.encode, args)
+        # The system prompt, and each document twice (after it, and after the primer).
+        docs = len(texts.documents)
+        held = (docs + 1) * len(texts.system) + 2 * sum(map(len, texts.documents))
+        questions, answers = make_prompts(texts, words.encode, args)
         with _node(args, 2 * held * row_bytes + 64 * MIB, progress) as target:
             store = SegmentStore(
                 target, str(folder), c.rope, num_layers=c.num_layers, kv_heads=c.num_kv_heads
             )
             try:
-                figures = _measure(
-                    model, store, corpus, (prompts, answers), tokenizer, args, progress
-                )
+                figures = _measure(model, store, texts, (questions, answers), words, args, progress)
             finally:
                 store.close()
-        result = _report(figures, model, folder, corpus, args)
+        result = _report(figures, model, folder, texts, args)
         if not args.vllm:
             result["not_run"]["reorder_vllm"] = "--no-vllm"
         elif importlib.util.find_spec("vllm") is None:
@@ -318,8 +237,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             reorder = measure_reorder(
                 folder,
-                corpus.system,
-                (prompts, answers),
+                texts.system,
+                (questions, answers),
                 first_river,
                 args,
                 progress,
@@ -331,23 +250,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _measure(
     model: LlamaModel,
     store: SegmentStore,
-    corpus: _Corpus,
+    corpus: Corpus,
     workload: tuple[list[tuple[list[list[int]], list[int]]], list[str]],
-    tokenizer: _Tokenizer,
+    tokenizer: Tokenizer,
     args: argparse.Namespace,
     progress: Progress,
 ) -> dict[str, dict[str, list[float]]]:
     """Per arrangement, per figure, one value per prompt."""
     prompts, answers = workload
     progress.phase("computing the documents once, into the node", total=len(corpus.documents))
-    _, system_kv = model.prefill(corpus.system)
-    store.put(corpus.system, system_kv, source_start=0)
+    writer = DocumentWriter(model, store, corpus.system, corpus.primer)
+    store.put(corpus.system, writer.system_kv, source_start=0)  # prefix_only's
     start = len(corpus.system)
     for done, doc in enumerate(corpus.documents, 1):
-        # Each document after the system prompt (the context every prompt gives it),
-        # kept under its tokens alone.
-        _, kv = model.prefill(doc, past=system_kv)
-        store.put(doc, kv.slice(start, start + len(doc)), source_start=start)
+        # After the system prompt (kept with it) and after the primer (kept alone):
+        # docs/blend.md, "Computing documents for reuse".
+        writer.put(doc)
         progress.count(done)
     model.prefill(corpus.system + corpus.documents[0])  # warm-up: first calls are slow
     # Each blend arrangement's ratio and rule of choosing rows (docs/blend.md).
@@ -417,7 +335,7 @@ def _report(
     figures: dict[str, dict[str, list[float]]],
     model: LlamaModel,
     folder: Path,
-    corpus: _Corpus,
+    corpus: Corpus,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     def mean(values: list[float]) -> float:
@@ -448,7 +366,8 @@ def _report(
         "generate": args.generate,
         "check_layer": args.check_layer,
         "torch_threads": torch.get_num_threads(),
-        "kv_store": "a kvmesh node (PrepareSegmentStore/Retrieve: keys of the tokens alone)",
+        "kv_store": "a kvmesh node (PrepareSegmentStore/Retrieve: keys of the tokens alone); "
+        "each document after the system prompt (kept with it) and after a primer (alone)",
         "arrangements": arrangements,
         "not_run": {},
     }

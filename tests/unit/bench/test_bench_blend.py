@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.bench import blend
+from kvmesh.bench.blend_corpus import first_river
 from kvmesh.cli.main import bench_parser
 from kvmesh.engine.vllm.model import make_tiny_model
 from tests.support.waiting import wait_until
@@ -64,7 +65,7 @@ def test_every_arrangement_is_measured_and_ratio_one_is_exact(tiny_folder: Path)
     ],
 )
 def test_the_answer_is_the_first_river_the_text_names(text: str, river: str | None) -> None:
-    assert blend.first_river(text) == river
+    assert first_river(text) == river
 
 
 @pytest.mark.parametrize(
