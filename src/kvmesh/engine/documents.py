@@ -11,9 +11,9 @@ prompt gives it one of two contexts:
   system prompt, and it needs no recompute at all;
 - *after other documents*: no stored K/V is exact there. Computed after the
   system prompt alone, the document's rows saw a few dozen tokens where the
-  prompt gives them hundreds, and their attention is spread accordingly
-  wrong; computed after the system prompt and a *primer* (any document of the
-  same kind), they are far closer to what the prompt computes. This form is
+  prompt gives them hundreds; computed after the system prompt and a
+  *primer* (any document of the same kind), they are measurably closer to
+  what the prompt computes (docs/blend.md has the figures). This form is
   kept under the document's tokens alone, found anywhere.
 
 The segment index finds the longest stored segment at each position, so a
