@@ -33,7 +33,7 @@ from kvmesh.common.segment_probe import SEGMENT_FINGERPRINT_TOKENS, fingerprint,
 from .directory import KeyDirectory
 from .types import KeyInfo
 
-#: Segments indexed (the oldest first tokens' segments dropped beyond it).
+#: Segments indexed (beyond it, the least recently stored first tokens' segments go).
 MAX_ENTRIES = 262_144
 
 _Entry = tuple[str, str, int, bytes]  # model, salt, object group, first tokens' bytes

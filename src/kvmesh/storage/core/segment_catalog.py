@@ -28,7 +28,7 @@ from kvmesh.common.hashing import segment_key
 from kvmesh.common.keys import ObjectKey
 from kvmesh.common.segment_probe import SEGMENT_FINGERPRINT_TOKENS, fingerprint, probe
 
-#: Segments indexed (oldest first names dropped beyond it).
+#: Segments indexed (beyond it, the least recently stored first tokens' segments go).
 MAX_ENTRIES = 65_536
 
 _Entry = tuple[str, str, int, int, bytes]  # model, salt, kv rank, group, first tokens' bytes
