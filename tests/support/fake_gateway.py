@@ -66,6 +66,12 @@ class FakeGateway:
     _tokens: dict[str, list[int]] = field(default_factory=dict)
     _lookups: dict[str, int] = field(default_factory=dict)
 
+    #: What the connector asked wait_holding_gil for: rpc name -> seconds.
+    held_waits: dict[str, float] = field(default_factory=dict)
+
+    def wait_holding_gil(self, rpc: str, seconds: float) -> None:
+        self.held_waits[rpc] = seconds
+
     def _enter(self, name: str, request: Any) -> None:
         self.calls.append((name, request))
         if name in self.failing:

@@ -35,6 +35,9 @@ from kvmesh.gateway.client import GatewayClient
 
 logger = logging.getLogger(__name__)
 
+#: How long a lookup's answer is awaited without releasing the GIL (a hit's takes ~0.5 ms).
+LOOKUP_SPIN_S = 0.002
+
 
 @dataclass
 class _RequestState:
@@ -68,6 +71,10 @@ class SchedulerHooks(ConnectorBase):
         client: GatewayClient | None = None,
     ) -> None:
         super().__init__(config, role, client=client)
+        # vLLM's scheduler, and every request with it, waits for a lookup; its other
+        # threads must not keep the GIL once the answer is in (docs/performance.md,
+        # "The engine's threads and the GIL").
+        self.client.wait_holding_gil("Lookup", LOOKUP_SPIN_S)
         self._requests: dict[str, _RequestState] = {}
         self._ahead = AheadSender(self.client) if config.ahead_engine_id else None
         #: EndSession calls, sent off the scheduler's loop (docs/connector.md, "Scheduler flow").

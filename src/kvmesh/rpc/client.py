@@ -188,6 +188,16 @@ class SyncClient:
     def _bind(self) -> None:
         """Set up what the subclass needs besides the transport (a streaming stub)."""
 
+    def wait_holding_gil(self, rpc: str, seconds: float) -> None:
+        """Wait up to ``seconds`` for ``rpc``'s answers without releasing the GIL.
+
+        Only the local lane's blocking transport can (LaneTransport.wait_holding_gil
+        in src/kvmesh/rpc/lane/client.py); on gRPC this does nothing.
+        """
+        hold = getattr(self.transport, "wait_holding_gil", None)
+        if hold is not None:
+            hold(self._path[rpc], seconds)
+
     def close(self) -> None:
         """Close the transport (if this client created it)."""
         if self._owns_transport:

@@ -42,17 +42,10 @@ from tests.integration.rpc.lane_support import (
     frame,
     read_reply,
     recv_exact,
-    socket_dir,
 )
 from tests.support.harness import REPO_ROOT, ServerThread, server_thread, spawn_cli
 from tests.support.ports import free_port
 from tests.support.waiting import wait_until
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    with socket_dir() as path:
-        yield path
 
 
 @pytest.fixture

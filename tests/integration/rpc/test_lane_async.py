@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +31,8 @@ from tests.integration.rpc.lane_support import (
     health_lane,
     read_reply,
     recv_exact,
-    running_slow_lane,
-    socket_dir,
 )
 from tests.support.harness import ServerThread, server_thread
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    with socket_dir() as path:
-        yield path
-
-
-@pytest.fixture
-def slow_lane(sock_dir: Path) -> Iterator[tuple[ServerThread, LaneServer, SlowHealth]]:
-    with running_slow_lane(sock_dir) as running:
-        yield running
-
 
 # -- the asyncio client (a service calling another on its host) ---------------------------
 

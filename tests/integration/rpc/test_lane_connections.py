@@ -11,7 +11,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +31,9 @@ from tests.integration.rpc.lane_support import (
     health_lane,
     read_reply,
     recv_exact,
-    running_slow_lane,
-    socket_dir,
 )
 from tests.support.harness import ServerThread, server_thread
 from tests.support.waiting import wait_until
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    with socket_dir() as path:
-        yield path
-
-
-@pytest.fixture
-def slow_lane(sock_dir: Path) -> Iterator[tuple[ServerThread, LaneServer, SlowHealth]]:
-    with running_slow_lane(sock_dir) as running:
-        yield running
 
 
 def test_a_passed_deadline_is_deadline_exceeded_and_cancels_the_handler(

@@ -22,6 +22,7 @@ from kvmesh.connector import (
     Request,
     SchedulerOutput,
 )
+from kvmesh.connector.scheduler import LOOKUP_SPIN_S
 from kvmesh.engine import SharedKVCache
 from tests.support.fake_gateway import FakeGateway
 from tests.support.waiting import wait_until
@@ -82,6 +83,13 @@ def test_lookup_is_sent_once_then_polled_until_it_completes() -> None:
     lookup = gateway.requests("Lookup")[0]
     assert list(lookup.token_ids) == list(request.prompt_token_ids)
     assert (lookup.model_name, lookup.world_size, lookup.wait_timeout_ms) == ("m", 1, 0)
+
+
+def test_the_scheduler_waits_for_lookups_holding_the_gil_and_for_nothing_else() -> None:
+    gateway = FakeGateway()
+    _scheduler(gateway)
+    assert gateway.held_waits == {"Lookup": LOOKUP_SPIN_S}
+    assert 0 < LOOKUP_SPIN_S <= 0.005  # under Python's switch interval
 
 
 def test_a_full_hit_leaves_the_last_token_to_compute_rounded_down_to_a_block() -> None:

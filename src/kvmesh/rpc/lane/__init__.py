@@ -22,6 +22,8 @@ By job:
 - :mod:`kvmesh.rpc.lane.client`: ``LaneTransport`` (blocking) and
   ``AsyncLaneTransport`` (asyncio), the typed clients' transports for
   ``lane:<path>`` targets (src/kvmesh/rpc/transport.py);
+- :mod:`kvmesh.rpc.lane.gilsocket`: the blocking client's socket calls,
+  which release the GIL only while they wait;
 - :mod:`kvmesh.rpc.lane.server`: ``LaneServer``, which dispatches each call
   from the service descriptor to its servicer method and enforces the
   deadline the client sent.

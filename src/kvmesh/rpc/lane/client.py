@@ -33,6 +33,7 @@ from kvmesh.rpc.lane.framing import (
     reply_result,
     request_frame,
 )
+from kvmesh.rpc.lane.gilsocket import recv_some, send_now
 
 _RECV_BYTES = 1 << 16
 _CONNECT_RETRY_S = 0.05
@@ -117,6 +118,7 @@ class _Connection:
         self.sock = sock
         self.max_message_bytes = max_message_bytes
         self.next_call_id = 1
+        self.buffer = bytearray(_RECV_BYTES)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -137,6 +139,34 @@ def _recv_exact(sock: socket.socket, count: int) -> bytes:
     return bytes(buffer)
 
 
+def _read_answer(
+    conn: _Connection, deadline: float | None, spin_s: float
+) -> tuple[int, int, bytes, bool]:
+    """One answer: (call id, status code, body, whether more bytes followed it)."""
+    fd = conn.sock.fileno()
+    head = conn.buffer
+    got = 0
+    while got < RESPONSE.size:
+        n = recv_some(fd, head, got, deadline, spin_s)
+        if n == 0:
+            raise ConnectionResetError("the server closed the connection")
+        got += n
+        spin_s = 0.0
+    body_len, call_id, code = RESPONSE.unpack_from(head)
+    have = got - RESPONSE.size
+    if have >= body_len:
+        end = RESPONSE.size + body_len
+        return call_id, code, bytes(head[RESPONSE.size : end]), have > body_len
+    body = bytearray(body_len)
+    body[:have] = head[RESPONSE.size : got]
+    while have < body_len:
+        n = recv_some(fd, body, have, deadline)
+        if n == 0:
+            raise ConnectionResetError("the server closed the connection")
+        have += n
+    return call_id, code, bytes(body), False
+
+
 class LaneTransport(_TransportBase):
     """Blocking unary calls over a lane.
 
@@ -152,6 +182,18 @@ class LaneTransport(_TransportBase):
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._closed = False
+        self._spin_s: dict[bytes, float] = {}
+
+    def wait_holding_gil(self, method: str, seconds: float) -> None:
+        """Wait up to ``seconds`` for ``method``'s answers without releasing the GIL.
+
+        For a short call whose caller holds others up while it waits (vLLM's
+        scheduler waiting for a lookup): when the answer arrives, the caller
+        goes on at once instead of first waiting for whichever of its
+        process's threads took the GIL meanwhile. Past ``seconds`` the wait
+        releases the GIL as every other call's does.
+        """
+        self._spin_s[self._method(method)] = seconds
 
     def call(
         self, method: str, request: bytes, timeout: float | None, wait_for_ready: bool = False
@@ -227,6 +269,7 @@ class LaneTransport(_TransportBase):
         conn = self._acquire(deadline, wait_for_ready)
         try:
             _check_size(payload, conn.max_message_bytes)
+            _remaining(deadline)
         except RpcError:
             self._release(conn)
             raise
@@ -234,24 +277,22 @@ class LaneTransport(_TransportBase):
         conn.next_call_id = (call_id + 1) & 0xFFFFFFFF
         sock = conn.sock
         try:
-            sock.settimeout(_remaining(deadline))
-            sock.sendall(request_frame(call_id, method, traceparent, payload, timeout))
-            head = sock.recv(_RECV_BYTES)
-            while 0 < len(head) < RESPONSE.size:
-                head += sock.recv(_RECV_BYTES)
-            if not head:
-                raise ConnectionResetError("the server closed the connection")
-            body_len, answered, code = RESPONSE.unpack_from(head)
-            body = head[RESPONSE.size :]
-            if len(body) < body_len:
-                body += _recv_exact(sock, body_len - len(body))
+            frame = request_frame(call_id, method, traceparent, payload, timeout)
+            # The request leaves with the GIL held; only the wait releases it (gilsocket).
+            sent = send_now(sock.fileno(), frame)
+            if sent < len(frame):  # the socket's buffer is full: wait for room as usual
+                sock.settimeout(_remaining(deadline))
+                sock.sendall(memoryview(frame)[sent:])
+            answered, code, body, extra = _read_answer(
+                conn, deadline, self._spin_s.get(method, 0.0)
+            )
         except TimeoutError:
             conn.close()
             raise _deadline_exceeded() from None
         except OSError as exc:
             conn.close()
             raise _unavailable(self.path, f"connection lost: {exc.strerror or exc}") from None
-        if answered != call_id or len(body) != body_len:
+        if answered != call_id or extra:
             conn.close()
             raise RpcError(grpc.StatusCode.INTERNAL, "local lane: out-of-step response")
         self._release(conn)
