@@ -7,6 +7,7 @@ many bytes as asked.
 
 from __future__ import annotations
 
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ import pytest
 from google.protobuf import wrappers_pb2
 from grpc_health.v1 import health_pb2
 
+from kvmesh.rpc.errors import RpcError
 from kvmesh.rpc.lane.client import LaneTransport
+from kvmesh.rpc.lane.framing import hello
 from kvmesh.rpc.lane.server import LaneMethod, LaneServer
 from tests.integration.rpc.lane_support import (
     CHECK,
@@ -104,3 +107,32 @@ def test_answers_of_any_size_arrive_whole(sock_dir: Path, size: int) -> None:
                     assert value == (pattern * (size // 251 + 1))[:size]
         finally:
             thread.run(server.stop(0.5))
+
+
+@pytest.mark.parametrize("size", [100, 8 << 20])
+def test_a_server_that_never_reads_nor_answers_ends_in_deadline_exceeded(
+    sock_dir: Path, size: int
+) -> None:
+    """A request that fits the socket's buffer, and one that does not (sent partly, then waits)."""
+    path = sock_dir / "deaf.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(1)
+    accepted: list[socket.socket] = []
+
+    def greet_then_ignore() -> None:
+        conn, _ = listener.accept()
+        conn.sendall(hello(64 << 20))
+        accepted.append(conn)  # never read, never answered
+
+    server = threading.Thread(target=greet_then_ignore)
+    server.start()
+    try:
+        with LaneTransport(str(path)) as channel, pytest.raises(RpcError) as err:
+            channel.call(BYTES, b"x" * size, 0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        server.join(5)
+        for conn in accepted:
+            conn.close()
+        listener.close()

@@ -281,7 +281,10 @@ class LaneTransport(_TransportBase):
             # The request leaves with the GIL held; only the wait releases it (gilsocket).
             sent = send_now(sock.fileno(), frame)
             if sent < len(frame):  # the socket's buffer is full: wait for room as usual
-                sock.settimeout(_remaining(deadline))
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("timed out")  # a partial frame: the connection goes
+                sock.settimeout(left)
                 sock.sendall(memoryview(frame)[sent:])
             answered, code, body, extra = _read_answer(
                 conn, deadline, self._spin_s.get(method, 0.0)
