@@ -92,34 +92,24 @@ def recv_some(
     room = len(buffer) - offset
     view = (ctypes.c_char * room).from_buffer(buffer, offset)
     pollfd = _PollFd(fd, _POLLIN, 0)
-    if spin_s > 0:
-        # Python code: the interpreter still hands the GIL over if another thread
-        # has waited a switch interval for it (5 ms by default, longer than any spin).
-        until = time.monotonic() + spin_s
-        if deadline is not None:
-            until = min(until, deadline)
-        while time.monotonic() < until:
-            got = _recv(fd, view, room, _MSG_DONTWAIT)
-            if got >= 0:
-                return int(got)
-            if ctypes.get_errno() not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
-                break  # the loop below reports it
-            _yield()
+    # The spin is Python code: the interpreter still hands the GIL over to a thread
+    # that has waited a switch interval for it (5 ms by default, longer than any spin).
+    spin_until = time.monotonic() + spin_s if spin_s > 0 else 0.0
     while True:
         got = _recv(fd, view, room, _MSG_DONTWAIT)
         if got >= 0:
             return int(got)
         code = ctypes.get_errno()
-        if code not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
-            _raise_errno("recv")
         if code == errno.EINTR:
             continue
-        if deadline is None:
-            wait_ms = -1
-        else:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("timed out")
-            wait_ms = max(1, int(left * 1000.0 + 0.999))
+        if code not in (errno.EAGAIN, errno.EWOULDBLOCK):
+            _raise_errno("recv")
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise TimeoutError("timed out")
+        if now < spin_until:
+            _yield()
+            continue
+        wait_ms = -1 if deadline is None else max(1, int((deadline - now) * 1000.0 + 0.999))
         if _poll(ctypes.byref(pollfd), 1, wait_ms) < 0 and ctypes.get_errno() != errno.EINTR:
             _raise_errno("poll")
