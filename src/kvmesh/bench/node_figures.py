@@ -6,7 +6,9 @@ calls the node served, its handler's mean time (``kvmesh_rpc_latency_seconds``)
 and, for the data path, the copy's own mean time and throughput
 (``kvmesh_storage_copy_*_total``, docs/observability.md). The handler's time
 less the copy's is locks, the hand-off to a copy thread and back, and the
-event loop's wait for a core.
+event loop's wait for a core. ``loop`` says how often the node's event loop
+woke a timer 20 ms and 100 ms late or more, and a bound on the longest lag
+(``kvmesh_event_loop_lag_seconds``): every call waited through such a stall.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import re
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 #: One sample: (series name, its labels as sorted (name, value) pairs).
@@ -107,14 +109,46 @@ def figures(
                 }
             )
         out[kind] = row
+    out["loop"] = _loop_lag(delta, after)
     return out
+
+
+def _loop_lag(delta: Callable[..., float], after: Mapping[SampleKey, float]) -> dict[str, Any]:
+    """The event loop's late wake-ups between the scrapes (summed over the pages scraped)."""
+    name = "kvmesh_event_loop_lag_seconds"
+    wake_ups = delta(f"{name}_count")
+    bounds = sorted(
+        {
+            float(dict(labels)["le"])
+            for (n, labels), _ in after.items()
+            if n == f"{name}_bucket" and dict(labels).get("le") not in (None, "+Inf")
+        }
+    )
+
+    def late(at_least: float) -> int:
+        within = delta(f"{name}_bucket", le=_le(at_least)) if at_least in bounds else wake_ups
+        return int(wake_ups - within)
+
+    # The smallest bucket that holds every wake-up bounds the longest lag.
+    worst = next((b for b in bounds if delta(f"{name}_bucket", le=_le(b)) >= wake_ups), None)
+    return {
+        "wake_ups": int(wake_ups),
+        "late_20ms": late(0.02),
+        "late_100ms": late(0.1),
+        "longest_at_most_ms": round(worst * 1e3, 1) if worst is not None and wake_ups else None,
+    }
+
+
+def _le(bound: float) -> str:
+    """A bucket's ``le`` label as prometheus_client writes it."""
+    return repr(float(bound))
 
 
 def describe(node: Mapping[str, Mapping[str, Any]]) -> str:
     """One line of :func:`figures` for a benchmark's table."""
     parts = []
     for kind in _METHODS:
-        row = node.get(kind, {})
+        row = node.get(kind) or {}
         if not row.get("calls"):
             continue
         text = f"{kind} {row['calls']}× {row['handler_ms_mean']} ms"
@@ -126,4 +160,12 @@ def describe(node: Mapping[str, Mapping[str, Any]]) -> str:
                 f"{row['copy_gb_s']} GB/s)"
             )
         parts.append(text)
-    return "node handlers: " + ("; ".join(parts) if parts else "no calls")
+    text = "node handlers: " + ("; ".join(parts) if parts else "no calls")
+    loop = node.get("loop") or {}
+    if loop.get("wake_ups"):
+        longest = loop.get("longest_at_most_ms")
+        text += (
+            f"; event loop late ≥ 20 ms {loop['late_20ms']}×, ≥ 100 ms {loop['late_100ms']}×"
+            + (f" (longest ≤ {longest} ms)" if longest is not None else " (longest > 10 s)")
+        )
+    return text

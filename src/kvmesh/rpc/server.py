@@ -51,6 +51,7 @@ from kvmesh.common.telemetry import (
 from kvmesh.rpc.handlers import HandlerRegistry
 from kvmesh.rpc.interceptors import ServiceInterceptor
 from kvmesh.rpc.lane.server import LaneMethod, LaneServer, claim_unix_socket, unary_methods
+from kvmesh.rpc.loop_lag import LoopLagMonitor
 from kvmesh.rpc.metrics import MetricsServer, RpcMetrics
 from kvmesh.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES as _DEFAULT_MAX_MESSAGE_BYTES
 
@@ -81,6 +82,12 @@ class ServerSettings:
         DEFAULT_MAX_MESSAGE_BYTES, "largest gRPC message accepted or sent"
     )
     log_level: str = setting("INFO", "log level (DEBUG, INFO, WARNING, ERROR)")
+    loop_lag_interval_ms: float = setting(
+        50.0,
+        "how often the event loop's lateness is sampled into kvmesh_event_loop_lag_seconds "
+        "(a stall shows as its length less up to this; each sample costs the idle loop a "
+        "wake-up); 0 turns it off",
+    )
     ready_file: str = setting(
         "", "once serving, write the bound endpoints here as JSON (used by kvmesh up)"
     )
@@ -95,6 +102,11 @@ class ServerSettings:
             raise ConfigError("grace_seconds must be >= 0")
         if self.max_message_bytes < 1024:
             raise ConfigError("max_message_bytes must be >= 1024")
+        if self.loop_lag_interval_ms != 0 and not 1 <= self.loop_lag_interval_ms <= 60_000:
+            raise ConfigError(
+                f"loop_lag_interval_ms must be 0 (off) or in [1, 60000], "
+                f"got {self.loop_lag_interval_ms}"
+            )
         if self.lane_socket and self.lane_socket == self.unix_socket:
             raise ConfigError("lane_socket and unix_socket must be different paths")
         for name in ("unix_socket", "lane_socket"):
@@ -175,6 +187,7 @@ class Server:
         metrics: MetricsServer | None,
         settings: ServerSettings,
         lane: LaneServer | None = None,
+        loop_lag: LoopLagMonitor | None = None,
     ) -> None:
         self.app = app
         self.grpc_server = server
@@ -186,6 +199,7 @@ class Server:
         self.metrics = metrics
         self.settings = settings
         self.lane = lane
+        self.loop_lag = loop_lag
         self._stopped = False
         self._app_health: dict[str, bool] = {}
         self._health_tasks: set[asyncio.Future[None]] = set()
@@ -205,6 +219,8 @@ class Server:
         await self.grpc_server.start()
         if self.lane is not None:
             await self.lane.start()
+        if self.loop_lag is not None:
+            self.loop_lag.start()
         on_bound = getattr(self.app, "on_bound", None)
         if callable(on_bound):
             on_bound(self.address, self.metrics.address if self.metrics else "")
@@ -262,6 +278,8 @@ class Server:
         try:
             await self.app.stop()
         finally:
+            if self.loop_lag is not None:
+                await self.loop_lag.stop()
             if self.metrics is not None:
                 self.metrics.close()
         logger.info("%s stopped", self.app.name)
@@ -373,7 +391,14 @@ def create_server(
             if metrics is not None:
                 metrics.close()
             raise
-    return Server(app, server, address, port, health, names, registry, metrics, settings, lane)
+    loop_lag = (
+        LoopLagMonitor(registry, app.name, interval_s=settings.loop_lag_interval_ms / 1e3)
+        if settings.loop_lag_interval_ms
+        else None
+    )
+    return Server(
+        app, server, address, port, health, names, registry, metrics, settings, lane, loop_lag
+    )
 
 
 def _lane_methods(services: Sequence[str], handlers: HandlerRegistry) -> dict[str, LaneMethod]:

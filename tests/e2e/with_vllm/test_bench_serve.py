@@ -56,6 +56,9 @@ def test_bench_serve_reports_every_arrangement() -> None:
     # itself.
     assert node["retrieve"]["started_ahead"] >= 1, node
     assert node["retrieve"]["joined"] <= node["retrieve"]["started_ahead"], node
+    # The node's event loop was watched all along (its lag monitor woke 200 times a second).
+    assert node["loop"]["wake_ups"] > 100, node
+    assert 0 <= node["loop"]["late_100ms"] <= node["loop"]["late_20ms"] <= node["loop"]["wake_ups"]
     assert result["arrangements"]["floor"]["cached_tokens"] >= 3 * 1024
     assert "serve: vllm_alone: warmup round" in done.stderr
     assert "serve: done in" in done.stderr

@@ -115,6 +115,23 @@ def test_metrics_endpoint_counts_rpcs_by_method_and_code(gateway) -> None:  # ty
     assert "kvmesh_gateway_active_sessions" in body
 
 
+def test_metrics_endpoint_shows_the_event_loop_lag(gateway) -> None:  # type: ignore[no-untyped-def]
+    _, server = gateway
+    assert server.metrics is not None
+    url = f"http://{server.metrics.address}/metrics"
+
+    def wake_ups() -> float:
+        body = urllib.request.urlopen(url, timeout=5).read().decode()
+        for line in body.splitlines():
+            if line.startswith('kvmesh_event_loop_lag_seconds_count{service="gateway"}'):
+                return float(line.rpartition(" ")[2])
+        return -1.0
+
+    first = wake_ups()
+    assert first >= 0, "the gateway serves no kvmesh_event_loop_lag_seconds"
+    wait_until(lambda: wake_ups() > first, timeout=10, message="the loop monitor woke no more")
+
+
 def test_invalid_argument_carries_error_info_naming_the_field(gateway) -> None:  # type: ignore[no-untyped-def]
     _, server = gateway
     client = GatewayClient(server.target)

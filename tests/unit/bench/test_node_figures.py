@@ -80,3 +80,34 @@ def test_accumulate_sums_the_phases_of_several_rounds() -> None:
     assert node["retrieve"]["calls"] == 4
     assert node["retrieve"]["copy_ms_mean"] == 2.0
     assert node["retrieve"]["copy_mb_mean"] == 8.0
+
+
+def _lag_page(buckets: dict[str, float]) -> str:
+    lines = [
+        f'kvmesh_event_loop_lag_seconds_bucket{{le="{le}",service="node"}} {n}'
+        for le, n in buckets.items()
+    ]
+    lines.append(f'kvmesh_event_loop_lag_seconds_count{{service="node"}} {buckets["+Inf"]}')
+    return "\n".join(lines)
+
+
+def test_the_event_loop_late_wake_ups_between_two_scrapes() -> None:
+    before = parse(
+        _lag_page({"0.005": 90, "0.02": 98, "0.05": 99, "0.1": 100, "1.0": 100, "+Inf": 100})
+    )
+    # 400 more wake-ups: 380 under 20 ms late, 12 at 20-50 ms, 4 at 50-100 ms, 4 at 0.1-1 s.
+    after = parse(
+        _lag_page({"0.005": 470, "0.02": 478, "0.05": 491, "0.1": 496, "1.0": 500, "+Inf": 500})
+    )
+    loop = figures(before, after)["loop"]
+    assert loop == {"wake_ups": 400, "late_20ms": 20, "late_100ms": 4, "longest_at_most_ms": 1000.0}
+    assert describe(figures(before, after)).endswith(
+        "; event loop late ≥ 20 ms 20×, ≥ 100 ms 4× (longest ≤ 1000.0 ms)"
+    )
+
+
+def test_no_loop_series_means_no_loop_figures() -> None:
+    page = parse(_page(2, 0.010, 2, 0.004, 32_000_000))
+    loop = figures(page, page)["loop"]
+    assert loop == {"wake_ups": 0, "late_20ms": 0, "late_100ms": 0, "longest_at_most_ms": None}
+    assert "event loop" not in describe(figures(page, page))

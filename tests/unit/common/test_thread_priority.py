@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 
 import pytest
@@ -50,3 +51,22 @@ def test_the_l2_write_through_threads_run_lowered() -> None:
         assert put == min(19, base + BACKGROUND_NICENESS)
     finally:
         controller.close()
+
+
+def test_the_l1_growth_thread_runs_lowered() -> None:
+    from kvmesh.storage.core.l1.pool import L1Pool
+
+    base = _nice(threading.get_native_id())
+    shm = tempfile.mkdtemp(
+        prefix="kvmesh-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+    )
+    pool = L1Pool("nice", 8 << 20, segment_bytes=4 << 20, shm_dir=shm, initial_bytes=4 << 20)
+    try:
+        (grower,) = [t for t in threading.enumerate() if t.name == f"{pool.prefix}-grow"]
+        tid = grower.native_id
+        assert tid is not None
+        wait_until(lambda: _nice(tid) == min(19, base + BACKGROUND_NICENESS))
+        assert _nice(threading.get_native_id()) == base  # the caller keeps its own
+    finally:
+        pool.close()
+        os.rmdir(shm)

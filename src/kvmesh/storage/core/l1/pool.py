@@ -41,6 +41,7 @@ import numpy as np
 
 from kvmesh.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvmesh.common.pages import populate
+from kvmesh.common.thread_priority import lower_this_thread
 from kvmesh.storage.core.l1.allocator import ExtentAllocator
 from kvmesh.storage.core.l1.objects import ALIGNMENT, L1Object, Segment, align_up
 
@@ -297,6 +298,11 @@ class L1Pool:
         return used >= self.grow_watermark * self._committed or (self._committed - used < headroom)
 
     def _grow_loop(self) -> None:
+        # Growth is background work: a store waits for it only when L1 is full, and
+        # the headroom rule starts it well before. At the default priority, mapping
+        # a segment took the node's one free core from its own event loop on a 2-core
+        # host (docs/architecture.md, "Background work runs at a lower priority").
+        lower_this_thread()
         while not self._closing.is_set():
             self._grow_wanted.wait()
             self._grow_wanted.clear()
