@@ -1,4 +1,5 @@
-"""``kvmesh bench serve --json`` end to end, small: three real vLLM servers and a node.
+"""``kvmesh bench serve --json`` end to end, small: three real vLLM servers and a node,
+up together while their two query rounds take turns.
 
 The figures themselves are not asserted (speed is read off the benchmark,
 never a test); what the JSON promises is: every arrangement's keys, kvmesh
@@ -24,20 +25,25 @@ def test_bench_serve_reports_every_arrangement() -> None:
     require_vllm()
     done = kvmesh_cli(
         "bench", "serve", "--documents", "3", "--doc-tokens", "1024", "--cache-docs", "1.5",
-        "--connector-option", "load_ahead=true", "--json", timeout=900,
+        "--connector-option", "load_ahead=true", "--query-rounds", "2", "--json", timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["model"]
+    assert result["workload"]["query_rounds"] == 2
     for name in ("vllm_alone", "floor", "kvmesh"):
         figures = result["arrangements"][name]
         assert all(figures[key] > 0 for key in KEYS), (name, figures)
+        # Both query rounds ran in every arrangement (taking turns, all servers up).
+        assert len(figures["query_rounds_ttft_mean_ms"]) == 2, (name, figures)
+        assert all(t > 0 for t in figures["query_rounds_ttft_mean_ms"]), (name, figures)
         # The split of a TTFT from vLLM's own request timings: a prefill always takes time.
         assert figures["query_prefill_ms_mean"] > 0, (name, figures)
         assert figures["query_queue_ms_mean"] >= 0, (name, figures)
+    assert len(result["query_ttft_vs_floor_by_round"]) == 2
     mesh = result["arrangements"]["kvmesh"]
-    # Each document is 4 chunks; the query round finds at least the ones vLLM evicted.
-    assert mesh["tokens_from_kvmesh"] >= 1024
+    # Each document is 4 chunks; each query round finds at least the ones vLLM evicted.
+    assert mesh["tokens_from_kvmesh"] >= 2 * 1024
     # The node's L1 figures come from its metrics (at least the first segment is mapped).
     assert mesh["l1_segments"] >= 1
     assert isinstance(mesh["l1_growth_waits"], int)
@@ -61,4 +67,5 @@ def test_bench_serve_reports_every_arrangement() -> None:
     assert 0 <= node["loop"]["late_100ms"] <= node["loop"]["late_20ms"] <= node["loop"]["wake_ups"]
     assert result["arrangements"]["floor"]["cached_tokens"] >= 3 * 1024
     assert "serve: vllm_alone: warmup round" in done.stderr
+    assert "serve: kvmesh: query 2 round" in done.stderr
     assert "serve: done in" in done.stderr
