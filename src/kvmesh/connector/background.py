@@ -2,9 +2,9 @@
 
 vLLM's scheduler runs every hook on the engine's one loop: while a hook
 waits for an RPC, no other request's step is scheduled. Calls whose answer
-the scheduler does not need (``RetrieveAhead``, ``EndSession``) go through a
-:class:`BackgroundCalls` instead: queued in a few microseconds, sent from a
-daemon thread in the order they were queued.
+the scheduler does not need (``RetrieveAhead``, ``FreeLookupLocks``,
+``EndSession``) go through a :class:`BackgroundCalls` instead: queued in a
+few microseconds, sent from a daemon thread in the order they were queued.
 
 Each call carries a key (a request id): :meth:`BackgroundCalls.wait_for`
 blocks until the key's queued calls have run, for a caller whose next RPC

@@ -106,7 +106,7 @@ class KVMeshConnector(SchedulerHooks, WorkerHooks):
         else:
             if self._ahead is not None:
                 self._ahead.close()
-            self.flush_session_ends()
+            self.flush_releases()
             for request_id in list(self._requests):
                 self._end_session(request_id)
             self._requests.clear()

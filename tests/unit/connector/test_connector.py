@@ -9,6 +9,7 @@ tests see every call the connector makes.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -166,6 +167,7 @@ def test_locks_of_chunks_that_will_not_be_retrieved_are_freed() -> None:
     sched.update_state_after_alloc(loads, list(range(1, 64)), need or 0)
     sched.get_num_new_matched_tokens(skips, 768)
     sched.update_state_after_alloc(skips, list(range(1, 64)), 0)
+    sched.flush_releases()  # the frees are sent from the releases' thread
 
     freed = {
         r.request_id: (r.start_token, r.end_token) for r in gateway.requests("FreeLookupLocks")
@@ -173,6 +175,28 @@ def test_locks_of_chunks_that_will_not_be_retrieved_are_freed() -> None:
     # A retrieve starts at the chunk holding token 600: chunks [0, 512) are not retrieved.
     # Without a retrieve, every locked chunk is freed.
     assert freed == {"load": (0, 512), "skip": (0, 768)}
+
+
+def test_freeing_locks_does_not_hold_the_scheduler_and_comes_before_the_session_end() -> None:
+    gateway = FakeGateway(end_session_gate=threading.Event())
+    _cache(gateway, 3, 1000)
+    sched = _scheduler(gateway)
+    first, second = _request(1000, "r1"), _request(1000, "r2")
+    sched.get_num_new_matched_tokens(first, 768)
+    sched.update_state_after_alloc(first, list(range(1, 64)), 0)
+    sched.request_finished(first)  # its EndSession is held by the gateway
+    sched.get_num_new_matched_tokens(second, 768)
+    sched.update_state_after_alloc(second, list(range(1, 64)), 0)
+    # r1's free is sent; r2's waits behind r1's held EndSession, and the scheduler went on.
+    deadline = time.monotonic() + 10
+    while not gateway.requests("FreeLookupLocks") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r.request_id for r in gateway.requests("FreeLookupLocks")] == ["r1"]
+
+    gateway.end_session_gate.set()  # type: ignore[union-attr]
+    sched.flush_releases()
+    order = [(n, r.request_id) for n, r in gateway.calls if n in ("FreeLookupLocks", "EndSession")]
+    assert order == [("FreeLookupLocks", "r1"), ("EndSession", "r1"), ("FreeLookupLocks", "r2")]
 
 
 def test_retrieve_op_starts_on_a_chunk_and_skips_the_engines_own_prefix() -> None:
@@ -240,7 +264,7 @@ def test_request_finished_ends_the_session_and_holds_blocks_while_stores_run() -
 
     assert sched.request_finished(stored) is True
     assert sched.request_finished(unstored) is False
-    sched.flush_session_ends()
+    sched.flush_releases()
     assert [r.request_id for r in gateway.requests("EndSession")] == ["stored", "unstored"]
 
 
