@@ -58,6 +58,9 @@ class _RequestState:
     num_computed_tokens: int = 0
     stored_tokens: int = 0
     stores_emitted: bool = False
+    #: Complete chunks the engine's own prefix cache held when kvmesh was not asked
+    #: (every complete chunk of the prompt was in it): they are not stored again.
+    own_chunk_tokens: int = 0
 
 
 class SchedulerHooks(ConnectorBase):
@@ -113,6 +116,13 @@ class SchedulerHooks(ConnectorBase):
                 request, lookup_deadline=time.monotonic() + self.config.lookup_timeout_s
             )
             self._requests[request.request_id] = state
+        if state.hit_tokens is None and not state.lookup_sent:
+            covered = self._own_hit_covers(request, num_computed_tokens)
+            if covered is not None:
+                state.own_chunk_tokens = covered
+                state.local_hit_tokens = num_computed_tokens
+                state.num_external_tokens = 0
+                return 0, False
         if state.hit_tokens is None:
             state.hit_tokens = self._poll_lookup(state)
             if state.hit_tokens is None:
@@ -126,6 +136,23 @@ class SchedulerHooks(ConnectorBase):
         state.local_hit_tokens = num_computed_tokens
         state.num_external_tokens = need
         return need, need > 0
+
+    def _own_hit_covers(self, request: Request, num_computed_tokens: int) -> int | None:
+        """The prompt's complete-chunk tokens when the engine's own hit holds all of
+        them (kvmesh could load nothing, nor store anything new), else None.
+
+        Such a request is not looked up: the lookup's round trip on the engine's
+        loop was the connector's whole cost on a hit vLLM served itself
+        (docs/performance.md, "When vLLM's own cache holds the prompt"). Asked
+        again (a preempted request resumed with less of its prefix in the
+        engine's cache), it is looked up then.
+        """
+        try:
+            chunk = self.chunk_size
+        except (grpc.RpcError, ConnectorError):
+            return None  # the lookup path reports the gateway's state
+        complete = (request.num_prompt_tokens // chunk) * chunk
+        return complete if num_computed_tokens >= complete else None
 
     def lookup_result(self, request_id: str) -> LookupResult:
         """What kvmesh reported for a request's lookup (zeros until it finished)."""
@@ -208,7 +235,9 @@ class SchedulerHooks(ConnectorBase):
         state.block_ids = list(block_ids)
         state.num_external_tokens = num_external_tokens
         hit = state.hit_tokens or 0
-        state.stored_tokens = hit  # what kvmesh holds is never stored again
+        # What kvmesh holds is never stored again, nor what the engine held when
+        # kvmesh was not asked.
+        state.stored_tokens = max(hit, state.own_chunk_tokens)
         state.num_computed_tokens = state.local_hit_tokens + num_external_tokens
         if num_external_tokens > 0:
             state.load_pending = True

@@ -160,12 +160,14 @@ def test_a_lookup_unfinished_by_its_deadline_counts_as_a_miss() -> None:
 def test_locks_of_chunks_that_will_not_be_retrieved_are_freed() -> None:
     gateway = FakeGateway()
     _cache(gateway, 3, 1000)
+    _cache(gateway, 2, 1000, salt="s")
     sched = _scheduler(gateway)
-    loads, skips = _request(1000, "load"), _request(1000, "skip")
+    loads, skips = _request(1000, "load"), _request(1000, "skip", salt="s")
 
     need, _ = sched.get_num_new_matched_tokens(loads, 600)
     sched.update_state_after_alloc(loads, list(range(1, 64)), need or 0)
-    sched.get_num_new_matched_tokens(skips, 768)
+    # kvmesh holds 2 chunks, the engine's own cache 640 tokens: nothing to load.
+    assert sched.get_num_new_matched_tokens(skips, 640) == (0, False)
     sched.update_state_after_alloc(skips, list(range(1, 64)), 0)
     sched.flush_releases()  # the frees are sent from the releases' thread
 
@@ -174,18 +176,58 @@ def test_locks_of_chunks_that_will_not_be_retrieved_are_freed() -> None:
     }
     # A retrieve starts at the chunk holding token 600: chunks [0, 512) are not retrieved.
     # Without a retrieve, every locked chunk is freed.
-    assert freed == {"load": (0, 512), "skip": (0, 768)}
+    assert freed == {"load": (0, 512), "skip": (0, 512)}
+
+
+def test_a_prompt_whose_every_chunk_the_engine_holds_is_neither_looked_up_nor_stored() -> None:
+    gateway = FakeGateway()
+    _cache(gateway, 3, 1000)
+    sched = _scheduler(gateway)
+    request = _request(1000)  # complete chunks: [0, 768)
+
+    assert sched.get_num_new_matched_tokens(request, 768) == (0, False)
+    sched.update_state_after_alloc(request, list(range(1, 64)), 0)
+    meta = sched.build_connector_meta(SchedulerOutput({"r1": 1000 - 768}))
+
+    assert "Lookup" not in gateway.names()
+    assert not meta.retrieve_ops
+    assert not meta.store_ops
+
+
+def test_a_resumed_request_with_less_of_its_prefix_in_the_engine_is_looked_up() -> None:
+    gateway = FakeGateway()
+    _cache(gateway, 3, 1000)
+    sched = _scheduler(gateway)
+    request = _request(1000)
+    assert sched.get_num_new_matched_tokens(request, 768) == (0, False)
+
+    # Preempted, then resumed after the engine evicted part of its prefix.
+    need, load_async = sched.get_num_new_matched_tokens(request, 256)
+
+    assert [r.request_id for r in gateway.requests("Lookup")] == ["r1"]
+    assert (need, load_async) == (768 - 256, True)
+
+
+def test_a_prompt_with_one_complete_chunk_beyond_the_engines_hit_is_looked_up() -> None:
+    gateway = FakeGateway()
+    _cache(gateway, 3, 1000)
+    sched = _scheduler(gateway)
+
+    need, _ = sched.get_num_new_matched_tokens(_request(1000), 752)  # 768 is a chunk's end
+
+    assert gateway.names().count("Lookup") == 1
+    assert need == 768 - 752
 
 
 def test_freeing_locks_does_not_hold_the_scheduler_and_comes_before_the_session_end() -> None:
     gateway = FakeGateway(end_session_gate=threading.Event())
-    _cache(gateway, 3, 1000)
+    _cache(gateway, 2, 1000)  # the engine's own cache holds more (640 tokens)
     sched = _scheduler(gateway)
     first, second = _request(1000, "r1"), _request(1000, "r2")
-    sched.get_num_new_matched_tokens(first, 768)
+    sched.get_num_new_matched_tokens(first, 640)
     sched.update_state_after_alloc(first, list(range(1, 64)), 0)
     sched.request_finished(first)  # its EndSession is held by the gateway
-    sched.get_num_new_matched_tokens(second, 768)
+    sched.get_num_new_matched_tokens(second, 640)
     sched.update_state_after_alloc(second, list(range(1, 64)), 0)
     # r1's free is sent; r2's waits behind r1's held EndSession, and the scheduler went on.
     deadline = time.monotonic() + 10
