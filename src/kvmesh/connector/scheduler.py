@@ -118,8 +118,9 @@ class SchedulerHooks(ConnectorBase):
             self._requests[request.request_id] = state
         if state.hit_tokens is None and not state.lookup_sent:
             covered = self._own_hit_covers(request, num_computed_tokens)
+            # Asked again with less in the engine's cache, what it held then no longer counts.
+            state.own_chunk_tokens = covered or 0
             if covered is not None:
-                state.own_chunk_tokens = covered
                 state.local_hit_tokens = num_computed_tokens
                 state.num_external_tokens = 0
                 return 0, False

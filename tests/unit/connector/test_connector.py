@@ -196,16 +196,20 @@ def test_a_prompt_whose_every_chunk_the_engine_holds_is_neither_looked_up_nor_st
 
 def test_a_resumed_request_with_less_of_its_prefix_in_the_engine_is_looked_up() -> None:
     gateway = FakeGateway()
-    _cache(gateway, 3, 1000)
+    _cache(gateway, 1, 1000)  # kvmesh holds the first chunk only
     sched = _scheduler(gateway)
     request = _request(1000)
     assert sched.get_num_new_matched_tokens(request, 768) == (0, False)
 
-    # Preempted, then resumed after the engine evicted part of its prefix.
-    need, load_async = sched.get_num_new_matched_tokens(request, 256)
+    # Preempted, then resumed after the engine evicted its whole prefix.
+    need, load_async = sched.get_num_new_matched_tokens(request, 0)
+    sched.update_state_after_alloc(request, list(range(1, 64)), need or 0)
+    meta = sched.build_connector_meta(SchedulerOutput({"r1": 1000 - 256}))
 
     assert [r.request_id for r in gateway.requests("Lookup")] == ["r1"]
-    assert (need, load_async) == (768 - 256, True)
+    assert (need, load_async) == (256, True)
+    # What the engine held before no longer counts: the chunks it lost are stored.
+    assert [(op.start, op.end) for op in meta.store_ops] == [(256, 768)]
 
 
 def test_a_prompt_with_one_complete_chunk_beyond_the_engines_hit_is_looked_up() -> None:
