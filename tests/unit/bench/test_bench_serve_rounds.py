@@ -115,10 +115,10 @@ def test_a_failed_turn_stops_every_arrangement_it_started() -> None:
     assert log[-2:] == ["floor stop abandoned", "kvmesh stop abandoned"]
 
 
-def test_one_after_another_stops_each_before_the_next_starts() -> None:
+def test_one_arrangement_at_a_time_stops_each_before_the_next_starts() -> None:
     log: list[str] = []
-    for name in ("floor", "kvmesh"):
-        serve._one_after_another(_Fake(name, log), [[0]], [[1]])  # type: ignore[arg-type]
+    for name in ("floor", "kvmesh"):  # how run() uses it with one query round
+        serve._taking_turns([_Fake(name, log)], [[0]], [[[1]]], pause_s=0)  # type: ignore[list-item]
     assert log == [
         "floor start", "floor warmup 0", "floor query 1", "floor result", "floor stop",
         "kvmesh start", "kvmesh warmup 0", "kvmesh query 1", "kvmesh result", "kvmesh stop",

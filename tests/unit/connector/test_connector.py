@@ -9,7 +9,6 @@ tests see every call the connector makes.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -234,9 +233,7 @@ def test_freeing_locks_does_not_hold_the_scheduler_and_comes_before_the_session_
     sched.get_num_new_matched_tokens(second, 640)
     sched.update_state_after_alloc(second, list(range(1, 64)), 0)
     # r1's free is sent; r2's waits behind r1's held EndSession, and the scheduler went on.
-    deadline = time.monotonic() + 10
-    while not gateway.requests("FreeLookupLocks") and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: gateway.requests("FreeLookupLocks"), 10)
     assert [r.request_id for r in gateway.requests("FreeLookupLocks")] == ["r1"]
 
     gateway.end_session_gate.set()  # type: ignore[union-attr]

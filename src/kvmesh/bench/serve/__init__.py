@@ -160,8 +160,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         unique_prompts = warmup + [p for prompts in query_rounds for p in prompts]
         unique_bytes = _unique_chunks(unique_prompts) * shape["kv_bytes_per_token"] * CHUNK
         each = [Arrangement(args, name, model, shape, work, progress) for name in chosen]
-        if args.query_rounds == 1:
-            arrangements = {a.name: _one_after_another(a, warmup, query_rounds[0]) for a in each}
+        if args.query_rounds == 1:  # one after the other, each stopped before the next starts
+            arrangements = {}
+            for arrangement in each:
+                arrangements.update(_taking_turns([arrangement], warmup, query_rounds, pause_s=0))
         else:
             arrangements = _taking_turns(each, warmup, query_rounds)
     result: dict[str, Any] = {
@@ -203,22 +205,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             mesh["warmup_round_s"] / alone["warmup_round_s"], 3
         )
     return result
-
-
-def _one_after_another(
-    arrangement: Arrangement, warmup: list[list[int]], queries: list[list[int]]
-) -> dict[str, Any]:
-    """Start one arrangement, run its two rounds, stop it; its figures."""
-    abandoned = True
-    try:
-        arrangement.start()
-        arrangement.run_round("warmup", warmup)
-        arrangement.run_round("query", queries)
-        result = arrangement.result()
-        abandoned = False
-        return result
-    finally:
-        arrangement.stop(abandoned=abandoned)
 
 
 def _taking_turns(
