@@ -103,8 +103,12 @@ def test_a_store_that_needs_room_grows_off_the_event_loop(
     taken = pool.allocate(pool.segment_bytes)
     assert taken is not None
 
+    call: list[float] = []
+
     async def store_needing_room() -> None:
+        call.append(time.monotonic())
         await manager.make_room([4 * MIB])
+        call.append(time.monotonic())
 
     done = _lookups_during(
         node,
@@ -119,7 +123,10 @@ def test_a_store_that_needs_room_grows_off_the_event_loop(
     assert pool.would_fit([4 * MIB])
     # The store's wait is measured and exported (what ``kvmesh bench serve`` reports).
     assert manager.growth_waits == 1
-    assert 0 < manager.growth_wait_max_s <= end - start + 1.0
+    # The wait recorded is the store's own: inside the call that made room
+    # (the call's span, not a time limit; the populate itself may queue behind
+    # the background grower on a loaded host).
+    assert 0 < manager.growth_wait_max_s <= call[1] - call[0]
     assert manager.status()["l1"]["growth_wait_max_s"] == manager.growth_wait_max_s
     pool.free(taken)
 
