@@ -21,6 +21,7 @@ from typing import Any, TextIO, TypeVar
 
 from kvmesh.common.help_format import DefaultsHelpFormatter, add_common_arguments
 from kvmesh.common.sigterm import sigterm_held
+from kvmesh.common.thread_priority import MAX_REALTIME_PRIORITY
 
 __all__ = [
     "DefaultsHelpFormatter",
@@ -221,6 +222,35 @@ def add_connector_option_argument(parser: argparse.ArgumentParser) -> None:
         help="a kv_connector_extra_config key for the kvmesh arrangements (repeatable), "
         "e.g. load_by_layer=false",
     )
+
+
+def add_node_realtime_argument(parser: argparse.ArgumentParser) -> None:
+    """``--node-realtime-priority N``: the benchmark's own node runs its event loop and copy
+    threads under SCHED_FIFO (``kvmesh node --realtime-priority``)."""
+    parser.add_argument(
+        "--node-realtime-priority",
+        type=_realtime_priority,
+        default=0,
+        metavar="N",
+        help="run the benchmark's kvmesh node with --realtime-priority N (SCHED_FIFO for its "
+        "event loop and copy threads; needs CAP_SYS_NICE; 0 = the default policy)",
+    )
+
+
+def _realtime_priority(text: str) -> int:
+    """argparse type of ``--node-realtime-priority``: 0..99."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= MAX_REALTIME_PRIORITY:
+        raise argparse.ArgumentTypeError(f"{value} is not 0 (off) or 1..{MAX_REALTIME_PRIORITY}")
+    return value
+
+
+def node_realtime_args(priority: int) -> list[str]:
+    """The ``kvmesh node`` options for ``--node-realtime-priority`` (none for 0)."""
+    return ["--realtime-priority", str(priority)] if priority else []
 
 
 def connector_options(pairs: Sequence[str]) -> dict[str, str]:

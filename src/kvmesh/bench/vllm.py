@@ -42,7 +42,9 @@ from kvmesh.bench.common import (
     Progress,
     add_connector_option_argument,
     add_model_argument,
+    add_node_realtime_argument,
     connector_options,
+    node_realtime_args,
 )
 from kvmesh.common.model_store import resolve as resolve_model
 from kvmesh.engine.vllm.model import make_tiny_model
@@ -100,6 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "on 2 cores",
     )
     add_connector_option_argument(parser)
+    add_node_realtime_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -134,6 +137,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(
             f"kvmesh bench vllm: --prompt-tokens must be >= {MIN_PROMPT_TOKENS}, --prompts and "
             "--rounds >= 1"
+        )
+    if args.gateway is not None and args.node_realtime_priority:
+        raise SystemExit(
+            "kvmesh bench vllm: --node-realtime-priority sets the benchmark's own node; "
+            "with --gateway, start that node with --realtime-priority instead"
         )
     options = connector_options(args.connector_option)
     progress = Progress.for_args("vllm", args)
@@ -170,6 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     data_dir=Path(tmp) / "fleet",
                     l1_size_bytes=2 << 30,
                     colocated=args.arrangement == "node",
+                    extra_storage_args=node_realtime_args(args.node_realtime_priority),
                 )
             )
             fleet.start()
@@ -260,6 +269,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "enforce_eager": True,
             "gap_s": args.gap_s,
             "rounds": args.rounds,
+            "node_realtime_priority": args.node_realtime_priority if fleet is not None else None,
         },
     }
     result["speedup_warm_vs_cold"] = round(result["ttft_cold_ms"] / result["ttft_warm_ms"], 1)

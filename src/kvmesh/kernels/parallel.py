@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kvmesh.common.thread_priority import scheduling_of_this_thread
+
 #: Below this many bytes a CPU copy stays on the calling thread: handing work to
 #: the pool costs tens of microseconds, as much as copying a few hundred KiB.
 MIN_PARALLEL_BYTES = 1 << 20
@@ -52,7 +54,13 @@ def _helper_pool(workers: int) -> ThreadPoolExecutor:
         if _pool is None or _pool_workers < workers:
             if _pool is not None:
                 _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvmesh-copy")
+            # Helpers do their caller's work, so they run at its priority: a node's
+            # copy threads may run in real time (kvmesh.common.thread_priority).
+            _pool = ThreadPoolExecutor(
+                max_workers=workers,
+                thread_name_prefix="kvmesh-copy",
+                initializer=scheduling_of_this_thread(),
+            )
             _pool_workers = workers
         return _pool
 

@@ -24,7 +24,9 @@ registration it imports torch and the copy code (``StorageNode.load_copies``):
 a node serves without torch, which takes 0.35 s of CPU to start instead of
 1.2 s, and the import does not stall the loop. The storage code never uses the
 loop's default executor: one-off blocking calls (loading the copy kernel,
-closing the event transport) get a thread that ends with them.
+closing the event transport) get a thread that ends with them. With
+``realtime_priority`` the loop's thread and the copy executors' threads run
+under ``SCHED_FIFO``; nothing else does (``kvmesh.common.thread_priority``).
 
 Threads of an idle storage node (20 on 2 cores in ``kvmesh up --nodes 1``,
 with a coordinator and a 1 GiB L1; ``ls /proc/PID/task | wc -l``):
@@ -73,6 +75,7 @@ from prometheus_client.registry import Collector
 from kvmesh.api.storage.v1 import storage_pb2, storage_pb2_grpc
 from kvmesh.common.config import ConfigError
 from kvmesh.common.errors import Unavailable
+from kvmesh.common.thread_priority import realtime_initializer, serve_this_thread_in_realtime
 from kvmesh.kernels import native
 from kvmesh.rpc.metrics import StatsCollector
 from kvmesh.rpc.server import ServiceBinding
@@ -121,6 +124,25 @@ async def _on_own_thread(name: str, fn: Callable[..., T], *args: Any) -> T:
         pool.shutdown(wait=False)
 
 
+def serve_loop_in_realtime(priority: int) -> None:
+    """Put the calling thread (the event loop's) under ``SCHED_FIFO`` at ``priority``.
+
+    0 does nothing. A node that may not do it refuses to start, naming what
+    it lacks, rather than serve at a priority its operator did not ask for.
+    """
+    if not priority:
+        return
+    try:
+        serve_this_thread_in_realtime(priority)
+    except OSError as exc:
+        raise ConfigError(
+            f"realtime_priority {priority}: this process may not use SCHED_FIFO "
+            f"({exc.strerror or exc}); it needs CAP_SYS_NICE (root, or docker run --cap-add "
+            f"SYS_NICE) or an RLIMIT_RTPRIO of at least {priority}, or realtime_priority 0"
+        ) from exc
+    logger.info("event loop and copy threads under SCHED_FIFO, priority %d", priority)
+
+
 def check_shm_space(shm_dir: str, l1_size_bytes: int) -> None:
     """Refuse at start an L1 larger than the free space of its shared-memory directory.
 
@@ -165,6 +187,8 @@ class StorageApp:
 
     def __init__(self, config: StorageConfig) -> None:
         self.config = config
+        # Built on the event loop's thread: that thread serves every RPC (and the lane).
+        serve_loop_in_realtime(config.realtime_priority)
         # ``kvmesh storage --port 0`` picks its port before the app is built, so the
         # default id names the real port; only a unix-socket node falls back to a path.
         self.instance_id = config.instance_id or (
@@ -283,11 +307,13 @@ class StorageApp:
         # forward pass, while a store runs after the answer (docs/architecture.md,
         # "Loads never wait behind stores").
         self.copy_threads = config.copy_threads or default_copy_threads()
+        # With realtime_priority, the copies run in real time as the loop does.
+        start = realtime_initializer(config.realtime_priority)
         self.copy_executor = ThreadPoolExecutor(
-            max_workers=self.copy_threads, thread_name_prefix="kvmesh-transfer"
+            max_workers=self.copy_threads, thread_name_prefix="kvmesh-transfer", initializer=start
         )
         self.load_executor = ThreadPoolExecutor(
-            max_workers=self.copy_threads, thread_name_prefix="kvmesh-load"
+            max_workers=self.copy_threads, thread_name_prefix="kvmesh-load", initializer=start
         )
         self.node = StorageNode(
             self.manager,

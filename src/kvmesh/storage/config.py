@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvmesh.common.config import ConfigError, check_creatable, require_module, setting
+from kvmesh.common.thread_priority import MAX_REALTIME_PRIORITY, realtime_supported
 from kvmesh.rpc.server import ServerSettings
 
 DEFAULT_PORT = 8301
@@ -70,6 +71,12 @@ class StorageConfig(ServerSettings):
         0,
         "threads copying chunks from engines into L1 (stores), and as many again copying "
         "chunks into engines (loads) (0 = one per core, 2 to 8)",
+    )
+    realtime_priority: int = setting(
+        0,
+        "run the event loop and the copy threads under SCHED_FIFO at this priority (1-99), "
+        "so engine processes that poll without sleeping never delay a lookup or a load; "
+        "needs CAP_SYS_NICE (0 = the default policy; docs/deployment.md)",
     )
     heartbeat_seconds: float = setting(5.0, "how often to heartbeat the coordinator")
     event_flush_ms: int = setting(50, "cache events are batched for at most this long")
@@ -232,6 +239,12 @@ class StorageConfig(ServerSettings):
             raise ConfigError("max_chunks_per_request must be >= 1")
         if self.copy_threads < 0:
             raise ConfigError("copy_threads must be >= 0 (0 = one per core, 2 to 8)")
+        if not 0 <= self.realtime_priority <= MAX_REALTIME_PRIORITY:
+            raise ConfigError(
+                f"realtime_priority must be 0 (off) or 1..{MAX_REALTIME_PRIORITY} (SCHED_FIFO)"
+            )
+        if self.realtime_priority and not realtime_supported():
+            raise ConfigError("realtime_priority needs Linux's SCHED_FIFO; set it to 0 here")
         if self.heartbeat_seconds <= 0 or self.event_flush_ms < 1:
             raise ConfigError("heartbeat_seconds and event_flush_ms must be > 0")
         if self.event_transport == "nats":

@@ -210,6 +210,11 @@ ROWS = [
     Row("flag-not-int", ["gateway", "--port", "x"], ["--port", "'x'", "integer"]),
     Row("port-range", _storage("--port", "70000"), ["port must be in [0, 65535]"]),
     Row(
+        "realtime-priority-range",
+        ["node", *_storage("--realtime-priority", "100")[1:]],
+        ["realtime_priority must be 0 (off) or 1..99"],
+    ),
+    Row(
         "l1-larger-than-shm",
         _storage("--l1-size-bytes", HUGE),
         ["l1_size_bytes", "free space of"],

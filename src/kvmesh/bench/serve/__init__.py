@@ -47,6 +47,7 @@ from kvmesh.bench.common import (
     Progress,
     add_connector_option_argument,
     add_model_argument,
+    add_node_realtime_argument,
     connector_options,
 )
 from kvmesh.bench.serve.arrangement import CHUNK, QUESTION_TOKENS, Arrangement
@@ -99,6 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of documents and questions")
     add_connector_option_argument(parser)
+    add_node_realtime_argument(parser)
 
 
 def _workload(args: argparse.Namespace) -> tuple[list[list[int]], list[list[list[int]]]]:
@@ -179,6 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "output_tokens": args.output_tokens,
             "query_rounds": args.query_rounds,
             "omp_bind": args.omp_bind,
+            "node_realtime_priority": args.node_realtime_priority,
         },
         "connector_options": connector_options(args.connector_option),
         "arrangements": arrangements,

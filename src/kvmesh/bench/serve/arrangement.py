@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.bench import node_figures
-from kvmesh.bench.common import Progress, connector_options
+from kvmesh.bench.common import Progress, connector_options, node_realtime_args
 from kvmesh.bench.serve.client import Answer, run_round, stream_completion, ttft_summary
 from kvmesh.bench.serve.servers import (
     ABANDON_GRACE_S,
@@ -121,7 +121,9 @@ class Arrangement:
         gib = max(1, math.ceil(self.blocks * block_bytes * 1.1 / 2**30))
         if self.name == "kvmesh":
             self.progress.phase("kvmesh: starting a kvmesh node")
-            self.node = start_node(self.work, args.l1_size, CHUNK)
+            self.node = start_node(
+                self.work, args.l1_size, CHUNK, node_realtime_args(args.node_realtime_priority)
+            )
         self.progress.phase(
             f"{self.name}: starting vLLM ({self.blocks} KV blocks of {args.block_size} tokens)"
         )
