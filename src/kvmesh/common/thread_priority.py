@@ -78,21 +78,11 @@ def serve_this_thread_in_realtime(priority: int) -> None:
 def realtime_initializer(priority: int) -> Callable[[], None]:
     """A ``ThreadPoolExecutor`` initializer running each of its threads at ``priority``.
 
-    It never raises (an initializer that raises breaks the whole pool): a
-    thread that cannot be set is logged and serves at the default priority.
-    The process's first serving thread is set before any pool is made, so a
-    missing privilege is refused at start, not here.
+    A thread that cannot be set is logged and serves at the default priority
+    (:func:`_never_raising`). The process's first serving thread is set before
+    any pool is made, so a missing privilege is refused at start, not here.
     """
-
-    def initialize() -> None:
-        try:
-            serve_this_thread_in_realtime(priority)
-        except (OSError, ValueError) as exc:
-            logger.warning(
-                "thread %d serves at the default priority: %s", threading.get_native_id(), exc
-            )
-
-    return initialize
+    return _never_raising(lambda: serve_this_thread_in_realtime(priority))
 
 
 def scheduling_of_this_thread() -> Callable[[], None]:
@@ -107,11 +97,17 @@ def scheduling_of_this_thread() -> Callable[[], None]:
     if policy & ~os.SCHED_RESET_ON_FORK not in (os.SCHED_FIFO, os.SCHED_RR):
         return _nothing
     param = os.sched_getparam(0)
+    return _never_raising(lambda: os.sched_setscheduler(0, policy, param))
+
+
+def _never_raising(apply: Callable[[], None]) -> Callable[[], None]:
+    """``apply`` as an initializer that logs a failure instead of raising it (an
+    initializer that raises breaks the whole pool)."""
 
     def initialize() -> None:
         try:
-            os.sched_setscheduler(0, policy, param)
-        except OSError as exc:
+            apply()
+        except (OSError, ValueError) as exc:
             logger.warning(
                 "thread %d serves at the default priority: %s", threading.get_native_id(), exc
             )

@@ -142,6 +142,25 @@ class Engine:
         self.path.unlink(missing_ok=True)
 
 
+async def store_and_read_back(
+    address: str, engine: Engine, keys: Any, blocks: Sequence[int]
+) -> bytes:
+    """Register ``engine`` with the node at ``address``, store ``blocks`` under ``keys``,
+    overwrite them, retrieve them: the engine's bytes of ``blocks`` after the retrieve."""
+    client = StorageClient(address)
+    try:
+        await client.register_engine_memory(engine.register_request(), timeout=60)
+        chunks = {"engine_id": engine.engine_id, "keys": keys, "block_ids": list(blocks),
+                  "chunk_tokens": CHUNK_TOKENS}  # fmt: skip
+        stored = await client.store_chunks(storage_pb2.StoreChunksRequest(**chunks), timeout=30)
+        assert set(stored.outcomes) == {STORED}
+        engine.fill(blocks, 0.0)  # the retrieve must bring the bytes back
+        await client.retrieve_chunks(storage_pb2.RetrieveChunksRequest(**chunks), timeout=30)
+        return engine.blocks_bytes(blocks)
+    finally:
+        await client.close()
+
+
 def chunk_blocks(chunk_index: int, base: int = 0) -> list[int]:
     """Block ids of chunk ``chunk_index`` when chunks use consecutive blocks from ``base``."""
     start = base + chunk_index * BLOCKS_PER_CHUNK

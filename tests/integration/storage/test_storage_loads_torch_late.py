@@ -20,16 +20,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvmesh.api.gateway.v1 import gateway_pb2
-from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.gateway.client import GatewayClient
-from kvmesh.storage.client import StorageClient
 from tests.integration.storage.conftest import ShmDirs
 from tests.integration.storage.support import (
-    CHUNK_TOKENS,
     Engine,
     chunk_blocks,
     new_hashes,
     row,
+    store_and_read_back,
 )
 from tests.support.harness import REPO_ROOT
 from tests.support.waiting import wait_until
@@ -71,24 +69,10 @@ def test_storage_serves_without_torch_and_loads_it_at_the_first_registration(
     blocks = chunk_blocks(0)
     before = engine.blocks_bytes(blocks)
 
-    async def register_store_and_read_back(address: str) -> bytes:
-        client = StorageClient(address)
-        try:
-            await client.register_engine_memory(engine.register_request(), timeout=60)
-            chunk = {"engine_id": engine.engine_id, "keys": keys, "block_ids": blocks,
-                     "chunk_tokens": CHUNK_TOKENS}  # fmt: skip
-            stored = await client.store_chunks(storage_pb2.StoreChunksRequest(**chunk), timeout=30)
-            assert list(stored.outcomes) == [storage_pb2.STORE_OUTCOME_STORED]
-            engine.fill(blocks, 0.0)  # the retrieve must bring the bytes back
-            await client.retrieve_chunks(storage_pb2.RetrieveChunksRequest(**chunk), timeout=30)
-            return engine.blocks_bytes(blocks)
-        finally:
-            await client.close()
-
     try:
         with _serving("storage", shm_dirs, tmp_path) as (pid, address):
             assert not _maps_torch(pid)
-            assert asyncio.run(register_store_and_read_back(address)) == before
+            assert asyncio.run(store_and_read_back(address, engine, keys, blocks)) == before
             assert _maps_torch(pid)
     finally:
         engine.close()

@@ -21,15 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.api.storage.v1 import storage_pb2
-from kvmesh.storage.client import StorageClient
 from tests.integration.storage.conftest import ShmDirs
 from tests.integration.storage.support import (
-    CHUNK_TOKENS,
     Engine,
     chunk_blocks,
     new_hashes,
     row,
+    store_and_read_back,
 )
 from tests.support.harness import REPO_ROOT
 from tests.support.waiting import wait_until
@@ -91,20 +89,6 @@ def test_a_realtime_node_runs_only_its_loop_and_copy_threads_in_real_time(
             stderr=subprocess.STDOUT,
         )
 
-    async def store_and_read_back(address: str) -> bytes:
-        client = StorageClient(address)
-        try:
-            await client.register_engine_memory(engine.register_request(), timeout=60)
-            chunks = {"engine_id": engine.engine_id, "keys": keys, "block_ids": blocks,
-                      "chunk_tokens": CHUNK_TOKENS}  # fmt: skip
-            stored = await client.store_chunks(storage_pb2.StoreChunksRequest(**chunks), timeout=30)
-            assert set(stored.outcomes) == {storage_pb2.STORE_OUTCOME_STORED}
-            engine.fill(blocks, 0.0)
-            await client.retrieve_chunks(storage_pb2.RetrieveChunksRequest(**chunks), timeout=30)
-            return engine.blocks_bytes(blocks)
-        finally:
-            await client.close()
-
     try:
         wait_until(lambda: ready.exists() or process.poll() is not None, timeout=60)
         assert process.poll() is None, log.read_text()[-3000:]
@@ -112,7 +96,7 @@ def test_a_realtime_node_runs_only_its_loop_and_copy_threads_in_real_time(
         main = {t[0]: t for t in _threads(process.pid)}[process.pid]
         assert main[2:] == (SCHED_FIFO, PRIORITY)  # the event loop's thread
 
-        assert asyncio.run(store_and_read_back(address)) == before
+        assert asyncio.run(store_and_read_back(address, engine, keys, blocks)) == before
         threads = _threads(process.pid)
         realtime = [t for t in threads if t[2] == SCHED_FIFO]
         # The loop, and at least one thread of the stores and one of the loads.
