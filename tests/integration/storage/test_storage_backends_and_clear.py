@@ -42,7 +42,8 @@ def test_deletes_name_the_nodes_own_backends_per_tier(
     h = new_hashes(8)
     node.store(engine, h, blocks_of(range(8)))
     every = set(h)
-    wait_until(lambda: per_backend(node) == {"dram": every, "disk": every, "memory": every})
+    node.wait_written_through(h)
+    assert per_backend(node) == {"dram": every, "disk": every, "memory": every}
 
     # L1 by its backend name (what the coordinator sends for an L1 placement).
     assert node.delete(h[0:2], L1, backend="dram") == (2, 0)
