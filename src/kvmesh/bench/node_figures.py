@@ -4,7 +4,8 @@ A benchmark scrapes the node (or its storage and gateway processes) before and
 after it runs, and reports per call kind (lookup, retrieve, store) how many
 calls the node served, its handler's mean time (``kvmesh_rpc_latency_seconds``)
 and, for the data path, the copy's own mean time and throughput
-(``kvmesh_storage_copy_*_total``, docs/observability.md). The handler's time
+(``kvmesh_storage_copy_*_total``, docs/observability.md), and the store calls
+that waited for L1 to grow (``kvmesh_storage_l1_growth_waits_total``). The handler's time
 less the copy's is locks, the hand-off to a copy thread and back, and the
 event loop's wait for a core. ``loop`` says how often the node's event loop
 woke a timer 20 ms and 100 ms late or more, and a bound on the longest lag
@@ -96,6 +97,9 @@ def figures(
             # joined one: a joined Retrieve's handler time is the worker's wait only.
             row["started_ahead"] = int(delta("kvmesh_gateway_retrieves_ahead_total"))
             row["joined"] = int(delta("kvmesh_gateway_retrieves_joined_total"))
+        if kind == "store":
+            # Store calls that waited for L1 to map and populate a new segment.
+            row["growth_waits"] = int(delta("kvmesh_storage_l1_growth_waits_total"))
         if kind != "lookup":
             copies = delta("kvmesh_storage_copies_total", direction=kind)
             copy_s = delta("kvmesh_storage_copy_seconds_total", direction=kind)
@@ -154,6 +158,8 @@ def describe(node: Mapping[str, Mapping[str, Any]]) -> str:
         text = f"{kind} {row['calls']}× {row['handler_ms_mean']} ms"
         if row.get("started_ahead"):
             text += f", {row['joined']} joined a load started ahead"
+        if row.get("growth_waits"):
+            text += f", {row['growth_waits']} waited for L1 to grow"
         if row.get("copy_ms_mean") is not None:
             text += (
                 f" (copy {row['copy_ms_mean']} ms of {row['copy_mb_mean']} MB, "

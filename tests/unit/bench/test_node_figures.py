@@ -111,3 +111,29 @@ def test_no_loop_series_means_no_loop_figures() -> None:
     loop = figures(page, page)["loop"]
     assert loop == {"wake_ups": 0, "late_20ms": 0, "late_100ms": 0, "longest_at_most_ms": None}
     assert "event loop" not in describe(figures(page, page))
+
+
+def _store_page(calls: int, seconds: float, copies: int, copy_s: float, waits: int) -> str:
+    return "\n".join(
+        [
+            f'kvmesh_rpc_latency_seconds_count{{method="Store",service="node"}} {calls}',
+            f'kvmesh_rpc_latency_seconds_sum{{method="Store",service="node"}} {seconds}',
+            f'kvmesh_storage_copies_total{{direction="store"}} {copies}',
+            f'kvmesh_storage_copy_seconds_total{{direction="store"}} {copy_s}',
+            f'kvmesh_storage_copy_bytes_total{{direction="store"}} {copies * 4_000_000}',
+            f"kvmesh_storage_l1_growth_waits_total {waits}",
+        ]
+    )
+
+
+def test_store_calls_that_waited_for_l1_to_grow_are_counted() -> None:
+    before = parse(_store_page(1, 0.01, 1, 0.002, 1))
+    after = parse(_store_page(5, 0.41, 5, 0.010, 3))
+    node = figures(before, after)
+    assert node["store"]["growth_waits"] == 2
+    assert describe(node) == (
+        "node handlers: store 4× 100.0 ms, 2 waited for L1 to grow "
+        "(copy 2.0 ms of 4.0 MB, 2.0 GB/s)"
+    )
+    # No growth between the scrapes: nothing said about it.
+    assert "grow" not in describe(figures(after, after | parse(_store_page(6, 0.42, 6, 0.012, 3))))
