@@ -23,7 +23,8 @@ import pytest
 import kvmesh.storage.core.l1.pool as pool_module
 from kvmesh.api.storage.v1 import storage_pb2
 from tests.integration.storage.conftest import NodeFactory
-from tests.integration.storage.support import Node, grid
+from tests.integration.storage.support import Engine, Node, chunk_blocks, grid, new_hashes
+from tests.support.waiting import wait_until
 
 MIB = 1 << 20
 SEGMENT = 512 * MIB  # about 0.1 s to populate here: room for many lookups
@@ -161,3 +162,26 @@ def test_a_reservation_on_the_event_loop_never_maps_memory(make_node: NodeFactor
     assert mapped_on
     assert all(name != node.thread._thread.name for name in mapped_on), mapped_on
     pool.free(taken)
+
+
+def test_stores_larger_than_half_a_segment_never_wait_for_a_growth(
+    make_node: NodeFactory, engine: Engine
+) -> None:
+    """One long prompt of a real model is most of a segment (8 000 tokens of SmolLM2
+    are 174 of 256 MiB): the grower keeps a whole such store free ahead, so with
+    time between stores (a prefill's worth) none waits for L1 to grow."""
+    page = 4096  # each of these 2 KiB chunks takes one aligned page of L1
+    chunks = 28  # 112 KiB a store: 70 % of a 160 KiB segment
+    node = make_node(l1_size_bytes=1024 * 1024, l1_segment_bytes=40 * page)
+    node.register(engine)
+    manager = node.app.manager
+    pool = manager.pool
+    blocks = [b for c in range(chunks) for b in chunk_blocks(c)]
+    for _ in range(4):
+        assert node.store(engine, new_hashes(chunks), blocks) == [1] * chunks
+        # The grower's time between stores: it leaves a whole store free. With
+        # half a segment of headroom only, 96 KiB would stay free after the
+        # second store and the third would wait for a growth.
+        wait_until(lambda: pool.free_bytes >= chunks * page, timeout=10)
+    assert manager.growth_waits == 0
+    assert pool.used_bytes == 4 * chunks * page

@@ -3,9 +3,11 @@
 Each segment is a file ``kvmesh-l1-<instance>-<n>`` under the shm directory
 (``/dev/shm`` by default), mapped read-write, so an engine-driven client can
 map the same bytes from ``L1Object.location()``. Segments are added as the
-pool fills: a background thread grows one segment ahead once usage of what
-is committed passes a watermark, so the request path rarely pays for it;
-an allocation that still does not fit grows synchronously (``grow_for``).
+pool fills: a background thread grows ahead once usage of what is committed
+passes a watermark, or less is free than half a segment or the largest
+reservation a store asked for (``expect_reservation``), so the request path
+rarely pays for it; an allocation that still does not fit grows
+synchronously (``grow_for``).
 
 Every new segment is backed and pre-faulted before it is used:
 ``posix_fallocate`` reserves the tmpfs pages (a full ``/dev/shm`` is an
@@ -100,6 +102,7 @@ class L1Pool:
         self._grown = threading.Condition(self._lock)
         self._grow_lock = threading.Lock()
         self._grow_forced = False  # request_growth: one segment even below the watermark
+        self._largest_reservation = 0  # expect_reservation: kept free ahead of the stores
         # Objects this large pack from the bottom, smaller ones from the top
         # (see allocator); None learns it as the largest size seen.
         self._alloc = ExtentAllocator(ALIGNMENT, large_bytes=full_chunk_bytes)
@@ -193,6 +196,15 @@ class L1Pool:
             below = not self._closed and self._committed < self.capacity_bytes
         return below and time.monotonic() >= self._grow_blocked_until
 
+    def expect_reservation(self, nbytes: int) -> None:
+        """A store is about to reserve ``nbytes`` at once: from now on the grower keeps
+        the largest such reservation free ahead (up to capacity), so the next
+        store of that size finds room instead of waiting for a growth."""
+        with self._lock:
+            self._largest_reservation = max(
+                self._largest_reservation, min(nbytes, self.capacity_bytes)
+            )
+
     def request_growth(self) -> None:
         """Ask the background grower for one more segment (returns at once)."""
         with self._lock:
@@ -283,18 +295,23 @@ class L1Pool:
     # -- internals --------------------------------------------------------
 
     def _wants_growth_locked(self) -> bool:
-        """Usage passed the watermark, or less than half a segment is left free.
+        """Usage passed the watermark, or less is left free than the headroom: half a
+        segment, or the largest reservation a store asked for if that is more.
 
         The headroom rule keeps a growth ahead of the stores: on a VM a new
         segment's first touch can take most of a second (fresh guest memory),
         and with 256 MiB segments a 75 % watermark leaves 64 MiB, which a
         busy node stores in about that time. A store that finds no room waits
-        for the growth, and vLLM's blocks wait with it.
+        for the growth, and vLLM's blocks wait with it. One long prompt of a
+        real model can need more than half a segment (8 000 tokens of
+        SmolLM2 are 174 MiB), or several segments for larger models.
         """
         if self._committed >= self.capacity_bytes:
             return False
         used = self._alloc.used_bytes
-        headroom = min(self.segment_bytes // 2, self._committed // 2)
+        headroom = max(
+            min(self.segment_bytes // 2, self._committed // 2), self._largest_reservation
+        )
         return used >= self.grow_watermark * self._committed or (self._committed - used < headroom)
 
     def _grow_loop(self) -> None:
