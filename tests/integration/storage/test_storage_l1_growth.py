@@ -23,7 +23,14 @@ import pytest
 import kvmesh.storage.core.l1.pool as pool_module
 from kvmesh.api.storage.v1 import storage_pb2
 from tests.integration.storage.conftest import NodeFactory
-from tests.integration.storage.support import Engine, Node, chunk_blocks, grid, new_hashes
+from tests.integration.storage.support import (
+    CHUNK_BYTES,
+    Engine,
+    Node,
+    chunk_blocks,
+    grid,
+    new_hashes,
+)
 from tests.support.waiting import wait_until
 
 MIB = 1 << 20
@@ -170,7 +177,7 @@ def test_stores_larger_than_half_a_segment_never_wait_for_a_growth(
     """One long prompt of a real model is most of a segment (8 000 tokens of SmolLM2
     are 174 of 256 MiB): the grower keeps a whole such store free ahead, so with
     time between stores (a prefill's worth) none waits for L1 to grow."""
-    page = 4096  # each of these 2 KiB chunks takes one aligned page of L1
+    page = CHUNK_BYTES  # one 4 KiB page of L1 a chunk
     chunks = 28  # 112 KiB a store: 70 % of a 160 KiB segment
     node = make_node(l1_size_bytes=1024 * 1024, l1_segment_bytes=40 * page)
     node.register(engine)

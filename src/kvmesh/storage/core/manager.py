@@ -453,7 +453,7 @@ class StorageManager:
         """
         if any(not 0 < size <= self.pool.segment_bytes for size in sizes):
             return  # the reservation refuses these sizes itself
-        self.pool.expect_reservation(sum(sizes))
+        self.pool.expect_reservation(sizes)
         if self.pool.would_fit(sizes) or not self.pool.can_grow():
             return
         started = time.monotonic()

@@ -196,14 +196,13 @@ class L1Pool:
             below = not self._closed and self._committed < self.capacity_bytes
         return below and time.monotonic() >= self._grow_blocked_until
 
-    def expect_reservation(self, nbytes: int) -> None:
-        """A store is about to reserve ``nbytes`` at once: from now on the grower keeps
-        the largest such reservation free ahead (up to capacity), so the next
-        store of that size finds room instead of waiting for a growth."""
+    def expect_reservation(self, sizes: Sequence[int]) -> None:
+        """A store is about to reserve objects of ``sizes`` at once: from now on the
+        grower keeps the largest such reservation free ahead (up to capacity), so
+        the next store of that size finds room instead of waiting for a growth."""
+        nbytes = min(sum(align_up(size) for size in sizes), self.capacity_bytes)
         with self._lock:
-            self._largest_reservation = max(
-                self._largest_reservation, min(nbytes, self.capacity_bytes)
-            )
+            self._largest_reservation = max(self._largest_reservation, nbytes)
 
     def request_growth(self) -> None:
         """Ask the background grower for one more segment (returns at once)."""
