@@ -43,7 +43,7 @@
 #include "ntcopy.h"
 
 /* Bumped whenever the exported functions change; checked by the loader. */
-#define KVMESH_NTCOPY_ABI 4
+#define KVMESH_NTCOPY_ABI 5
 
 /* Runs shorter than this are copied with memcpy: too few whole lines to pay
  * for the head/tail handling. */
@@ -251,11 +251,12 @@ KVMESH_EXPORT int kvmesh_tiles_batch(int layout, const int64_t *items, int64_t n
         void *lay = (void *)(intptr_t)it[0], *k = (void *)(intptr_t)it[1];
         void *v = (void *)(intptr_t)it[2];
         const int64_t *blocks = (const int64_t *)(intptr_t)it[3];
+        const int64_t *next = i + 1 < n_items ? it + 7 : NULL;
         int rc = layout == 0
                      ? kvmesh_amx_tiles(lay, k, v, blocks, it[4], it[5], it[6], heads, bs, hd,
-                                        esize, gather)
+                                        esize, gather, next)
                      : kvmesh_vec_tiles(lay, k, v, blocks, it[4], it[5], it[6], heads, bs, hd,
-                                        esize, gather);
+                                        esize, gather, next);
         if (rc != 0) return rc;
     }
     return 0;

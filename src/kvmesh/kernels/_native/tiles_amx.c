@@ -124,7 +124,8 @@ __attribute__((target("avx2"))) static void amx_block8(uint32_t *dst, int64_t ds
 
 __attribute__((target("avx2"))) static void amx_tiles_u16_avx2(
     uint16_t *lay, uint16_t *kr, uint16_t *vr, const int64_t *blocks, int64_t n_blocks,
-    int64_t n_tokens, int64_t skip_blocks, int64_t heads, int64_t bs, int64_t hd, int gather) {
+    int64_t n_tokens, int64_t skip_blocks, int64_t heads, int64_t bs, int64_t hd, int gather,
+    const int64_t *next_item) {
     const __m256i odd_even = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                               0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     int64_t row_len = heads * hd;
@@ -139,12 +140,16 @@ __attribute__((target("avx2"))) static void amx_tiles_u16_avx2(
     for (int64_t j = 0; j < n_blocks; j++) {
         int64_t count = n_tokens - j * bs < bs ? n_tokens - j * bs : bs;
         if (count <= 0 || (!gather && j < skip_blocks)) continue;
+        kvmesh_ahead ahead;
+        kvmesh_ahead_set(&ahead, lay, kr, vr, blocks, j, n_blocks, n_tokens, next_item, heads,
+                         bs, hd, 2, gather, 2 * heads * ((count + 31) / 32));
         for (int64_t h = 0; h < heads; h++) {
             uint16_t *region = lay + (blocks[j] * heads + h) * 2 * bs * hd;
             uint16_t *vregion = region + bs * hd;
             uint16_t *rows_k = kr + j * bs * row_len + h * hd;
             uint16_t *rows_v = vr + j * bs * row_len + h * hd;
             for (int64_t t0 = 0; t0 < count; t0 += 16) {
+                if (t0 % 32 == 0) kvmesh_ahead_step(&ahead);
                 int64_t n = count - t0 < 16 ? count - t0 : 16;
                 uint16_t *tile = region + (t0 / 16) * 16 * hd;
                 if (n == 16 && gstream) {
@@ -152,7 +157,7 @@ __attribute__((target("avx2"))) static void amx_tiles_u16_avx2(
                      * taken apart. */
                     if (t0 + 32 <= count)
                         for (int64_t off = 0; off < 16 * hd * 2; off += LINE)
-                            _mm_prefetch((const char *)(tile + 16 * hd) + off, _MM_HINT_T0);
+                            KVMESH_PREFETCH((const char *)(tile + 16 * hd) + off);
                     uint32_t *t32 = (uint32_t *)tile;
                     uint32_t *r32 = (uint32_t *)(rows_k + t0 * row_len);
                     int64_t dst_stride = row_len / 2, groups = hd / 16;
@@ -183,8 +188,7 @@ __attribute__((target("avx2"))) static void amx_tiles_u16_avx2(
                     if (t0 + 32 <= count)
                         for (int i = 16; i < 32; i++)
                             for (int64_t off = 0; off < hd * 2; off += 64)
-                                _mm_prefetch((const char *)(rows_k + (t0 + i) * row_len) + off,
-                                             _MM_HINT_T0);
+                                KVMESH_PREFETCH((const char *)(rows_k + (t0 + i) * row_len) + off);
                     for (int64_t dp = 0; dp < hd / 2; dp += 8) {
                         __m256i a[8], b[8];
                         for (int i = 0; i < 8; i++) {
@@ -226,13 +230,13 @@ __attribute__((target("avx2"))) static void amx_tiles_u16_avx2(
                 }
             }
             for (int64_t t = 0; gstream && t + 1 < count; t += 2) {
+                if (t % 32 == 0) kvmesh_ahead_step(&ahead);
                 /* V: a token pair's 16-dim tiles, taken apart into the two rows' whole runs. */
                 uint16_t *r0 = rows_v + t * row_len, *r1 = r0 + row_len;
                 __m256i w0[16], w1[16];
                 if (t + 16 < count) /* each 16-dim tile's line of the pair 8 pairs on */
                     for (int64_t d0 = 0; d0 < hd; d0 += 16)
-                        _mm_prefetch((const char *)(vregion + (d0 / 16) * 16 * bs + (t + 16) * 16),
-                                     _MM_HINT_T0);
+                        KVMESH_PREFETCH((const char *)(vregion + (d0 / 16) * 16 * bs + (t + 16) * 16));
                 for (int64_t d0 = 0; d0 < hd; d0 += 16) {
                     uint16_t *tile = vregion + (d0 / 16) * 16 * bs + (t / 2) * 32;
                     __m256i o0 = _mm256_loadu_si256((const __m256i *)tile);
@@ -248,11 +252,11 @@ __attribute__((target("avx2"))) static void amx_tiles_u16_avx2(
                     _mm256_stream_si256((__m256i *)(r1 + 16 * g), w1[g]);
             }
             for (int64_t t = gstream ? count - count % 2 : 0; t < count; t += 2) {
+                if (t % 32 == 0) kvmesh_ahead_step(&ahead);
                 if (stream && t % 16 == 0 && t + 32 <= count)
                     for (int i = 16; i < 32; i++)
                         for (int64_t off = 0; off < hd * 2; off += 64)
-                            _mm_prefetch((const char *)(rows_v + (t + i) * row_len) + off,
-                                         _MM_HINT_T0);
+                            KVMESH_PREFETCH((const char *)(rows_v + (t + i) * row_len) + off);
                 uint16_t *r0 = rows_v + t * row_len;
                 uint16_t *r1 = t + 1 < count ? r0 + row_len : NULL;
                 for (int64_t d0 = 0; d0 < hd; d0 += 16) {
@@ -288,35 +292,39 @@ __attribute__((target("avx2"))) static void amx_tiles_u16_avx2(
                 }
             }
         }
+        kvmesh_ahead_finish(&ahead);
     }
     if (stream || gstream) _mm_sfence(); /* streaming stores are weakly ordered */
 }
 
 static int amx_tiles_simd(void *layer, void *k_rows, void *v_rows, const int64_t *blocks,
                           int64_t n_blocks, int64_t n_tokens, int64_t skip_blocks, int64_t heads,
-                          int64_t bs, int64_t hd, int64_t esize, int gather) {
+                          int64_t bs, int64_t hd, int64_t esize, int gather,
+                          const int64_t *next_item) {
     if (esize != 2 || !__builtin_cpu_supports("avx2")) return 0;
     amx_tiles_u16_avx2((uint16_t *)layer, (uint16_t *)k_rows, (uint16_t *)v_rows, blocks, n_blocks,
-                       n_tokens, skip_blocks, heads, bs, hd, gather);
+                       n_tokens, skip_blocks, heads, bs, hd, gather, next_item);
     return 1;
 }
 #else
 static int amx_tiles_simd(void *layer, void *k_rows, void *v_rows, const int64_t *blocks,
                           int64_t n_blocks, int64_t n_tokens, int64_t skip_blocks, int64_t heads,
-                          int64_t bs, int64_t hd, int64_t esize, int gather) {
+                          int64_t bs, int64_t hd, int64_t esize, int gather,
+                          const int64_t *next_item) {
     (void)layer; (void)k_rows; (void)v_rows; (void)blocks; (void)n_blocks; (void)n_tokens;
     (void)skip_blocks; (void)heads; (void)bs; (void)hd; (void)esize; (void)gather;
+    (void)next_item;
     return 0;
 }
 #endif
 
-KVMESH_EXPORT int kvmesh_amx_tiles(void *layer, void *k_rows, void *v_rows,
-                                   const int64_t *blocks, int64_t n_blocks, int64_t n_tokens,
-                                   int64_t skip_blocks, int64_t heads, int64_t bs, int64_t hd,
-                                   int64_t esize, int gather) {
+int kvmesh_amx_tiles(void *layer, void *k_rows, void *v_rows, const int64_t *blocks,
+                     int64_t n_blocks, int64_t n_tokens, int64_t skip_blocks, int64_t heads,
+                     int64_t bs, int64_t hd, int64_t esize, int gather,
+                     const int64_t *next_item) {
     if (getenv("KVMESH_AMX_SCALAR") == NULL &&
         amx_tiles_simd(layer, k_rows, v_rows, blocks, n_blocks, n_tokens, skip_blocks, heads, bs,
-                       hd, esize, gather))
+                       hd, esize, gather, next_item))
         return 0;
     switch (esize) {
     case 1: AMX_TILE_COPY(uint8_t); return 0;

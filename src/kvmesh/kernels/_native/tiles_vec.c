@@ -25,13 +25,17 @@
         for (int64_t j = 0; j < n_blocks; j++) {                                           \
             int64_t count = n_tokens - j * bs < bs ? n_tokens - j * bs : bs;               \
             if (count <= 0 || (!gather && j < skip_blocks)) continue;                      \
+            kvmesh_ahead ahead;                                                            \
+            kvmesh_ahead_set(&ahead, layer, k_rows, v_rows, blocks, j, n_blocks, n_tokens, \
+                             next_item, heads, bs, hd, sizeof(T), gather,                  \
+                             2 * heads * ((count + 31) / 32));                             \
             for (int64_t h = 0; h < heads; h++) {                                          \
                 T *region = lay + (blocks[j] * heads + h) * 2 * bs * hd;                   \
                 T *rows_k = (T *)k_rows + j * bs * row_len + h * hd;                       \
                 T *rows_v = (T *)v_rows + j * bs * row_len + h * hd;                       \
                 int64_t t0 = simd ? vec_k_u16((uint16_t *)region, (uint16_t *)rows_k,      \
                                               (const uint16_t *)rows_v, count, bs, hd,     \
-                                              row_len, gather)                             \
+                                              row_len, gather, &ahead)                     \
                                   : 0;                                                     \
                 for (int64_t t = t0; t < count; t++)                                       \
                     for (int64_t d = 0; d < hd; d++) {                                     \
@@ -41,16 +45,17 @@
                 int64_t v0 = !simd   ? 0                                                   \
                              : gather ? vec_v_gather_stream_u16((uint16_t *)(region + bs * hd),    \
                                                                 (uint16_t *)rows_v, count, hd,     \
-                                                                row_len)                           \
+                                                                row_len, &ahead)                   \
                                       : vec_v_scatter_stream_u16((uint16_t *)(region + bs * hd),   \
                                                                  (uint16_t *)rows_v, count, hd,    \
-                                                                 row_len);                         \
+                                                                 row_len, &ahead);                 \
                 for (int64_t t = v0; t < count; t++) {                                     \
                     T *v = region + bs * hd + t * hd;                                      \
                     if (gather) memcpy(rows_v + t * row_len, v, (size_t)hd * sizeof(T));   \
                     else memcpy(v, rows_v + t * row_len, (size_t)hd * sizeof(T));          \
                 }                                                                          \
             }                                                                              \
+            kvmesh_ahead_finish(&ahead);                                                   \
         }                                                                                  \
     } while (0)
 
@@ -77,7 +82,7 @@ static inline void vec_prefetch_rows(const uint16_t *rows, int64_t first, int64_
                                      int64_t end, int64_t hd, int64_t row_len) {
     for (int64_t t = first; t < first + n && t < end; t++)
         for (int64_t off = 0; off < hd * 2; off += LINE)
-            _mm_prefetch((const char *)(rows + t * row_len) + off, _MM_HINT_T0);
+            KVMESH_PREFETCH((const char *)(rows + t * row_len) + off);
 }
 
 /* Rows of V prefetched ahead of the one a scatter copies. */
@@ -95,13 +100,14 @@ static inline void vec_prefetch_rows(const uint16_t *rows, int64_t first, int64_
  * model's shape; docs/kernels.md, "Gather and scatter"). */
 static int64_t vec_k_scatter_stream_u16(uint16_t *region, const uint16_t *rows,
                                         const uint16_t *v_rows, int64_t count, int64_t bs,
-                                        int64_t hd, int64_t row_len) {
+                                        int64_t hd, int64_t row_len, kvmesh_ahead *ahead) {
     if (bs % 32 || ((uintptr_t)region % 64)) return 0;
     int64_t whole = count - count % 32;
     int64_t share = 32 / (hd / 8) > 0 ? 32 / (hd / 8) : 1; /* rows prefetched per 8 dims */
     __m128i r[4][8];
     vec_prefetch_rows(rows, 0, 32, whole, hd, row_len);
-    for (int64_t t0 = 0; t0 < whole; t0 += 32)
+    for (int64_t t0 = 0; t0 < whole; t0 += 32) {
+        kvmesh_ahead_step(ahead);
         for (int64_t d0 = 0; d0 < hd; d0 += 8) {
             vec_prefetch_rows(rows, t0 + 32 + d0 / 8 * share, share, whole, hd, row_len);
             vec_prefetch_rows(v_rows, t0 + d0 / 8 * share, share, whole, hd, row_len);
@@ -116,6 +122,7 @@ static int64_t vec_k_scatter_stream_u16(uint16_t *region, const uint16_t *rows,
                 for (int q = 0; q < 4; q++) _mm_stream_si128(line + q, r[q][i]);
             }
         }
+    }
     return whole;
 }
 
@@ -124,10 +131,11 @@ static int64_t vec_k_scatter_stream_u16(uint16_t *region, const uint16_t *rows,
  * lines. Needs that run 64-byte aligned and hd * 2 a multiple of 64; returns
  * the tokens done. */
 static int64_t vec_v_scatter_stream_u16(uint16_t *vregion, const uint16_t *rows, int64_t count,
-                                        int64_t hd, int64_t row_len) {
+                                        int64_t hd, int64_t row_len, kvmesh_ahead *ahead) {
     if ((hd * 2) % 64 || ((uintptr_t)vregion % 64)) return 0;
     vec_prefetch_rows(rows, 0, VEC_V_AHEAD, count, hd, row_len);
     for (int64_t t = 0; t < count; t++) {
+        if (t % 32 == 0) kvmesh_ahead_step(ahead);
         vec_prefetch_rows(rows, t + VEC_V_AHEAD, 1, count, hd, row_len);
         const __m128i *src = (const __m128i *)(rows + t * row_len);
         __m128i *dst = (__m128i *)(vregion + t * hd);
@@ -141,21 +149,23 @@ static int64_t vec_v_scatter_stream_u16(uint16_t *vregion, const uint16_t *rows,
  * row. Needs the rows' runs whole aligned lines (hd * 2 and row_len * 2
  * multiples of 64, rows 64-byte aligned) and hd <= 256; returns the tokens done. */
 static int64_t vec_k_gather_stream_u16(const uint16_t *region, uint16_t *rows, int64_t count,
-                                       int64_t bs, int64_t hd, int64_t row_len) {
+                                       int64_t bs, int64_t hd, int64_t row_len,
+                                       kvmesh_ahead *ahead) {
     if ((hd * 2) % 64 || (row_len * 2) % 64 || ((uintptr_t)rows % 64) || hd > 256) return 0;
     int64_t whole = count - count % 8;
     const uint16_t *vregion = region + bs * hd;
     __m128i buf[32][8];
     for (int64_t t0 = 0; t0 < whole; t0 += 8) {
+        if (t0 % 32 == 0) kvmesh_ahead_step(ahead);
         /* A line of the transposed K holds 32 tokens of one dim: each group of 8
          * tokens prefetches a quarter of the dims' lines of the next 32 tokens,
          * and the V rows of its own 8 tokens, which the V copy reads next. */
         int64_t next = t0 - t0 % 32 + 32, quarter = (t0 % 32) / 8;
         if (next < whole)
             for (int64_t d = quarter * hd / 4; d < (quarter + 1) * hd / 4; d++)
-                _mm_prefetch((const char *)(region + d * bs + next), _MM_HINT_T0);
+                KVMESH_PREFETCH((const char *)(region + d * bs + next));
         for (int64_t off = 0; off < 8 * hd * 2; off += LINE)
-            _mm_prefetch((const char *)(vregion + t0 * hd) + off, _MM_HINT_T0);
+            KVMESH_PREFETCH((const char *)(vregion + t0 * hd) + off);
         for (int64_t d0 = 0; d0 < hd; d0 += 8) {
             __m128i r[8];
             for (int i = 0; i < 8; i++)
@@ -174,9 +184,10 @@ static int64_t vec_k_gather_stream_u16(const uint16_t *region, uint16_t *rows, i
 /* Gather of V with streaming stores (each token's hd elements: whole aligned lines of
  * its chunk row, under the same conditions as the K gather); returns the tokens done. */
 static int64_t vec_v_gather_stream_u16(const uint16_t *vregion, uint16_t *rows, int64_t count,
-                                       int64_t hd, int64_t row_len) {
+                                       int64_t hd, int64_t row_len, kvmesh_ahead *ahead) {
     if ((hd * 2) % 64 || (row_len * 2) % 64 || ((uintptr_t)rows % 64)) return 0;
     for (int64_t t = 0; t < count; t++) {
+        if (t % 32 == 0) kvmesh_ahead_step(ahead);
         const __m128i *src = (const __m128i *)(vregion + t * hd);
         __m128i *dst = (__m128i *)(rows + t * row_len);
         for (int64_t i = 0; i < hd / 8; i++) _mm_stream_si128(dst + i, _mm_loadu_si128(src + i));
@@ -190,12 +201,13 @@ static int64_t vec_v_gather_stream_u16(const uint16_t *vregion, uint16_t *rows, 
  * prefetches the V rows `v_rows` the V copy reads next), a gather into aligned
  * rows one for every group. */
 static int64_t vec_k_u16(uint16_t *region, uint16_t *rows, const uint16_t *v_rows,
-                         int64_t count, int64_t bs, int64_t hd, int64_t row_len, int gather) {
+                         int64_t count, int64_t bs, int64_t hd, int64_t row_len, int gather,
+                         kvmesh_ahead *ahead) {
     if (hd % 8) return 0;
     int64_t whole = count - count % 8;
     int64_t start =
-        gather ? vec_k_gather_stream_u16(region, rows, whole, bs, hd, row_len)
-               : vec_k_scatter_stream_u16(region, rows, v_rows, whole, bs, hd, row_len);
+        gather ? vec_k_gather_stream_u16(region, rows, whole, bs, hd, row_len, ahead)
+               : vec_k_scatter_stream_u16(region, rows, v_rows, whole, bs, hd, row_len, ahead);
     __m128i r[8];
     for (int64_t t0 = start; t0 < whole; t0 += 8)
         for (int64_t d0 = 0; d0 < hd; d0 += 8) {
@@ -218,28 +230,29 @@ static int64_t vec_k_u16(uint16_t *region, uint16_t *rows, const uint16_t *v_row
 #define VEC_SIMD_OK 1
 #else
 static int64_t vec_k_u16(uint16_t *region, uint16_t *rows, const uint16_t *v_rows,
-                         int64_t count, int64_t bs, int64_t hd, int64_t row_len, int gather) {
+                         int64_t count, int64_t bs, int64_t hd, int64_t row_len, int gather,
+                         kvmesh_ahead *ahead) {
     (void)region; (void)rows; (void)v_rows; (void)count; (void)bs; (void)hd; (void)row_len;
-    (void)gather;
+    (void)gather; (void)ahead;
     return 0;
 }
 static int64_t vec_v_scatter_stream_u16(uint16_t *vregion, const uint16_t *rows, int64_t count,
-                                        int64_t hd, int64_t row_len) {
-    (void)vregion; (void)rows; (void)count; (void)hd; (void)row_len;
+                                        int64_t hd, int64_t row_len, kvmesh_ahead *ahead) {
+    (void)vregion; (void)rows; (void)count; (void)hd; (void)row_len; (void)ahead;
     return 0;
 }
 static int64_t vec_v_gather_stream_u16(const uint16_t *vregion, uint16_t *rows, int64_t count,
-                                       int64_t hd, int64_t row_len) {
-    (void)vregion; (void)rows; (void)count; (void)hd; (void)row_len;
+                                       int64_t hd, int64_t row_len, kvmesh_ahead *ahead) {
+    (void)vregion; (void)rows; (void)count; (void)hd; (void)row_len; (void)ahead;
     return 0;
 }
 #define VEC_SIMD_OK 0
 #endif
 
-KVMESH_EXPORT int kvmesh_vec_tiles(void *layer, void *k_rows, void *v_rows,
-                                   const int64_t *blocks, int64_t n_blocks, int64_t n_tokens,
-                                   int64_t skip_blocks, int64_t heads, int64_t bs, int64_t hd,
-                                   int64_t esize, int gather) {
+int kvmesh_vec_tiles(void *layer, void *k_rows, void *v_rows, const int64_t *blocks,
+                     int64_t n_blocks, int64_t n_tokens, int64_t skip_blocks, int64_t heads,
+                     int64_t bs, int64_t hd, int64_t esize, int gather,
+                     const int64_t *next_item) {
     int simd = VEC_SIMD_OK && esize == 2 && getenv("KVMESH_AMX_SCALAR") == NULL;
     switch (esize) {
     case 1: simd = 0; VEC_TILE_COPY(uint8_t); return 0;
