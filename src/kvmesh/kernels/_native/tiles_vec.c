@@ -97,7 +97,8 @@ static inline void vec_prefetch_rows(const uint16_t *rows, int64_t first, int64_
  * prefetched, a share per 8 dims: the group reads 32 rows a row_len apart,
  * one line of each at a time, and without it each load waited on memory
  * (7 GB/s from memory on one thread against 17 GB/s with it, the tiny test
- * model's shape; docs/kernels.md, "Gather and scatter"). */
+ * model's shape; docs/kernels.md, "Gather and scatter"). Each group also takes
+ * a step of `ahead`, the next block's source (ntcopy.h). */
 static int64_t vec_k_scatter_stream_u16(uint16_t *region, const uint16_t *rows,
                                         const uint16_t *v_rows, int64_t count, int64_t bs,
                                         int64_t hd, int64_t row_len, kvmesh_ahead *ahead) {
