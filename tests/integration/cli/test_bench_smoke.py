@@ -94,4 +94,5 @@ def test_bench_score_scores_the_engine_that_holds_the_prompt_while_events_flow()
     assert result["top_engine_matched_tokens"] == 2048
     assert result["chunks"] == 8
     assert result["applied_batches_per_s"] > 0
+    assert result["calls"] >= 50
     assert 0 < result["score_p50_ms"] <= result["score_max_ms"]
