@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from kvmesh.common.node_types import StoreOutcome
 from kvmesh.storage.core.copies import ChunkCopier
@@ -34,15 +35,25 @@ class GatedTransfer:
         self.scattered: list[int] = []
 
     def gather_chunks(
-        self, engine_id: str, blocks: object, tokens: object, outs: Sequence[memoryview], *_: object
+        self,
+        engine_id: str,
+        blocks: object,
+        tokens: object,
+        outs: Sequence[torch.Tensor],
+        *_: object,
     ) -> None:
         self.gathering.release()
         assert self.release.wait(30)
         for out in outs:
-            out[:] = b"k" * len(out)
+            out.fill_(ord("k"))
 
     def scatter_chunks(
-        self, engine_id: str, blocks: object, tokens: object, srcs: Sequence[memoryview], *_: object
+        self,
+        engine_id: str,
+        blocks: object,
+        tokens: object,
+        srcs: Sequence[torch.Tensor],
+        *_: object,
     ) -> None:
         self.scattered.append(len(srcs))
 

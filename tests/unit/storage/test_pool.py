@@ -159,6 +159,28 @@ def test_close_removes_every_file_of_the_pool(shm_dir: str) -> None:
     del held
 
 
+def test_an_object_tensor_keeps_its_memory_mapped_past_the_pools_close(shm_dir: str) -> None:
+    pool = L1Pool("n1", 4 * MIB, segment_bytes=4 * MIB, shm_dir=shm_dir, background_grow=False)
+    pool.grow_for([MIB])
+    first, second = pool.allocate(MIB), pool.allocate(MIB)
+    assert first is not None
+    assert second is not None
+    a, b = first.tensor(), second.tensor()
+    # Slices of one tensor over the segment: the objects' bytes, and only theirs.
+    assert a.data_ptr() + second.offset - first.offset == b.data_ptr()
+    a.fill_(7)
+    b.fill_(9)
+    assert bytes(first.view()[:2]) == b"\x07\x07"
+    assert bytes(second.view()[-2:]) == b"\t\t"
+    pool.close()
+    # A copy in flight still reads and writes mapped memory: the mapping goes with the
+    # last tensor over it, not under it.
+    assert int(a.sum()) == 7 * MIB
+    assert int(b[-1]) == 9
+    a[0] = 1
+    del a, b
+
+
 def test_stale_segments_of_the_same_node_are_removed_at_start(shm_dir: str) -> None:
     prefix = segment_prefix("n1")
     for name in (f"{prefix}-0", f"{prefix}-7", "kvmesh-l1-n1-b-0", "unrelated"):

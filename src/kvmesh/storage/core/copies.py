@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kvmesh.common.deadlines import CALL_DEADLINE, COPY_START_MARGIN_S
 from kvmesh.common.errors import DeadlineExceeded
@@ -40,6 +40,9 @@ from kvmesh.common.node_types import StoreOutcome
 from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.manager import StorageManager
 from kvmesh.storage.core.transfer.engine import TransferEngine
+
+if TYPE_CHECKING:  # the copies run only once an engine registered, which loads torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +136,7 @@ class ChunkCopier:
     ) -> list[StoreOutcome]:
         """Gather each chunk into a new L1 object and publish it; one outcome per key."""
 
-        def gather(todo: list[int], views: list[memoryview]) -> None:
+        def gather(todo: list[int], views: list[torch.Tensor]) -> None:
             self.transfer.gather_chunks(
                 engine_id, [blocks[i] for i in todo], [chunk_tokens] * len(todo), views,
                 producer_event,
@@ -152,7 +155,7 @@ class ChunkCopier:
     ) -> StoreOutcome:
         """Gather a request's tokens into one segment object (keys moved to 0..)."""
 
-        def gather(todo: list[int], views: list[memoryview]) -> None:
+        def gather(todo: list[int], views: list[torch.Tensor]) -> None:
             self.transfer.gather_segment(engine_id, block_table, start_token, num_tokens, views[0])
 
         (outcome,) = await self._store([key], nbytes, gather)
@@ -162,7 +165,7 @@ class ChunkCopier:
         self,
         keys: Sequence[ObjectKey],
         nbytes: int,
-        gather: Callable[[list[int], list[memoryview]], None],
+        gather: Callable[[list[int], list[torch.Tensor]], None],
     ) -> list[StoreOutcome]:
         """Reserve the uncached keys, ``gather(indices, views)`` into them, publish them."""
         present = self.manager.l1.contains(keys)
@@ -172,7 +175,7 @@ class ChunkCopier:
         if todo:
             chosen = [keys[i] for i in todo]
             try:
-                views = [reserved[k].view() for k in chosen]
+                views = [reserved[k].tensor() for k in chosen]
                 await self.run(
                     functools.partial(
                         _timed, self.stats, "store", len(todo) * nbytes,
@@ -214,7 +217,7 @@ class ChunkCopier:
         ``last_part`` of a load by layers counts as a use of the chunks (LRU recency,
         ACCESS events): once per load, not per part."""
 
-        def scatter(views: list[memoryview]) -> None:
+        def scatter(views: list[torch.Tensor]) -> None:
             self.transfer.scatter_chunks(
                 engine_id, blocks[: len(views)], [chunk_tokens] * len(views), views,
                 skip_first_n_tokens, producer_event, layers,
@@ -239,7 +242,7 @@ class ChunkCopier:
     ) -> bool:
         """Scatter a resident segment into a request's tokens (keys moved there)."""
 
-        def scatter(views: list[memoryview]) -> None:
+        def scatter(views: list[torch.Tensor]) -> None:
             self.transfer.scatter_segment(engine_id, block_table, start_token, num_tokens, views[0])
 
         return await self._retrieve([key], nbytes, scatter, [False]) == 1
@@ -248,7 +251,7 @@ class ChunkCopier:
         self,
         keys: Sequence[ObjectKey],
         nbytes: int,
-        scatter: Callable[[list[memoryview]], None],
+        scatter: Callable[[list[torch.Tensor]], None],
         release_mask: Sequence[bool],
         *,
         count_use: bool = True,
@@ -276,7 +279,7 @@ class ChunkCopier:
                     break
                 usable += 1
             if usable:
-                views = [objects[k].view() for k in keys[:usable]]
+                views = [objects[k].tensor() for k in keys[:usable]]
                 nbytes_moved = moved(usable) if moved is not None else usable * nbytes
                 await self.run(
                     functools.partial(

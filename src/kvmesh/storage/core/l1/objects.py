@@ -2,7 +2,8 @@
 
 An :class:`L1Object` is what the transfer engine gathers engine KV into and
 scatters it out of. It exposes the bytes three ways: a writable
-``memoryview``, a ``torch`` uint8 tensor sharing the same memory, and a
+``memoryview``, a ``torch`` uint8 tensor sharing the same memory (what the
+node's own copies use), and a
 ``(path, offset, size)`` location so another process (an engine-driven
 client) can map exactly the same bytes.
 """
@@ -37,7 +38,7 @@ class ShmLocation:
 class Segment:
     """One shared-memory file of the pool, mapped read-write into this process."""
 
-    __slots__ = ("index", "mapping", "path", "size", "view")
+    __slots__ = ("_tensor", "index", "mapping", "path", "size", "view")
 
     def __init__(self, index: int, path: str, size: int, mapping: mmap.mmap) -> None:
         self.index = index
@@ -45,9 +46,27 @@ class Segment:
         self.size = size
         self.mapping = mapping
         self.view = memoryview(mapping)
+        self._tensor: torch.Tensor | None = None
+
+    def tensor(self) -> torch.Tensor:
+        """A uint8 tensor over the whole segment, made once (the copies slice it).
+
+        It holds a buffer export of the mapping (through NumPy), so the mapping
+        outlives every tensor over it: :meth:`release` with a copy in flight
+        leaves the unmapping to the last view's end, as for a memoryview.
+        """
+        tensor = self._tensor
+        if tensor is None:
+            import numpy as np
+            import torch
+
+            # Two copy threads may both get here: each makes an equal tensor, one is kept.
+            tensor = self._tensor = torch.from_numpy(np.frombuffer(self.mapping, dtype=np.uint8))
+        return tensor
 
     def release(self) -> None:
         """Unmap the segment; tolerated while views are still exported (freed when they die)."""
+        self._tensor = None
         try:
             self.view.release()
             self.mapping.close()
@@ -90,10 +109,9 @@ class L1Object:
         return self.segment.view[self.offset : self.offset + self.size]
 
     def tensor(self) -> torch.Tensor:
-        """uint8 tensor of exactly ``size`` elements sharing the object's memory."""
-        import torch
-
-        return torch.frombuffer(self.view(), dtype=torch.uint8)
+        """uint8 tensor of exactly ``size`` elements sharing the object's memory: a slice
+        of the segment's tensor, a few times cheaper than a tensor over :meth:`view`."""
+        return self.segment.tensor()[self.offset : self.offset + self.size]
 
     def location(self) -> ShmLocation:
         """The file and byte range another process maps to reach the same bytes."""

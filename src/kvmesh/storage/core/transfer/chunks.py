@@ -149,8 +149,10 @@ def _checked(
     """One block-id list and one chunk-shaped tensor per buffer (InvalidArgument otherwise)."""
     _check_buffer_list(buffers, field_name)
     ids, tokens = _per_chunk_ids(block_ids, num_tokens, len(buffers), layout)
+    # A batch's chunks have one or two token counts: their shapes are worked out once.
+    sizes = {n: (chunk_shape(layout, n), chunk_nbytes(layout, n)) for n in set(tokens)}
     chunks = [
-        _as_chunk(buf, layout, n, f"{field_name}[{i}]", writable=writable)
+        _as_chunk(buf, layout, n, f"{field_name}[{i}]", writable=writable, size=sizes[n])
         for i, (buf, n) in enumerate(zip(buffers, tokens, strict=True))
     ]
     return ids, chunks
@@ -266,11 +268,17 @@ def _per_chunk_ids(
 
 
 def _as_chunk(
-    buf: object, layout: KVLayout, num_tokens: int, field_name: str, *, writable: bool
+    buf: object,
+    layout: KVLayout,
+    num_tokens: int,
+    field_name: str,
+    *,
+    writable: bool,
+    size: tuple[tuple[int, int, int, int], int] | None = None,
 ) -> torch.Tensor:
-    """``buf`` as a chunk-shaped tensor of the layout's dtype, sharing its memory."""
-    shape = chunk_shape(layout, num_tokens)
-    nbytes = chunk_nbytes(layout, num_tokens)
+    """``buf`` as a chunk-shaped tensor of the layout's dtype, sharing its memory
+    (``size``: the chunk's shape and bytes, when the caller has them already)."""
+    shape, nbytes = size or (chunk_shape(layout, num_tokens), chunk_nbytes(layout, num_tokens))
     if isinstance(buf, torch.Tensor):
         if buf.dtype == layout.dtype:
             if tuple(buf.shape) == shape:
