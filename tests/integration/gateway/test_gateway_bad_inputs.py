@@ -285,6 +285,34 @@ def test_an_engine_context_whose_block_size_does_not_divide_the_chunk_is_chunk_s
     base.assert_intact()
 
 
+@pytest.mark.parametrize(
+    ("layers", "heads", "dim", "field"),
+    [
+        (100_000, 2, 8, "layout.num_layers"),
+        (2, 2**20, 8, "layout.kv_heads"),
+        (4000, 64, 128, "layout"),  # every dimension allowed, the chunk 33 GB
+    ],
+    ids=["layers", "heads", "chunk"],
+)
+def test_an_engine_context_larger_than_storage_holds_is_invalid(
+    base: Baseline, layers: int, heads: int, dim: int, field: str
+) -> None:
+    request = gateway_pb2.RegisterEngineContextRequest(
+        engine_id="ctx-huge", model_name=MODEL, world_size=1, worker_id=0,
+        layout=gateway_pb2.EngineContextLayout(
+            num_layers=layers, block_size=16, kv_heads=heads, head_dim=dim,
+            dtype=common_pb2.DTYPE_FLOAT16,
+        ),
+    )  # fmt: skip
+    error = base.stack.error("register_engine_context", request)
+    assert code_of(error) == "INVALID_ARGUMENT"
+    info = error_info(error)
+    assert info is not None
+    assert info.metadata["field"] == field
+    assert not base.stack.client.ping(gateway_pb2.PingRequest(engine_id="ctx-huge")).engine_known
+    base.assert_intact()
+
+
 BAD_LAYOUTS: dict[str, tuple[dict[str, Any], str, str]] = {
     # case: (request overrides, ErrorInfo field, text of storage's message)
     "unspecified_dtype": (

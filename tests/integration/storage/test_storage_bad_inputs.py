@@ -422,6 +422,12 @@ def test_lookup_without_kv_ranks_is_invalid(base: Baseline) -> None:
     base.assert_intact()
 
 
+def test_lookup_with_a_repeated_kv_rank_is_invalid_and_locks_nothing(base: Baseline) -> None:
+    request = storage_pb2.LookupAndLockRequest(keys=grid(base.hashes, (0, 0)), num_kv_readers=128)
+    assert base.code("lookup_and_lock", request) == "INVALID_ARGUMENT"
+    base.assert_intact()
+
+
 def test_lookup_with_too_many_readers_is_invalid(base: Baseline) -> None:
     request = storage_pb2.LookupAndLockRequest(keys=grid(base.hashes), num_kv_readers=129)
     assert base.code("lookup_and_lock", request) == "INVALID_ARGUMENT"

@@ -17,11 +17,10 @@ its sessions and leases. Each reap is logged once and counted.
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from kvmesh.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from kvmesh.common.keys import validate_model_name
@@ -33,6 +32,12 @@ logger = logging.getLogger(__name__)
 
 #: Ids of gone engines remembered to count re-registrations.
 _GONE_KEPT = 4096
+#: An engine-driven layout's bounds: storage's (its KV layouts have at most 4096
+#: layers, its objects at most 2 GiB), so a registration storage would refuse every
+#: chunk of is refused here, before it sizes every lookup of its model.
+_MAX_LAYERS = 4096
+_MAX_HEAD_WIDTH = 1 << 16
+_MAX_CHUNK_BYTES = 1 << 31
 
 
 @dataclass(slots=True)
@@ -179,17 +184,24 @@ class EngineRegistry:
     ) -> tuple[tuple[int, ...], bool]:  # fmt: skip
         """Register an engine-driven context; returns (chunk shape, already registered)."""
         self._check_spec(spec)
-        for name, value in (
-            ("layout.num_layers", num_layers),
-            ("layout.kv_heads", kv_heads),
-            ("layout.head_dim", head_dim),
+        for name, value, most in (
+            ("layout.num_layers", num_layers, _MAX_LAYERS),
+            ("layout.kv_heads", kv_heads, _MAX_HEAD_WIDTH),
+            ("layout.head_dim", head_dim, _MAX_HEAD_WIDTH),
         ):
-            if value < 1:
-                raise InvalidArgument(f"{name} must be >= 1", field=name)
+            if not 1 <= value <= most:
+                raise InvalidArgument(f"{name} must be in [1, {most}], got {value}", field=name)
         if use_mla and kv_heads != 1:
             raise InvalidArgument("an MLA layout has kv_heads = 1", field="layout.kv_heads")
         shape = (1 if use_mla else 2, num_layers, self.chunk_size, kv_heads * head_dim)
-        chunk_bytes = int(np.prod(shape)) * itemsize
+        chunk_bytes = math.prod(shape) * itemsize
+        if chunk_bytes > _MAX_CHUNK_BYTES:
+            # Every lookup of the model would carry it, and storage refuses such objects.
+            raise InvalidArgument(
+                f"a chunk of this layout would be {chunk_bytes} bytes, more than storage's "
+                f"largest object ({_MAX_CHUNK_BYTES})",
+                field="layout",
+            )
         existing = self._engines.get(spec.engine_id)
         now = self._clock()
         if existing is not None:

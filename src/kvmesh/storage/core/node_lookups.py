@@ -62,6 +62,10 @@ class NodeLookups:
         """
         if not rows:
             raise InvalidArgument("the key grid has no kv_ranks", field="keys.kv_ranks")
+        ranks = [row[0].kv_rank for row in rows if row]
+        if len(set(ranks)) < len(ranks):
+            # A repeated rank would lock each chunk twice and release it once.
+            raise InvalidArgument("keys.kv_ranks must be distinct", field="keys.kv_ranks")
         width = len(rows[0])
         if width * len(rows) > self.max_chunks * 8:
             raise InvalidArgument("the key grid is too large", field="keys")
