@@ -41,6 +41,12 @@ class SchedulerOutput:
     #: Requests the engine preempted since the last step: their blocks are free again
     #: (vLLM: ``preempted_req_ids``).
     preempted_req_ids: frozenset[str] = frozenset()
+    #: request id → tokens the engine counts as computed before this step (vLLM:
+    #: ``num_computed_tokens`` of the new and cached request data). The engine moves
+    #: it back when a load fails (it recomputes from the first unloaded block), so
+    #: stores follow it rather than a count of their own; a request missing here is
+    #: counted from its allocation.
+    num_computed_tokens: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,10 @@ See docs/connector.md, "Scheduler flow".
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -61,6 +63,14 @@ class _RequestState:
     #: Complete chunks the engine's own prefix cache held when kvmesh was not asked
     #: (every complete chunk of the prompt was in it): they are not stored again.
     own_chunk_tokens: int = 0
+    #: The step (:attr:`SchedulerHooks._step`) of the request's last allocation.
+    allocated_in_step: int = -1
+    #: Its load could not be planned: the blocks it was to fill are recomputed, and
+    #: this step's tokens, computed over them, are not stored.
+    load_dropped: bool = False
+    #: Its blocks hold KV from before a cache reset: nothing is stored until the engine
+    #: allocates it anew (resumes it).
+    stale: bool = False
 
 
 class SchedulerHooks(ConnectorBase):
@@ -79,6 +89,11 @@ class SchedulerHooks(ConnectorBase):
         # "The engine's threads and the GIL").
         self.client.wait_holding_gil("Lookup", LOOKUP_SPIN_S)
         self._requests: dict[str, _RequestState] = {}
+        #: Steps planned so far (build_connector_meta calls).
+        self._step = 0
+        #: Appended to the salt of every key asked for or stored since the last
+        #: :meth:`reset_cache` ("" before).
+        self.namespace = ""
         self._ahead = AheadSender(self.client) if config.ahead_engine_id else None
         #: Releases (FreeLookupLocks, EndSession), sent off the scheduler's loop in the
         #: order they were made (docs/connector.md, "Scheduler flow").
@@ -180,7 +195,7 @@ class SchedulerHooks(ConnectorBase):
                         request_id=request.request_id,
                         model_name=self.config.model_name,
                         world_size=self.config.world_size,
-                        cache_salt=request.cache_salt,
+                        cache_salt=request.cache_salt + self.namespace,
                         token_ids=request.prompt_token_ids,
                         num_kv_readers=self.config.num_kv_readers,
                         wait_timeout_ms=self.config.lookup_wait_ms,
@@ -234,6 +249,8 @@ class SchedulerHooks(ConnectorBase):
             state = _RequestState(request, lookup_deadline=0.0, hit_tokens=0)
             self._requests[request.request_id] = state
         state.block_ids = list(block_ids)
+        state.allocated_in_step = self._step
+        state.stale = False
         state.num_external_tokens = num_external_tokens
         hit = state.hit_tokens or 0
         # What kvmesh holds is never stored again, nor what the engine held when
@@ -291,6 +308,15 @@ class SchedulerHooks(ConnectorBase):
             (state := self._requests.get(rid)) is not None and state.stores_emitted
             for rid in scheduler_output.preempted_req_ids
         )
+        try:
+            self._plan_step(meta, scheduler_output, ahead=ahead)
+        finally:
+            self._step += 1
+        return meta
+
+    def _plan_step(
+        self, meta: ConnectorMetadata, scheduler_output: SchedulerOutput, *, ahead: bool
+    ) -> None:
         for request_id in sorted(scheduler_output.preempted_req_ids):
             state = self._requests.get(request_id)
             if state is None:
@@ -298,14 +324,20 @@ class SchedulerHooks(ConnectorBase):
             # The engine freed the request's blocks; it asks again (and allocates anew)
             # when it resumes the request. A store already started still reads the old
             # blocks: the workers wait for it before the step runs (see worker).
-            state.block_ids = []
-            state.load_pending = False
+            if state.allocated_in_step != self._step:
+                state.block_ids = []
+                state.load_pending = False
+            # else: preempted and resumed before this step (vLLM's reset_prefix_cache
+            # with running requests): its new blocks and load are already recorded.
             if state.stores_emitted:
                 meta.preempted.append(request_id)
+        computed = scheduler_output.num_computed_tokens
         for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(request_id)
             if state is None:
                 continue
+            if request_id in computed:
+                state.num_computed_tokens = computed[request_id]
             loading = state.load_pending
             try:
                 self._plan(meta, state, scheduled, ahead=ahead)
@@ -316,7 +348,6 @@ class SchedulerHooks(ConnectorBase):
                 state.load_pending = False
                 if loading:
                     meta.failed_blocks.extend(state.block_ids)
-        return meta
 
     def _plan(
         self, meta: ConnectorMetadata, state: _RequestState, scheduled: int, *, ahead: bool
@@ -334,7 +365,7 @@ class SchedulerHooks(ConnectorBase):
                 RetrieveOp(
                     request_id=request_id,
                     token_ids=request.prompt_token_ids[:end],
-                    cache_salt=request.cache_salt,
+                    cache_salt=request.cache_salt + self.namespace,
                     start=start,
                     end=end,
                     skip_first_n_tokens=state.local_hit_tokens - start,
@@ -346,6 +377,9 @@ class SchedulerHooks(ConnectorBase):
                 op = meta.retrieve_ops[-1]
                 self._ahead.send(self._retrieve_request(self.config.ahead_engine_id, op))
         state.num_computed_tokens += scheduled
+        if state.load_dropped or state.stale:
+            state.load_dropped = False
+            return  # computed over blocks no load filled (drop_load), or before a reset
         if (
             self.config.store_after_prefill
             and state.num_computed_tokens < request.num_prompt_tokens
@@ -368,7 +402,7 @@ class SchedulerHooks(ConnectorBase):
                 StoreOp(
                     request_id=request_id,
                     token_ids=request.prompt_token_ids[:end],
-                    cache_salt=request.cache_salt,
+                    cache_salt=request.cache_salt + self.namespace,
                     start=start,
                     end=end,
                     block_ids=state.block_ids[start // bs : end // bs],
@@ -382,6 +416,7 @@ class SchedulerHooks(ConnectorBase):
         state = self._requests.get(request_id)
         if state is not None:
             state.load_pending = False
+            state.load_dropped = True
 
     def fail_pending_loads(self) -> ConnectorMetadata:
         """A step that could not be planned: every pending load's blocks as load errors."""
@@ -391,6 +426,38 @@ class SchedulerHooks(ConnectorBase):
                 state.load_pending = False
                 meta.failed_blocks.extend(state.block_ids)
         return meta
+
+    def reset_cache(self) -> int:
+        """The engine cleared its caches (new weights): never load or store older KV again.
+
+        kvmesh's cache is shared by every engine of the model, so nothing is
+        deleted: this engine moves to a key namespace of its own (a suffix on
+        every request's salt) and, from now on, neither finds what was stored
+        before nor stores where engines without the reset look. Requests it
+        already knows are looked up again in the new namespace (their sessions
+        end); one whose blocks still hold older KV is not stored until the
+        engine allocates it anew. Returns how many requests were forgotten.
+        See docs/vllm.md, "Cache resets".
+        """
+        self._require(KVConnectorRole.SCHEDULER)
+        self.namespace = f"\x1freset:{uuid.uuid4().hex[:12]}"
+        deadline = time.monotonic() + self.config.lookup_timeout_s
+        for request_id, state in self._requests.items():
+            if state.lookup_sent:
+                self._releases.submit(request_id, functools.partial(self._end_session, request_id))
+            state.lookup_sent = False
+            state.hit_tokens = None
+            state.lookup_deadline = deadline
+            state.l1_hit_chunks = state.l2_hit_chunks = 0
+            state.own_chunk_tokens = 0
+            state.load_pending = False
+            state.stale = True
+        logger.warning(
+            "kvmesh: the engine reset its caches; from now on it uses its own key namespace "
+            "(%d requests looked up again)",
+            len(self._requests),
+        )
+        return len(self._requests)
 
     def request_finished(self, request: Request) -> bool:
         """End the request's session; True when its blocks must wait for a store to finish.
@@ -420,5 +487,7 @@ class SchedulerHooks(ConnectorBase):
                 gateway_pb2.EndSessionRequest(request_id=request_id), timeout=self._timeout
             )
         except grpc.RpcError as exc:
-            # The gateway's session expiry releases whatever is left.
-            logger.warning("ending session %s failed: %s", request_id, rpc_failure(exc))
+            # The gateway's session expiry releases whatever is left. An unreachable
+            # gateway starts the back-off: the next ones (a shutdown ends every open
+            # session) are skipped rather than each waiting out its deadline.
+            self._note_failure(f"ending session {request_id}", exc)

@@ -79,6 +79,7 @@ class WorkerHooks(ConnectorBase):
         self._layered: list[LayeredLoad] = []
         self._saves: list[_Transfer] = []
         self._load_error_blocks: set[int] = set()
+        self._load_failed: set[str] = set()  # last loads fell short: not stored (save_kv)
         self._registered = False
         #: Successful registrations (1 + re-registrations after the gateway forgot us).
         self.registrations = 0
@@ -363,12 +364,12 @@ class WorkerHooks(ConnectorBase):
         its KV, and :meth:`wait_for_load` before it reports the step.
         """
         self._require(KVConnectorRole.WORKER)
+        self._load_failed = set()
         groups = self._layer_groups() if by_layer else None
         ops = list(metadata.retrieve_ops)
-        # Every caller waits for whole loads next (nothing overlaps them), so the
-        # first runs here, beside the others on transfer threads: a hand-off to a
-        # thread and back cost milliseconds beside a busy engine
-        # (docs/performance.md, "A step's only load").
+        # Every caller waits for whole loads next, so the first runs here, beside the others
+        # on transfer threads: a hand-off to a thread and back cost milliseconds beside a
+        # busy engine (docs/performance.md, "A step's only load").
         here = ops[0] if groups is None and ops else None
         for op in ops:
             if op is here:
@@ -414,6 +415,7 @@ class WorkerHooks(ConnectorBase):
         self._loads = []
         self._load_ops = []
         self._layered = []
+        self._load_failed = failed
         return failed
 
     def note_load_errors(self, block_ids: Iterable[int]) -> None:
@@ -435,6 +437,7 @@ class WorkerHooks(ConnectorBase):
         for op in ops:
             skip = op.skip_first_n_tokens // self.config.block_size
             self._load_error_blocks.update(op.block_ids[skip:])
+            self._load_failed.add(op.request_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks that retrieves failed to fill since the last call (the engine recomputes them)."""
@@ -448,7 +451,11 @@ class WorkerHooks(ConnectorBase):
         forward; storage's copies out of the blocks wait for it.
         """
         self._require(KVConnectorRole.WORKER)
+        failed, self._load_failed = self._load_failed, set()
         for op in metadata.store_ops:
+            if op.request_id in failed:  # computed over blocks no load filled: wrong KV
+                logger.warning("not storing %s: its load fell short", op.request_id)
+                continue
             future = self._executor().submit(self._store, op, producer_event)
             self._saves.append(_Transfer(op.request_id, future))
 

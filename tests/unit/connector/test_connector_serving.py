@@ -87,6 +87,7 @@ def test_a_preempted_request_without_stores_needs_no_wait_and_plans_again_on_res
     request = _request(600)
     need, _ = sched.get_num_new_matched_tokens(request, 0)
     sched.update_state_after_alloc(request, list(range(40)), need or 0)
+    assert len(sched.build_connector_meta(SchedulerOutput({"r1": 88})).retrieve_ops) == 1
     meta = sched.build_connector_meta(SchedulerOutput({}, frozenset({"r1"})))
     assert meta.preempted == []  # no store started: nothing reads its blocks
     assert meta.retrieve_ops == []  # its load is planned again when it resumes

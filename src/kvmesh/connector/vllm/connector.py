@@ -241,10 +241,13 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: VLLMSchedulerOutput) -> KVMeshMetadata:
         try:
+            computed: dict[str, int] = {}
             for new in scheduler_output.scheduled_new_reqs:
                 self.hooks.set_block_ids(new.req_id, new.block_ids[0])
+                computed[new.req_id] = new.num_computed_tokens
             cached = scheduler_output.scheduled_cached_reqs
             for i, request_id in enumerate(cached.req_ids):
+                computed[request_id] = cached.num_computed_tokens[i]
                 new_ids = cached.new_block_ids[i]
                 if new_ids is None:
                     continue
@@ -256,6 +259,7 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 SchedulerOutput(
                     num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
                     preempted_req_ids=frozenset(scheduler_output.preempted_req_ids or ()),
+                    num_computed_tokens=computed,
                 )
             )
         except Exception:
@@ -264,6 +268,17 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         plan.failed_blocks.extend(self._unplanned)
         self._unplanned = []
         return KVMeshMetadata(plan)
+
+    def reset_cache(self) -> bool | None:
+        """vLLM cleared its caches (a weight update): never load, nor share, older KV."""
+        if self.hooks.role is not KVConnectorRole.SCHEDULER:
+            return None
+        try:
+            self.hooks.reset_cache()
+        except Exception:
+            logger.exception("kvmesh could not reset its cache")
+            return False  # vLLM reports the reset as failed rather than serve older KV
+        return True
 
     def request_finished(
         self, request: VLLMRequest, block_ids: list[int]

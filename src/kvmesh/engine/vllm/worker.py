@@ -19,7 +19,10 @@ a start then costs about a third of the CPU: 15 s instead of 34 s here),
 then finish before the next prompt's prefill instead of competing with it),
 ``pause_before`` (``{"index": i, "path": P}``, or a list of them: before
 prompt ``i``, create ``P.ready`` and wait for ``P.go``; tests change the world
-in between; the log then gets a line ``KVMESH-RESUMED before prompt i``).
+in between; the log then gets a line ``KVMESH-RESUMED before prompt i``),
+``reset_before`` (prompt indices: before each, ``LLM.reset_prefix_cache(
+reset_connector=True)``, as vLLM does around a weight update; its answer is
+printed as ``{"reset": true|false}``).
 """
 
 from __future__ import annotations
@@ -92,10 +95,14 @@ def run(spec: dict[str, Any]) -> None:
     if isinstance(pauses, dict):
         pauses = [pauses]
     paths = {int(p["index"]): str(p["path"]) for p in pauses}
+    resets = {int(i) for i in spec.get("reset_before") or ()}
     for index, prompt in enumerate(spec["prompts"]):
         if index in paths:
             _pause(paths[index])
             print(f"{RESUMED} {index}", file=sys.stderr, flush=True)
+        if index in resets:
+            reset = llm.reset_prefix_cache(reset_connector=True)
+            print(MARK + json.dumps({"reset": bool(reset)}), flush=True)
         for _ in range(int(spec.get("repeat", 1))):
             start = time.perf_counter()
             out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
