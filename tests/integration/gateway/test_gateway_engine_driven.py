@@ -14,6 +14,7 @@ import pytest
 
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.gateway.v1 import gateway_pb2
+from kvmesh.gateway.core import transfers
 from tests.integration.gateway.support import (
     BLOCK_SIZE,
     CHUNK,
@@ -230,6 +231,27 @@ def test_committing_a_store_twice_is_harmless(ctx: Stack) -> None:
     # A retry after a lost reply: no error, nothing committed twice, the chunk intact.
     assert ctx.client.commit_store(commit).committed_chunks == 0
     assert ctx.l1_bytes(hashes_of(tokens)) == data
+
+
+def test_prepared_retrieves_never_committed_are_not_remembered_without_bound(
+    ctx: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(transfers, "_PREPARED_RETRIEVES_KEPT", 2)
+    tokens = prompt(1)
+    engine_store(ctx, "w", tokens, payloads(1))
+    prepared = [
+        ctx.client.prepare_retrieve(
+            gateway_pb2.PrepareRetrieveRequest(
+                engine_id=CONTEXT, range=prange(f"r{i}", tokens, 0, CHUNK)
+            )
+        ).transaction_id
+        for i in range(5)
+    ]
+    assert list(ctx.app.core.transfers._txn_sessions) == prepared[-2:]
+    # The newest still commit as usual.
+    for txn in prepared[-2:]:
+        request = gateway_pb2.CommitRetrieveRequest(engine_id=CONTEXT, transaction_id=txn)
+        assert ctx.client.commit_retrieve(request).released_chunks == 1
 
 
 def test_prepare_retrieve_without_a_lookup_locks_the_cached_prefix_itself(ctx: Stack) -> None:

@@ -276,6 +276,14 @@ def test_locks_of_a_client_that_vanished_are_released_by_the_session_ttl(
     assert error.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_calls_that_name_no_request_keep_no_session(stack: Stack, engine: Engine) -> None:
+    stack.register(engine)
+    for seed in range(3):
+        tokens = prompt(2, seed=seed)
+        assert stack.store(engine, "", tokens, 0, 2 * CHUNK, blocks(range(2))).stored_chunks == 2
+    assert stack.app.core.stats()["active_sessions"] == 0
+
+
 def test_a_session_in_use_does_not_expire(make_stack: StackFactory, engine: Engine) -> None:
     stack = make_stack(gateway={"session_ttl_seconds": 0.5})
     stack.register(engine)

@@ -10,6 +10,7 @@ lookup holds is ``lookups``' job.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -114,6 +115,10 @@ class SessionTable:
             self._sessions[request_id] = session
         session.last_used = self._clock()
         return session
+
+    def throwaway(self) -> Session:
+        """A session for a call that names no request: used once, never kept."""
+        return Session(f"anon-{uuid.uuid4().hex}", self._clock())
 
     def existing(self, request_id: str) -> Session:
         """The request's session (refreshed); NOT_FOUND when it has none."""

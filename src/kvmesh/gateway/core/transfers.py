@@ -12,7 +12,6 @@ retrieved chunks (see ``lookups``).
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +30,9 @@ from .types import GatewayStats, PromptRangeSpec, StoreResult
 
 # Committed engine-driven store transactions remembered, so a retried commit is harmless.
 _COMMITTED_STORES_KEPT = 4096
+# Prepared engine-driven retrieves whose request is remembered until their commit; one
+# never committed is forgotten beyond this many (storage's transaction TTL frees its locks).
+_PREPARED_RETRIEVES_KEPT = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,15 +69,18 @@ class Transfers:
         self.counters = counters
         self.chunk_size = chunk_size
         # Engine-driven retrieve transaction id -> request id.
-        self._txn_sessions: dict[str, str] = {}
+        self._txn_sessions: OrderedDict[str, str] = OrderedDict()
         self._committed_stores: OrderedDict[str, None] = OrderedDict()
         self.ahead = AheadLoads()
 
     # ------------------------------------------------------------------ helpers
 
     def _session(self, rng: PromptRangeSpec) -> Session:
-        """The range's request session (a throwaway one when it names no request)."""
-        return self.sessions.open(rng.request_id or f"anon-{uuid.uuid4().hex}")
+        """The range's request session (a throwaway one, never kept, when it names no
+        request: kept, each such call's tokens stayed until the session expired)."""
+        if not rng.request_id:
+            return self.sessions.throwaway()
+        return self.sessions.open(rng.request_id)
 
     def _row(
         self, engine: RegisteredEngine, rng: PromptRangeSpec, session: Session
@@ -283,6 +288,8 @@ class Transfers:
                     last,
                 )
                 self._txn_sessions[prepared.transaction_id] = rng.request_id
+                while len(self._txn_sessions) > _PREPARED_RETRIEVES_KEPT:
+                    self._txn_sessions.popitem(last=False)
         return prepared
 
     async def commit_retrieve(self, engine_id: str, transaction_id: str) -> int:
