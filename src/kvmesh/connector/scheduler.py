@@ -10,7 +10,6 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -26,6 +25,7 @@ from kvmesh.connector.metadata import (
     SchedulerOutput,
     StoreOp,
 )
+from kvmesh.connector.request_state import RequestState
 from kvmesh.connector.types import (
     ConnectorError,
     KVConnectorRole,
@@ -39,38 +39,6 @@ logger = logging.getLogger(__name__)
 
 #: How long a lookup's answer is awaited without releasing the GIL (a hit's takes ~0.5 ms).
 LOOKUP_SPIN_S = 0.002
-
-
-@dataclass
-class _RequestState:
-    """Scheduler-side bookkeeping of one request."""
-
-    request: Request
-    lookup_deadline: float
-    lookup_sent: bool = False
-    #: Chunk-aligned tokens kvmesh holds (None until the lookup finished).
-    hit_tokens: int | None = None
-    l1_hit_chunks: int = 0
-    l2_hit_chunks: int = 0
-    #: The engine's own prefix-cache hit when matched (vLLM: num_computed_tokens).
-    local_hit_tokens: int = 0
-    num_external_tokens: int = 0
-    load_pending: bool = False
-    block_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    stored_tokens: int = 0
-    stores_emitted: bool = False
-    #: Complete chunks the engine's own prefix cache held when kvmesh was not asked
-    #: (every complete chunk of the prompt was in it): they are not stored again.
-    own_chunk_tokens: int = 0
-    #: The step (:attr:`SchedulerHooks._step`) of the request's last allocation.
-    allocated_in_step: int = -1
-    #: Its load could not be planned: the blocks it was to fill are recomputed, and
-    #: this step's tokens, computed over them, are not stored.
-    load_dropped: bool = False
-    #: Its blocks hold KV from before a cache reset: nothing is stored until the engine
-    #: allocates it anew (resumes it).
-    stale: bool = False
 
 
 class SchedulerHooks(ConnectorBase):
@@ -88,7 +56,7 @@ class SchedulerHooks(ConnectorBase):
         # threads must not keep the GIL once the answer is in (docs/performance.md,
         # "The engine's threads and the GIL").
         self.client.wait_holding_gil("Lookup", LOOKUP_SPIN_S)
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         #: Steps planned so far (build_connector_meta calls).
         self._step = 0
         #: Appended to the salt of every key asked for or stored since the last
@@ -105,10 +73,25 @@ class SchedulerHooks(ConnectorBase):
             self.client.ping(
                 gateway_pb2.PingRequest(engine_id=self.config.instance_id), timeout=self._timeout
             )
+            # A gateway restarted (upgraded) with another chunk size: plans follow it.
+            chunk_size = self.client.get_chunk_size(
+                gateway_pb2.GetChunkSizeRequest(), timeout=self._timeout
+            ).chunk_size
         except grpc.RpcError as exc:
             self._note_failure("heartbeat", exc)
             return
         self._note_ok()
+        if self._chunk_size is not None and chunk_size != self._chunk_size:
+            logger.warning(
+                "kvmesh gateway %s now keys chunks of %d tokens (was %d)",
+                self.config.gateway,
+                chunk_size,
+                self._chunk_size,
+            )
+            try:
+                self._check_chunk_size(chunk_size)
+            except ConnectorError as exc:
+                logger.warning("%s", exc)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -127,7 +110,7 @@ class SchedulerHooks(ConnectorBase):
             self._heartbeat.start()
         state = self._requests.get(request.request_id)
         if state is None:
-            state = _RequestState(
+            state = RequestState(
                 request, lookup_deadline=time.monotonic() + self.config.lookup_timeout_s
             )
             self._requests[request.request_id] = state
@@ -177,7 +160,7 @@ class SchedulerHooks(ConnectorBase):
             return LookupResult(0, 0, 0)
         return LookupResult(state.hit_tokens or 0, state.l1_hit_chunks, state.l2_hit_chunks)
 
-    def _poll_lookup(self, state: _RequestState) -> int | None:
+    def _poll_lookup(self, state: RequestState) -> int | None:
         """Send the lookup or poll it: hit tokens, or None while it runs."""
         request = state.request
         if self.gateway_down():
@@ -246,7 +229,7 @@ class SchedulerHooks(ConnectorBase):
         self._require(KVConnectorRole.SCHEDULER)
         state = self._requests.get(request.request_id)
         if state is None:
-            state = _RequestState(request, lookup_deadline=0.0, hit_tokens=0)
+            state = RequestState(request, lookup_deadline=0.0, hit_tokens=0)
             self._requests[request.request_id] = state
         state.block_ids = list(block_ids)
         state.allocated_in_step = self._step
@@ -350,7 +333,7 @@ class SchedulerHooks(ConnectorBase):
                     meta.failed_blocks.extend(state.block_ids)
 
     def _plan(
-        self, meta: ConnectorMetadata, state: _RequestState, scheduled: int, *, ahead: bool
+        self, meta: ConnectorMetadata, state: RequestState, scheduled: int, *, ahead: bool
     ) -> None:
         """Add a request's retrieve (a pending load) and stores (new prompt chunks) to ``meta``;
         ``ahead``: start the load now (:mod:`kvmesh.connector.ahead`)."""
@@ -445,13 +428,7 @@ class SchedulerHooks(ConnectorBase):
         for request_id, state in self._requests.items():
             if state.lookup_sent:
                 self._releases.submit(request_id, functools.partial(self._end_session, request_id))
-            state.lookup_sent = False
-            state.hit_tokens = None
-            state.lookup_deadline = deadline
-            state.l1_hit_chunks = state.l2_hit_chunks = 0
-            state.own_chunk_tokens = 0
-            state.load_pending = False
-            state.stale = True
+            state.forget_lookup(deadline)
         logger.warning(
             "kvmesh: the engine reset its caches; from now on it uses its own key namespace "
             "(%d requests looked up again)",

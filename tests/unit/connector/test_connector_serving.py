@@ -183,3 +183,19 @@ def test_the_heartbeat_ends_the_back_off_as_soon_as_the_gateway_answers_again() 
         assert [r.engine_id for r in gateway.requests("Ping")][-1] == "instance-a"
     finally:
         sched.shutdown()
+
+
+def test_a_gateway_restarted_with_another_chunk_size_is_followed_by_the_plans() -> None:
+    gateway = FakeGateway()
+    sched = _scheduler(gateway, instance_id="instance-a", heartbeat_s=0.02)
+    try:
+        sched.get_num_new_matched_tokens(_request(600), 0)
+        assert sched.chunk_size == 256
+        gateway.chunk_size = 512  # the node came back upgraded
+        wait_until(lambda: sched.chunk_size == 512, 10)
+        asked = len(gateway.requests("GetChunkSize"))
+        gateway.chunk_size = 24  # not a multiple of the engine's block size: ignored
+        wait_until(lambda: len(gateway.requests("GetChunkSize")) >= asked + 3, 10)
+        assert sched.chunk_size == 512
+    finally:
+        sched.shutdown()
