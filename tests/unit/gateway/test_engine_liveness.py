@@ -7,7 +7,7 @@ its memory come back).
 
 from __future__ import annotations
 
-from tests.unit.gateway.test_gateway_core import make, register, run
+from tests.unit.gateway.test_gateway_core import FakeStorage, make, register, run
 
 
 def test_an_engine_silent_for_the_reap_time_is_unmapped_whether_or_not_it_ever_pinged() -> None:
@@ -75,3 +75,33 @@ def test_reaping_off_keeps_every_engine() -> None:
     clock.now += 10_000
     run(gw.sweep())
     assert gw.engine_ids() == ["e0"]
+
+
+class _FlakyStorage(FakeStorage):
+    """Storage whose unmapping fails while ``down`` is set."""
+
+    down = False
+
+    async def unregister_engine(self, engine_id: str) -> bool:
+        if self.down:
+            raise ConnectionError("storage is restarting")
+        return await super().unregister_engine(engine_id)
+
+
+def test_an_engine_whose_unmapping_failed_is_unmapped_by_a_later_sweep() -> None:
+    storage = _FlakyStorage()
+    gw, _, clock = make(storage, engine_reap_s=15.0)
+    register(gw, "gone")
+    register(gw, "back")
+    storage.down = True
+    clock.now += 16
+    run(gw.sweep())  # both reaped; storage could not unmap them
+    assert gw.engine_ids() == []
+    assert set(storage.engines) == {"gone", "back"}
+    run(gw.sweep())
+    assert set(storage.engines) == {"gone", "back"}  # still down: owed, not forgotten
+    register(gw, "back")  # its worker registers again: its memory is in use
+    storage.down = False
+    run(gw.sweep())
+    assert set(storage.engines) == {"back"}
+    assert gw.engine_ids() == ["back"]

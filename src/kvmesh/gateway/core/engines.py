@@ -83,6 +83,9 @@ class EngineRegistry:
         self._gone: OrderedDict[str, None] = OrderedDict()
         # Owners (schedulers) by id → last seen; see the module docstring.
         self._owners: dict[str, float] = {}
+        # Engines forgotten whose unmapping storage did not confirm: retried each sweep,
+        # or the node would keep a gone engine's memory mapped for its whole life.
+        self._unmap_owed: set[str] = set()
         self.on_owner_gone = on_owner_gone
         self.storage_instance_id = ""
 
@@ -136,6 +139,7 @@ class EngineRegistry:
         identifies the layout so a re-register with another one is refused.
         """
         self._check_spec(spec)
+        self._unmap_owed.discard(spec.engine_id)  # registered again: its memory is in use
         existing = self._engines.get(spec.engine_id)
         if existing is not None and (existing.spec != spec or existing.fingerprint != fingerprint):
             raise AlreadyExists(
@@ -175,8 +179,28 @@ class EngineRegistry:
             self._gone[engine_id] = None
             while len(self._gone) > _GONE_KEPT:
                 self._gone.popitem(last=False)
-        existed = await self.storage.unregister_engine(engine_id)
+        try:
+            existed = await self.storage.unregister_engine(engine_id)
+        except Exception:
+            if engine is not None:
+                self._unmap_owed.add(engine_id)
+            raise
+        self._unmap_owed.discard(engine_id)
         return engine is not None or existed
+
+    async def _settle_unmaps(self) -> None:
+        """Ask storage again to unmap engines whose unmapping failed."""
+        for engine_id in sorted(self._unmap_owed):
+            if engine_id in self._engines:
+                self._unmap_owed.discard(engine_id)
+                continue
+            try:
+                await self.storage.unregister_engine(engine_id)
+            except Exception as exc:
+                logger.debug("unmapping engine %s failed again: %s", engine_id, exc)
+                continue
+            self._unmap_owed.discard(engine_id)
+            logger.info("engine %s unmapped after an earlier failure", engine_id)
 
     def register_engine_context(
         self, spec: EngineSpec, num_layers: int, kv_heads: int, head_dim: int,
@@ -260,7 +284,8 @@ class EngineRegistry:
             self.ping(engine_id)
 
     async def reap(self, now: float) -> None:
-        """Reap engines and owners silent for ``reap_after_s`` (> 0)."""
+        """Reap engines and owners silent for ``reap_after_s`` (> 0); retry failed unmaps."""
+        await self._settle_unmaps()
         if self.reap_after_s <= 0:
             return
         for owner, seen in list(self._owners.items()):
