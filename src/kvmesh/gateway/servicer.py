@@ -34,6 +34,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             chunk_bytes=wire.chunk_bytes(request.layout, self.core.chunk_size),
             num_layers=request.layout.num_layers,
             host_memory=wire.host_memory(request),
+            kv_format=wire.kv_format(request.layout),
         )
         return gateway_pb2.RegisterKVCacheResponse(
             chunk_size=self.core.chunk_size,
@@ -171,6 +172,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             layout.head_dim,
             wire.itemsize(layout),
             layout.use_mla,
+            kv_format=wire.kv_format(layout),
         )
         return gateway_pb2.RegisterEngineContextResponse(
             chunk_size=self.core.chunk_size,

@@ -80,6 +80,18 @@ def layout_fingerprint(request: gateway_pb2.RegisterKVCacheRequest) -> bytes:
     return b"|".join(m.SerializeToString(deterministic=True) for m in messages)
 
 
+def kv_format(
+    layout: common_pb2.KVLayout | gateway_pb2.EngineContextLayout,
+) -> tuple[int, ...]:
+    """What a chunk's bytes mean under ``layout`` (dtype, planes, layers, heads, head
+    dim): engines of one model must agree on it, since keys do not carry it."""
+    if isinstance(layout, gateway_pb2.EngineContextLayout):
+        planes = 1 if layout.use_mla else 2
+    else:
+        planes = 1 if layout.kind == common_pb2.KV_LAYOUT_KIND_MLA else 2
+    return (layout.dtype, planes, layout.num_layers, layout.kv_heads, layout.head_dim)
+
+
 def chunk_bytes(layout: common_pb2.KVLayout, chunk_size: int) -> int:
     """Bytes of one chunk object under ``layout`` (0 when the layout is incomplete)."""
     itemsize = dtypes.itemsize(layout.dtype) or 0

@@ -18,6 +18,7 @@ storage node that is down, and waits refused well inside the caller's deadline.
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -311,6 +312,31 @@ def test_an_engine_context_larger_than_storage_holds_is_invalid(
     assert info.metadata["field"] == field
     assert not base.stack.client.ping(gateway_pb2.PingRequest(engine_id="ctx-huge")).engine_known
     base.assert_intact()
+
+
+def test_an_engine_holding_the_models_kv_in_another_dtype_is_refused_while_one_is_registered(
+    base: Baseline, make_engine: Callable[..., Engine]
+) -> None:
+    other = make_engine()
+    error = base.stack.error(
+        "register_kv_cache",
+        gateway_pb2.RegisterKVCacheRequest(
+            engine_id=other.engine_id, model_name=MODEL, world_size=1, worker_id=0,
+            layout=other.layout(dtype=common_pb2.DTYPE_BFLOAT16), layers=other.handles(),
+        ),
+    )  # fmt: skip
+    assert code_of(error) == "FAILED_PRECONDITION"
+    info = error_info(error)
+    assert info is not None
+    assert info.reason == "MODEL_KV_FORMAT_CONFLICT"
+    assert "DTYPE_FLOAT16" in (error.details() or "")
+    assert "another model_name" in (error.details() or "")
+    assert not base.stack.client.ping(
+        gateway_pb2.PingRequest(engine_id=other.engine_id)
+    ).engine_known
+    base.assert_intact()
+    # The same dtype is welcome.
+    assert not base.stack.register(other).already_registered
 
 
 BAD_LAYOUTS: dict[str, tuple[dict[str, Any], str, str]] = {

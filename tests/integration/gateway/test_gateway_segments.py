@@ -92,10 +92,10 @@ def test_a_gateway_that_forgot_the_context_gets_it_again(stack: Stack) -> None:
         assert store.get(list(range(8))) is not None
 
 
-def _context(stack: Stack, engine_id: str, *, use_mla: bool = False) -> None:
+def _context(stack: Stack, engine_id: str, *, use_mla: bool = False, model: str = MODEL) -> None:
     stack.client.register_engine_context(
         gateway_pb2.RegisterEngineContextRequest(
-            engine_id=engine_id, model_name=MODEL, world_size=1, worker_id=0,
+            engine_id=engine_id, model_name=model, world_size=1, worker_id=0,
             layout=gateway_pb2.EngineContextLayout(
                 num_layers=LAYERS, block_size=1, kv_heads=1 if use_mla else HEADS,
                 head_dim=HEAD_DIM, dtype=common_pb2.DTYPE_FLOAT32, use_mla=use_mla,
@@ -115,7 +115,8 @@ def test_bad_segments_are_refused_by_name_and_a_full_node_says_so(
 ) -> None:
     stack = make_stack(storage={"l1_size_bytes": 4 << 20, "l1_segment_bytes": 4 << 20})
     _context(stack, "ctx")
-    _context(stack, "mla", use_mla=True)
+    # Another layout of one model would be refused (its chunks would share keys).
+    _context(stack, "mla", use_mla=True, model=f"{MODEL}-mla")
     assert code_of(_refused(stack, engine_id="nobody", token_ids=[1])) == "FAILED_PRECONDITION"
     empty = _refused(stack, engine_id="ctx", token_ids=[])
     assert code_of(empty) == "INVALID_ARGUMENT"

@@ -7,16 +7,18 @@ vLLM (tests/e2e/with_vllm).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import pytest
 
 from kvmesh.connector import KVConnectorRole, KVMeshConnector, SchedulerOutput
 from kvmesh.engine import SharedKVCache
-from tests.support.fake_gateway import FakeGateway
+from tests.support.fake_gateway import FakeGateway, FakeRpcError
 from tests.support.waiting import wait_until
 from tests.unit.connector.test_connector import BLOCK, _cache, _config, _request, _scheduler
 
@@ -199,3 +201,31 @@ def test_a_gateway_restarted_with_another_chunk_size_is_followed_by_the_plans() 
         assert sched.chunk_size == 512
     finally:
         sched.shutdown()
+
+
+@dataclass
+class RefusingGateway(FakeGateway):
+    """A gateway that refuses the registration (another engine's KV format, say)."""
+
+    def register_kv_cache(self, request: Any, *, timeout: float | None = None, **_: Any) -> Any:
+        self._enter("RegisterKVCache", request)
+        raise FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "MODEL_KV_FORMAT_CONFLICT")
+
+
+def test_a_refused_registration_is_said_once_and_tried_again_quietly(
+    kv: SharedKVCache, caplog: pytest.LogCaptureFixture
+) -> None:
+    gateway = RefusingGateway()
+    caplog.set_level(logging.WARNING, logger="kvmesh.connector")
+    conn = KVMeshConnector(_config(heartbeat_s=0.02), KVConnectorRole.WORKER, client=gateway)  # type: ignore[arg-type]
+    names = kv.named_layers()
+    try:
+        with pytest.raises(grpc.RpcError):
+            conn.register_kv_caches(names, dict(zip(names, kv.regions(), strict=True)))
+        wait_until(lambda: gateway.names().count("RegisterKVCache") >= 5, 10)
+        said = [r for r in caplog.records if "kvmesh stays off" in r.getMessage()]
+        assert len(said) == 1
+        assert "MODEL_KV_FORMAT_CONFLICT" in said[0].getMessage()
+        assert not conn.registered
+    finally:
+        conn.shutdown()

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from kvmesh.api.common.v1 import common_pb2
 from kvmesh.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from kvmesh.common.keys import validate_model_name
 
@@ -57,6 +58,8 @@ class RegisteredEngine:
     #: Its KV memory is host memory (shared memory), which a copy may write at any
     #: time; not GPU memory, whose writes must follow the engine's own kernels.
     host_memory: bool = False
+    #: What its chunks' bytes mean (dtype, planes, layers, heads, head dim; () unknown).
+    kv_format: tuple[int, ...] = ()
 
 
 class EngineRegistry:
@@ -130,6 +133,7 @@ class EngineRegistry:
         chunk_bytes: int = 0,
         num_layers: int = 0,
         host_memory: bool = False,
+        kv_format: tuple[int, ...] = (),
     ) -> bool:
         """Register an engine's KV memory (LMCache-driven path); True if already registered.
 
@@ -139,6 +143,7 @@ class EngineRegistry:
         identifies the layout so a re-register with another one is refused.
         """
         self._check_spec(spec)
+        self._check_kv_format(spec, kv_format)
         self._unmap_owed.discard(spec.engine_id)  # registered again: its memory is in use
         existing = self._engines.get(spec.engine_id)
         if existing is not None and (existing.spec != spec or existing.fingerprint != fingerprint):
@@ -158,7 +163,7 @@ class EngineRegistry:
                 self.counters.reregistrations += 1
             self._engines[spec.engine_id] = RegisteredEngine(
                 spec, False, chunk_bytes, (), now, now, fingerprint=fingerprint,
-                num_layers=num_layers, host_memory=host_memory,
+                num_layers=num_layers, host_memory=host_memory, kv_format=kv_format,
             )  # fmt: skip
             logger.info(
                 "engine %s registered: model %s, worker %d/%d, block size %d",
@@ -204,7 +209,7 @@ class EngineRegistry:
 
     def register_engine_context(
         self, spec: EngineSpec, num_layers: int, kv_heads: int, head_dim: int,
-        itemsize: int, use_mla: bool,
+        itemsize: int, use_mla: bool, kv_format: tuple[int, ...] = (),
     ) -> tuple[tuple[int, ...], bool]:  # fmt: skip
         """Register an engine-driven context; returns (chunk shape, already registered)."""
         self._check_spec(spec)
@@ -226,6 +231,7 @@ class EngineRegistry:
                 f"largest object ({_MAX_CHUNK_BYTES})",
                 field="layout",
             )
+        self._check_kv_format(spec, kv_format)
         existing = self._engines.get(spec.engine_id)
         now = self._clock()
         if existing is not None:
@@ -237,8 +243,32 @@ class EngineRegistry:
                 )
             existing.last_seen = now
             return shape, True
-        self._engines[spec.engine_id] = RegisteredEngine(spec, True, chunk_bytes, shape, now, now)
+        self._engines[spec.engine_id] = RegisteredEngine(
+            spec, True, chunk_bytes, shape, now, now, kv_format=kv_format
+        )
         return shape, False
+
+    def _check_kv_format(self, spec: EngineSpec, kv_format: tuple[int, ...]) -> None:
+        """Refuse an engine whose chunks of the model would mean other bytes than those of
+        an engine registered with it: keys carry the model name, salt and tokens only,
+        so one would load the other's KV (another dtype of the same size) as its own."""
+        if not kv_format or 0 in kv_format:
+            return  # unknown, or a layout its own checks refuse (storage's, for KV memory)
+        for other in self._engines.values():
+            same_model = (other.spec.model_name, other.spec.world_size) == (
+                spec.model_name,
+                spec.world_size,
+            )
+            if not same_model or other.spec.engine_id == spec.engine_id or not other.kv_format:
+                continue
+            if other.kv_format != kv_format:
+                raise FailedPrecondition(
+                    f"engine {other.spec.engine_id!r} holds model {spec.model_name!r}'s KV as "
+                    f"{_describe(other.kv_format)}, this engine as {_describe(kv_format)}: "
+                    "their chunks would share keys, so give one of them another model_name",
+                    reason="MODEL_KV_FORMAT_CONFLICT",
+                    metadata={"engine_id": other.spec.engine_id, "model_name": spec.model_name},
+                )
 
     def unregister_engine_context(self, engine_id: str) -> bool:
         """Forget an engine-driven context. Idempotent."""
@@ -350,3 +380,9 @@ class EngineRegistry:
             if same and e.chunk_bytes:
                 return e.chunk_bytes
         return 0
+
+
+def _describe(kv_format: tuple[int, ...]) -> str:
+    dtype, planes, layers, heads, dim = kv_format
+    name = {int(v): k for k, v in common_pb2.DType.items()}.get(dtype, str(dtype))
+    return f"{name}, {planes} planes x {layers} layers x {heads} heads x {dim}"

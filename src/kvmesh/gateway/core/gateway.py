@@ -114,10 +114,11 @@ class Gateway:
         chunk_bytes: int = 0,
         num_layers: int = 0,
         host_memory: bool = False,
+        kv_format: tuple[int, ...] = (),
     ) -> bool:
         """Register an engine's KV memory (LMCache-driven path); True if already registered."""
         return await self.engines.register_kv_cache(
-            spec, registration, fingerprint, chunk_bytes, num_layers, host_memory
+            spec, registration, fingerprint, chunk_bytes, num_layers, host_memory, kv_format
         )
 
     async def unregister_kv_cache(self, engine_id: str) -> bool:
@@ -126,11 +127,11 @@ class Gateway:
 
     def register_engine_context(
         self, spec: EngineSpec, num_layers: int, kv_heads: int, head_dim: int,
-        itemsize: int, use_mla: bool,
+        itemsize: int, use_mla: bool, kv_format: tuple[int, ...] = (),
     ) -> tuple[tuple[int, ...], bool]:  # fmt: skip
         """Register an engine-driven context; returns (chunk shape, already registered)."""
         return self.engines.register_engine_context(
-            spec, num_layers, kv_heads, head_dim, itemsize, use_mla
+            spec, num_layers, kv_heads, head_dim, itemsize, use_mla, kv_format
         )
 
     def unregister_engine_context(self, engine_id: str) -> bool:

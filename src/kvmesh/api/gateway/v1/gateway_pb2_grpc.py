@@ -172,7 +172,9 @@ class GatewayServiceServicer:
         Errors: INVALID_ARGUMENT (bad layout; a handle's size/path/offset does not
         match; block_size does not divide the chunk size; path outside the
         allowed directory), ALREADY_EXISTS (engine_id registered with a different
-        layout), UNAVAILABLE (storage down).
+        layout), FAILED_PRECONDITION (reason MODEL_KV_FORMAT_CONFLICT: another
+        engine registered for the model and world size holds its KV in another
+        dtype or shape; their chunks would share keys), UNAVAILABLE (storage down).
         Deadline: 30 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -339,8 +341,10 @@ class GatewayServiceServicer:
         """Engine-driven path, for engines whose memory storage cannot open: the
         engine copies KV into slots of the node's shared-memory L1 pool itself.
         Registers the engine's KV geometry and returns the chunk object shape.
-        Errors: INVALID_ARGUMENT (bad geometry), ALREADY_EXISTS (engine_id
-        registered with another geometry). Deadline: 10 s.
+        Errors: INVALID_ARGUMENT (bad geometry, or a chunk larger than storage's
+        largest object), ALREADY_EXISTS (engine_id registered with another
+        geometry), FAILED_PRECONDITION (MODEL_KV_FORMAT_CONFLICT, as for
+        RegisterKVCache). Deadline: 10 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -55,7 +55,9 @@ class GatewayServiceStub:
     Errors: INVALID_ARGUMENT (bad layout; a handle's size/path/offset does not
     match; block_size does not divide the chunk size; path outside the
     allowed directory), ALREADY_EXISTS (engine_id registered with a different
-    layout), UNAVAILABLE (storage down).
+    layout), FAILED_PRECONDITION (reason MODEL_KV_FORMAT_CONFLICT: another
+    engine registered for the model and world size holds its KV in another
+    dtype or shape; their chunks would share keys), UNAVAILABLE (storage down).
     Deadline: 30 s.
     """
     UnregisterKVCache: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.UnregisterKVCacheRequest, _gateway_pb2.UnregisterKVCacheResponse]
@@ -166,8 +168,10 @@ class GatewayServiceStub:
     """Engine-driven path, for engines whose memory storage cannot open: the
     engine copies KV into slots of the node's shared-memory L1 pool itself.
     Registers the engine's KV geometry and returns the chunk object shape.
-    Errors: INVALID_ARGUMENT (bad geometry), ALREADY_EXISTS (engine_id
-    registered with another geometry). Deadline: 10 s.
+    Errors: INVALID_ARGUMENT (bad geometry, or a chunk larger than storage's
+    largest object), ALREADY_EXISTS (engine_id registered with another
+    geometry), FAILED_PRECONDITION (MODEL_KV_FORMAT_CONFLICT, as for
+    RegisterKVCache). Deadline: 10 s.
     """
     UnregisterEngineContext: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.UnregisterEngineContextRequest, _gateway_pb2.UnregisterEngineContextResponse]
     """Forgets an engine-driven context and abandons its open transactions.
@@ -259,7 +263,9 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     Errors: INVALID_ARGUMENT (bad layout; a handle's size/path/offset does not
     match; block_size does not divide the chunk size; path outside the
     allowed directory), ALREADY_EXISTS (engine_id registered with a different
-    layout), UNAVAILABLE (storage down).
+    layout), FAILED_PRECONDITION (reason MODEL_KV_FORMAT_CONFLICT: another
+    engine registered for the model and world size holds its KV in another
+    dtype or shape; their chunks would share keys), UNAVAILABLE (storage down).
     Deadline: 30 s.
     """
     UnregisterKVCache: _aio.UnaryUnaryMultiCallable[_gateway_pb2.UnregisterKVCacheRequest, _gateway_pb2.UnregisterKVCacheResponse]  # type: ignore[assignment]
@@ -370,8 +376,10 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """Engine-driven path, for engines whose memory storage cannot open: the
     engine copies KV into slots of the node's shared-memory L1 pool itself.
     Registers the engine's KV geometry and returns the chunk object shape.
-    Errors: INVALID_ARGUMENT (bad geometry), ALREADY_EXISTS (engine_id
-    registered with another geometry). Deadline: 10 s.
+    Errors: INVALID_ARGUMENT (bad geometry, or a chunk larger than storage's
+    largest object), ALREADY_EXISTS (engine_id registered with another
+    geometry), FAILED_PRECONDITION (MODEL_KV_FORMAT_CONFLICT, as for
+    RegisterKVCache). Deadline: 10 s.
     """
     UnregisterEngineContext: _aio.UnaryUnaryMultiCallable[_gateway_pb2.UnregisterEngineContextRequest, _gateway_pb2.UnregisterEngineContextResponse]  # type: ignore[assignment]
     """Forgets an engine-driven context and abandons its open transactions.
@@ -466,7 +474,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         Errors: INVALID_ARGUMENT (bad layout; a handle's size/path/offset does not
         match; block_size does not divide the chunk size; path outside the
         allowed directory), ALREADY_EXISTS (engine_id registered with a different
-        layout), UNAVAILABLE (storage down).
+        layout), FAILED_PRECONDITION (reason MODEL_KV_FORMAT_CONFLICT: another
+        engine registered for the model and world size holds its KV in another
+        dtype or shape; their chunks would share keys), UNAVAILABLE (storage down).
         Deadline: 30 s.
         """
 
@@ -661,8 +671,10 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         """Engine-driven path, for engines whose memory storage cannot open: the
         engine copies KV into slots of the node's shared-memory L1 pool itself.
         Registers the engine's KV geometry and returns the chunk object shape.
-        Errors: INVALID_ARGUMENT (bad geometry), ALREADY_EXISTS (engine_id
-        registered with another geometry). Deadline: 10 s.
+        Errors: INVALID_ARGUMENT (bad geometry, or a chunk larger than storage's
+        largest object), ALREADY_EXISTS (engine_id registered with another
+        geometry), FAILED_PRECONDITION (MODEL_KV_FORMAT_CONFLICT, as for
+        RegisterKVCache). Deadline: 10 s.
         """
 
     @_abc_1.abstractmethod
