@@ -44,6 +44,7 @@ from kvmesh.api.common.v1 import common_pb2
 from kvmesh.api.events.v1 import events_pb2
 from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.events import (
+    MAX_EVENT_TS,
     UNKNOWN_TOKEN_OFFSET,
     CacheEventBatch,
     CacheEventEntry,
@@ -75,7 +76,6 @@ __all__ = [
 # enum constructor and an unknown value is a plain miss, not an exception.
 _EVENT_TYPES: dict[int, EventType] = {int(t): t for t in EventType}
 _TIERS: dict[int, Tier] = {int(t): t for t in Tier}
-_INF = float("inf")
 
 
 def key_to_proto(key: ObjectKey) -> common_pb2.ObjectKey:
@@ -367,8 +367,7 @@ def validated_batch_from_proto(
         and not (batch.event_type is EventType.CONFIG and batch.entries)
         and batch.capacity_bytes >= 0
         and batch.capacity_revision >= 0
-        and ts >= 0.0
-        and ts != _INF
+        and 0.0 <= ts <= MAX_EVENT_TS
     ):
         return batch
     validate_batch(batch, field)

@@ -17,6 +17,8 @@ from kvmesh.common.errors import InvalidArgument
 from kvmesh.common.keys import ObjectKey, validate_object_key
 
 UNKNOWN_TOKEN_OFFSET = -1
+#: The latest event time accepted (seconds since the epoch): 9999-12-31T23:59:59Z.
+MAX_EVENT_TS = 253_402_300_799.0
 
 
 class Tier(enum.IntEnum):
@@ -136,8 +138,13 @@ def validate_batch(batch: CacheEventBatch, field_prefix: str = "batch") -> None:
         raise InvalidArgument(f"{p}.capacity_bytes must be >= 0", field=f"{p}.capacity_bytes")
     if batch.capacity_revision < 0:
         raise InvalidArgument(f"{p}.capacity_revision must be >= 0", field=f"{p}.capacity_revision")
-    if not batch.ts >= 0.0 or batch.ts == float("inf"):
-        raise InvalidArgument(f"{p}.ts must be a finite value >= 0", field=f"{p}.ts")
+    if not 0.0 <= batch.ts <= MAX_EVENT_TS:
+        # Seconds since the epoch; a larger one (milliseconds, say) would be kept as a
+        # key's last access, which no timestamp message can carry back.
+        raise InvalidArgument(
+            f"{p}.ts must be seconds since the epoch, in [0, {MAX_EVENT_TS:.0f}]",
+            field=f"{p}.ts",
+        )
     for i, entry in enumerate(batch.entries):
         ep = f"{p}.entries[{i}]"
         validate_object_key(entry.key, field=f"{ep}.key")

@@ -465,8 +465,6 @@ class StorageApp:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self.registrar is not None:
-            self.registrar.stop()
         await self.peers.close()
         self.node.close()
         # Running copies finish before L1 and the engines' mappings go away.
@@ -476,6 +474,11 @@ class StorageApp:
         self.transfer.close()
         if self.emitter is not None and not self.emitter.close(timeout=5.0):
             logger.warning("some cache events were not acknowledged before shutdown")
+        if self.registrar is not None:
+            # Last: the stores, write-throughs and evictions of the stop are reported
+            # first. Events after the deregistration would put back placements of a
+            # node the coordinator has dropped, where no sweep ever reaches them.
+            await _on_own_thread("kvmesh-deregister", self.registrar.stop)
         close_transport = getattr(self._event_transport, "close", None)
         if close_transport is not None:
             # After the emitter: ends the transport's sessions, threads and event loop.

@@ -105,6 +105,7 @@ CASES = [
     Case("negative-ts", _set(ts=-1.0), "ts"),
     Case("nan-ts", _set(ts=math.nan), "ts"),
     Case("infinite-ts", _set(ts=math.inf), "ts"),
+    Case("milliseconds-ts", _set(ts=1.7e12), "ts"),  # past year 9999 as seconds
     Case(
         "event-type-unspecified",
         _set(event_type=events_pb2.CACHE_EVENT_TYPE_UNSPECIFIED),

@@ -107,6 +107,7 @@ def test_a_valid_batch_passes() -> None:
         ({"tier": 3}, "batch.tier"),
         ({"ts": -1.0}, "batch.ts"),
         ({"ts": float("nan")}, "batch.ts"),
+        ({"ts": 1.7e12}, "batch.ts"),
         ({"event_type": 0}, "batch.event_type"),
         (
             {"entries": (CacheEventEntry(ObjectKey(HASH, "m", 1), -1),)},
