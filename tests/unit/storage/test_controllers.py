@@ -121,6 +121,25 @@ def test_the_l1_object_is_read_locked_while_l2_writes_it(make_manager: MakeManag
     assert m.l1.read_lock_count(KEYS[0]) == 0
 
 
+def test_a_write_through_that_outlasts_its_l1_lock_deletes_what_it_wrote(
+    make_manager: MakeManager, clock: FakeClock
+) -> None:
+    adapter = FakeL2()
+    adapter.block_put = threading.Event()
+    m = make_manager([adapter])
+    write(m, [KEYS[0]], flush=False)
+    assert adapter.put_entered.wait(10)
+    # The disk stalls past the read lock's TTL: the lock lapses, another reader locks
+    # the object anew (the memory could as well have been evicted and reused).
+    clock.advance(m.l1.read_ttl_s + 1)
+    assert m.l1.reserve_read([KEYS[0]], 1) == [S]
+    adapter.block_put.set()
+    assert m.flush_l2_writes(10)
+    assert KEYS[0] not in adapter.objects, "bytes written past the lock were kept in L2"
+    assert m.l1.read_lock_count(KEYS[0]) == 1, "the lapsed lock's release took the new reader's"
+    m.l1.finish_read([KEYS[0]], 1)
+
+
 def test_skip_l1_policy_keeps_objects_only_in_l2(make_manager: MakeManager) -> None:
     adapter = FakeL2()
     sink = RecordingSink()

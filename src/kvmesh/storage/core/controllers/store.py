@@ -232,6 +232,19 @@ class StoreController:
                     self._handled += len(batch)
                     self._cond.notify_all()
 
+    def _drop_written(self, tier: L2Tier, keys: list[ObjectKey]) -> None:
+        logger.error(
+            "L2 write-through to %s outlasted its L1 lock (%.0f s): deleting the %d objects "
+            "it wrote, whose memory may have been reused meanwhile",
+            tier.name,
+            self.l1.read_ttl_s,
+            len(keys),
+        )
+        try:
+            tier.delete_many(keys)
+        except Exception:
+            logger.exception("deleting the objects of a lapsed write-through failed")
+
     def _take_batch_locked(self) -> list[ObjectKey]:
         batch: list[ObjectKey] = []
         nbytes = 0
@@ -250,12 +263,14 @@ class StoreController:
         if not tiers:
             self.skipped_keys += len(keys)
             return
+        locked_at = self.l1.clock()
         results = self.l1.reserve_read(keys, 1)
         locked = [k for k, r in zip(keys, results, strict=True) if r is L1Result.SUCCESS]
         self.missing_keys += len(keys) - len(locked)
         if not locked:
             return
         stored: set[ObjectKey] = set()
+        lapsed = False
         try:
             _, objects = self.l1.unsafe_read(locked)
             items = [(k, objects[k].view()) for k in locked if k in objects]
@@ -270,6 +285,15 @@ class StoreController:
                 except L2Unavailable:
                     self.failed_keys += len(items)
                     continue
+                if self.l1.clock() - locked_at >= self.l1.read_ttl_s:
+                    # The L1 lock lapsed while the adapter wrote (a stalled disk, say):
+                    # eviction may have given the buffers to other objects meanwhile, so
+                    # what was written may be another chunk's bytes under these keys.
+                    lapsed = True
+                    written = [k for (k, _), good in zip(items, ok, strict=True) if good]
+                    self._drop_written(tier, written)
+                    self.failed_keys += len(items)
+                    continue
                 for (key, _), good in zip(items, ok, strict=True):
                     if good:
                         stored.add(key)
@@ -278,7 +302,8 @@ class StoreController:
                 logger.debug("wrote %d of %d keys to L2 %s", sum(ok), len(items), tier.name)
             self.stored_keys += len(stored)
         finally:
-            self.l1.finish_read(locked, 1)
+            if not lapsed:  # a lapsed lock is no longer ours: releasing it would take others'
+                self.l1.finish_read(locked, 1)
         if self.policy is StorePolicy.SKIP_L1 and stored:
             done = [k for k in locked if k in stored]
             deleted = self.l1.delete(done, reason=RemovalReason.WRITTEN_THROUGH)

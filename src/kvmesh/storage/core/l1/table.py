@@ -85,6 +85,8 @@ class L1Table:
         self.pool = pool
         self.read_ttl_s = read_ttl_s
         self.write_ttl_s = write_ttl_s
+        #: The clock the locks' deadlines are on (a holder checks its lock against it).
+        self.clock = clock
         self._clock = clock
         self._lock = threading.Lock()
         self._resident: dict[ObjectKey, Entry] = {}
