@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -25,9 +25,6 @@ from kvmesh.connector.types import (
 )
 from kvmesh.connector.worker_registration import WorkerRegistration
 from kvmesh.gateway.client import GatewayClient
-
-if TYPE_CHECKING:  # the engine hands tensors in; importing the connector loads no torch
-    pass
 
 logger = logging.getLogger(__name__)
 

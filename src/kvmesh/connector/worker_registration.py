@@ -160,6 +160,7 @@ class WorkerRegistration(ConnectorBase):
             first = self.registrations == 0
             self.registrations += 1
             self._registered = True
+            self._refused = ""  # a later refusal is said again
         (logger.info if first else logger.warning)(
             "engine %s %s with gateway %s (chunk size %d, storage %s)",
             self.engine_id,
