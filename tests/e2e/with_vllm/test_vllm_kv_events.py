@@ -146,7 +146,8 @@ class Fleet:
 
     def score(self, prompt: list[int]) -> directory_pb2.EngineScore:
         response = self.directory.score_engines(
-            directory_pb2.ScoreEnginesRequest(model_name=self.model, token_ids=prompt)
+            directory_pb2.ScoreEnginesRequest(model_name=self.model, token_ids=prompt),
+            timeout=10.0,
         )
         return next(s for s in response.scores if s.engine_id == ENGINE)
 

@@ -49,6 +49,9 @@ from tests.support.zmqproxy import DroppingProxy
 
 CHUNK = 64
 BLOCK = 16
+#: ScoreEngines' own deadline is 1 s, sized for a router; a loaded 2-core CI
+#: host running vLLM beside these tests can stall the coordinator past it.
+SCORE_DEADLINE_S = 10.0
 
 
 def _prompt(n_chunks: int, seed: int) -> list[int]:
@@ -135,7 +138,7 @@ def _register(coord: Coord, **spec: Any) -> None:
 
 def _score(coord: Coord, tokens: list[int], **fields: Any) -> dict[str, directory_pb2.EngineScore]:
     request = directory_pb2.ScoreEnginesRequest(model_name=MODEL, token_ids=tokens, **fields)
-    response = coord.clients.directory.score_engines(request)
+    response = coord.clients.directory.score_engines(request, timeout=SCORE_DEADLINE_S)
     return {s.engine_id: s for s in response.scores}
 
 
@@ -183,7 +186,8 @@ def test_engines_blocks_become_scores_per_engine(
     by_hash = coord.clients.directory.score_engines(
         directory_pb2.ScoreEnginesRequest(
             model_name=MODEL, chunk_hashes=token_hashes(shared, CHUNK), engine_ids=["engine-a"]
-        )
+        ),
+        timeout=SCORE_DEADLINE_S,
     )
     assert by_hash.scores[0].engine_tokens == 3 * CHUNK
     assert by_hash.chunks == 3
@@ -376,7 +380,9 @@ def test_bad_requests_get_invalid_argument(make_coord: CoordFactory) -> None:
     ]
     for fields, field in bad_scores:
         with pytest.raises(grpc.RpcError) as err:
-            directory.score_engines(directory_pb2.ScoreEnginesRequest(**fields))
+            directory.score_engines(
+                directory_pb2.ScoreEnginesRequest(**fields), timeout=SCORE_DEADLINE_S
+            )
         assert code_of(err.value) == grpc.StatusCode.INVALID_ARGUMENT, fields
         assert field_of(err.value) == field, fields
     assert not client.deregister_engine(engines_pb2.DeregisterEngineRequest(engine_id="e")).existed

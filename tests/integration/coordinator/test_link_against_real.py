@@ -121,6 +121,11 @@ class RealCoordinatorHandle:
         async def _stop() -> None:
             await server.health.enter_graceful_shutdown()
             await server.grpc_server.stop(grace)
+            # What Server.stop does besides the app's stop: each restart makes its own.
+            if server.loop_lag is not None:
+                await server.loop_lag.stop()
+            if server.metrics is not None:
+                server.metrics.close()
 
         self._thread.run(_stop())
 
