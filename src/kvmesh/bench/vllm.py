@@ -101,6 +101,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "figures are vLLM's fastest; 0 leaves the other cores to kvmesh, as bench serve does "
         "on 2 cores",
     )
+    parser.add_argument(
+        "--engine-timeout-s",
+        type=float,
+        default=1800.0,
+        help="seconds one vLLM process may run, start to exit, before it is killed and the "
+        "benchmark fails (a real model's cold 8000-token prompts take minutes each on a "
+        "slow 2-core host; default: 1800)",
+    )
     add_connector_option_argument(parser)
     add_node_realtime_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -138,6 +146,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"kvmesh bench vllm: --prompt-tokens must be >= {MIN_PROMPT_TOKENS}, --prompts and "
             "--rounds >= 1"
         )
+    if not args.engine_timeout_s > 0:
+        raise SystemExit("kvmesh bench vllm: --engine-timeout-s must be positive")
     if args.gateway is not None and args.node_realtime_priority:
         raise SystemExit(
             "kvmesh bench vllm: --node-realtime-priority sets the benchmark's own node; "
@@ -196,6 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         node_phases: dict[str, dict[node_figures.SampleKey, float]] = {"miss": {}, "warm": {}}
         rounds: list[dict[str, list[dict[str, Any]]]] = []
+        limit = args.engine_timeout_s
         try:
             for index in range(args.rounds):
                 # A model name of the round's own: nothing an earlier round stored can hit.
@@ -204,22 +215,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 step = f"round {index + 1}/{args.rounds}"
                 runs = f"{len(prompts) + 1} prompts"
                 progress.phase(f"{step}: cold: vLLM alone, prefix caching off ({runs})")
-                cold = run_engine({**spec, "prompts": [warmup, *prompts]})[1:]
+                cold = run_engine({**spec, "prompts": [warmup, *prompts]}, timeout_s=limit)[1:]
                 twice = [p for p in prompts for _ in range(2)]
                 progress.phase(
                     f"{step}: prefix cache: vLLM alone, each prompt twice "
                     f"({len(twice) + 1} prompts)"
                 )
                 floor_runs = run_engine(
-                    {**spec, "prefix_caching": True, "prompts": [warmup, *twice]}
+                    {**spec, "prefix_caching": True, "prompts": [warmup, *twice]},
+                    timeout_s=limit,
                 )
                 floor = floor_runs[2::2]
                 progress.phase(f"{step}: miss: kvmesh connector, empty cache ({runs})")
                 before = node_figures.scrape(node_urls)
-                miss = run_engine({**spec, "gateway": gateway, "prompts": [warmup, *prompts]})[1:]
+                miss = run_engine(
+                    {**spec, "gateway": gateway, "prompts": [warmup, *prompts]}, timeout_s=limit
+                )[1:]
                 between = node_figures.scrape(node_urls)
                 progress.phase(f"{step}: warm: a fresh vLLM process, prompts from kvmesh ({runs})")
-                warm = run_engine({**spec, "gateway": gateway, "prompts": [warmup, *prompts]})[1:]
+                warm = run_engine(
+                    {**spec, "gateway": gateway, "prompts": [warmup, *prompts]}, timeout_s=limit
+                )[1:]
                 node_figures.accumulate(node_phases["miss"], before, between)
                 node_figures.accumulate(
                     node_phases["warm"], between, node_figures.scrape(node_urls)
@@ -269,6 +285,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "enforce_eager": True,
             "gap_s": args.gap_s,
             "rounds": args.rounds,
+            "engine_timeout_s": args.engine_timeout_s,
             "node_realtime_priority": args.node_realtime_priority if fleet is not None else None,
         },
     }

@@ -165,8 +165,11 @@ def test_bench_vllm_reports_progress_and_no_lmcache_figure(
     vllm_bench = importlib.import_module("kvmesh.bench.vllm")
     calls: list[int] = []
 
-    def fake_engine(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    limits: list[float] = []
+
+    def fake_engine(spec: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
         calls.append(len(spec["prompts"]))
+        limits.append(timeout_s)
         ttft = 0.3 if "gateway" not in spec else 0.05 * len(calls)
         return [{"ttft_s": ttft, "cached_tokens": 512, "token_ids": [7]} for _ in spec["prompts"]]
 
@@ -174,10 +177,13 @@ def test_bench_vllm_reports_progress_and_no_lmcache_figure(
     monkeypatch.setattr(vllm_bench, "make_tiny_model", lambda path: tmp_path / "model")
     monkeypatch.setattr(vllm_bench.importlib.util, "find_spec", lambda name: object())
     args = bench_parser("vllm", vllm_bench).parse_args(
-        ["--prompts", "2", "--prompt-tokens", "600", "--gap-s", "0", "--gateway", "lane:/nowhere"]
-    )
+        ["--prompts", "2", "--prompt-tokens", "600", "--gap-s", "0", "--gateway", "lane:/nowhere",
+         "--engine-timeout-s", "42"]
+    )  # fmt: skip
     assert isinstance(args, argparse.Namespace)
     result = vllm_bench.run(args)
+    assert limits == [42.0] * 4  # every engine runs under the limit asked for
+    assert result["parameters"]["engine_timeout_s"] == 42.0
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = [line for line in captured.err.splitlines() if line.startswith("vllm: ")]
@@ -188,3 +194,14 @@ def test_bench_vllm_reports_progress_and_no_lmcache_figure(
     table = vllm_bench.format_table(result)
     assert "lmcache" not in table.lower(), table
     assert "lmcache" not in json.dumps(result).lower()
+
+
+@pytest.mark.parametrize("limit", ["0", "-5", "nan"])
+def test_bench_vllm_refuses_an_engine_limit_that_is_not_positive(
+    monkeypatch: pytest.MonkeyPatch, limit: str
+) -> None:
+    vllm_bench = importlib.import_module("kvmesh.bench.vllm")
+    monkeypatch.setattr(vllm_bench.importlib.util, "find_spec", lambda name: object())
+    args = bench_parser("vllm", vllm_bench).parse_args(["--engine-timeout-s", limit])
+    with pytest.raises(SystemExit, match="--engine-timeout-s must be positive"):
+        vllm_bench.run(args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -53,6 +54,11 @@ def results_and_log(
         raise EngineRunError(
             f"vLLM ran past {timeout_s:.0f} s:\n{(stdout + stderr)[-4000:]}"
         ) from None
+    except BaseException:
+        # Ctrl-C or SIGTERM (a benchmark turns it into KeyboardInterrupt) while waiting:
+        # the engine runs in a session of its own, so nothing else would stop it.
+        kill(proc)
+        raise
     finally:
         spec_path.unlink(missing_ok=True)
     return _parse(proc.returncode, stdout, stderr), stderr
@@ -71,7 +77,8 @@ def resume(pause: str | Path) -> None:
 def kill(proc: subprocess.Popen[str]) -> None:
     """SIGKILL a started engine with vLLM's children (its process group) and reap it."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
