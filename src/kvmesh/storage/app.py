@@ -88,7 +88,7 @@ from kvmesh.storage.core.l1.pool import reclaim_dead_pools
 from kvmesh.storage.core.l2.base import L2Adapter
 from kvmesh.storage.core.l2.factory import build_l2_adapter
 from kvmesh.storage.core.manager import StorageManager
-from kvmesh.storage.core.node import DEFAULT_LEASE_TTL_S, StorageNode
+from kvmesh.storage.core.node import StorageNode
 from kvmesh.storage.core.options import StorageOptions
 from kvmesh.storage.core.ports import NodeCommand
 from kvmesh.storage.core.transfer.engine import TransferEngine
@@ -319,8 +319,6 @@ class StorageApp:
             self.manager,
             self.transfer,
             max_chunks_per_request=config.max_chunks_per_request,
-            # A lease must end before the L1 read locks it holds could lapse.
-            lease_ttl_s=min(DEFAULT_LEASE_TTL_S, 0.8 * config.read_ttl_seconds),
             copy_executor=self.copy_executor,
             load_executor=self.load_executor,
         )
@@ -447,7 +445,11 @@ class StorageApp:
             await asyncio.sleep(LINK_CHECK_SECONDS)
 
     async def _sweep_loop(self) -> None:
-        period = max(0.5, min(self.config.read_ttl_seconds, self.config.write_ttl_seconds) / 4)
+        read_ttl, write_ttl = self.config.read_ttl_seconds, self.config.write_ttl_seconds
+        # Half the gap between a lookup lease's end and its locks' lapse, at most: a
+        # lease is ended (its locks released) before they lapse (docs/architecture.md).
+        margin = read_ttl - self.node.lookups.leases.ttl_s
+        period = max(0.05, min(read_ttl / 4, write_ttl / 4, margin / 2))
         while True:
             await asyncio.sleep(period)
             try:

@@ -29,6 +29,7 @@ def flat_stats(node: StorageNode, emitter: CacheEventEmitter | None) -> dict[str
         "lease_locks": status["lease_locks"],
         "leases_expired": status["lease_stats"].expired,
         "leases_ended_by_owner": status["lease_stats"].ended_by_owner,
+        "lease_locks_lapsed": status["lease_stats"].lapsed_locks,
         "waiting_calls": status["waiting_calls"],
         "engines": len(status["engines"]),
         "l2_used_bytes": {t["name"]: t["index_bytes"] for t in status["l2"]},
@@ -131,6 +132,13 @@ SERIES = [
         "kvmesh_storage_leases_ended_by_owner",
         "Lookup leases ended because the gateway reaped the engine that looked up.",
         "leases_ended_by_owner",
+        "counter",
+    ),
+    Series(
+        "kvmesh_storage_lease_locks_lapsed",
+        "Read locks a lookup lease still held when they lapsed in L1 (dropped unreleased; "
+        "the node's sweep fell behind).",
+        "lease_locks_lapsed",
         "counter",
     ),
     Series(

@@ -49,7 +49,7 @@ class FakeStorage:
         self.retrieve_masks: list[list[bool]] = []
         self.producer_events: list[bytes] = []
         self.prepared: dict[str, list[ObjectKey]] = {}
-        self.leases = LookupLeases(self, ttl_s=1e9)  # type: ignore[arg-type]
+        self.leases = LookupLeases(self, ttl_s=1e9, read_ttl_s=2e9)  # type: ignore[arg-type]
 
     def finish_read(self, keys: Sequence[ObjectKey], count: int) -> None:
         """What the lease table calls (StorageManager.finish_read)."""

@@ -16,6 +16,7 @@ import pytest
 
 from kvmesh.common.keys import ObjectKey
 from kvmesh.storage.core.copies import ChunkCopier
+from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.manager import StorageManager
 from kvmesh.storage.core.node_lookups import NodeLookups
 from kvmesh.storage.core.options import StorageOptions
@@ -111,23 +112,57 @@ def test_a_copy_failing_after_a_partial_consume_releases_once_and_spares_other_l
     assert _locks(manager) == [0, 0, 0, 0]
 
 
-def test_an_unused_lease_expires_and_releases_its_locks(
+def test_a_lease_ends_its_ttl_after_the_lookup_however_much_it_is_used(
     manager: StorageManager, clock: FakeClock
 ) -> None:
     lookups = _lookups(manager, clock, ttl_s=10.0)
     idle = _lease(lookups, KEYS[:2])
-    used = _lease(lookups, KEYS[2:])
+    used = _lease(lookups, KEYS[2:], readers=3)
     clock.advance(8)
-    assert lookups.leases.consume(used, KEYS[2:3]) == [True]  # a use refreshes the TTL
+    assert lookups.leases.consume(used, KEYS[2:3]) == [True]  # a use does not extend it
     manager.finish_read(KEYS[2:3], 1)
-    clock.advance(5)
-    assert lookups.expire() == 1
-    assert _locks(manager) == [0, 0, 0, 1]
-    assert lookups.leases.consume(idle, KEYS[:2]) == [False, False]  # gone
-    assert lookups.leases.stats.expired == 1
-    clock.advance(11)
-    assert lookups.expire() == 1
+    assert lookups.leases.release(used, 1, 2) == 3  # nor does a release
+    assert _locks(manager) == [1, 1, 2, 0]
+    clock.advance(2)
+    assert lookups.expire() == 2
     assert _locks(manager) == [0, 0, 0, 0]
+    assert lookups.leases.consume(idle, KEYS[:2]) == [False, False]  # gone
+    assert lookups.leases.stats.expired == 2
+    assert lookups.leases.stats.lapsed_locks == 0
+
+
+def test_a_lease_used_past_its_ttl_before_the_sweep_ends_there(
+    manager: StorageManager, clock: FakeClock
+) -> None:
+    lookups = _lookups(manager, clock, ttl_s=10.0)
+    lease = _lease(lookups, KEYS[:2], readers=2)
+    clock.advance(10)
+    assert lookups.leases.consume(lease, KEYS[:2]) == [False, False]
+    assert lookups.leases.release(lease, 0, 2) == 0
+    assert _locks(manager)[:2] == [0, 0]  # released by the use that found it over
+    assert lookups.leases.stats.expired == 1
+
+
+def test_a_lease_found_after_its_locks_lapsed_leaves_newer_readers_locks(
+    manager: StorageManager, clock: FakeClock
+) -> None:
+    # The sweep stalled past the L1 read TTL (300 s): the lease's locks lapsed, and a
+    # new reader locked the chunks afresh. Releasing the lease's count would take the
+    # new reader's lock, and eviction could reuse memory it is still copying.
+    lookups = _lookups(manager, clock, ttl_s=60.0)
+    lease = _lease(lookups, KEYS[:2], readers=2)
+    clock.advance(301)
+    assert manager.reserve_read(KEYS[:2], 1) == [L1Result.SUCCESS] * 2
+    assert lookups.expire() == 1
+    assert _locks(manager)[:2] == [1, 1]
+    assert lookups.leases.stats.lapsed_locks == 4
+    assert lookups.end_lease(lease) == (False, 0)
+
+
+def test_a_lease_ttl_must_stay_below_the_read_lock_ttl(manager: StorageManager) -> None:
+    for ttl in (0.0, 300.0, 400.0):
+        with pytest.raises(ValueError, match="below the L1 read-lock TTL"):
+            NodeLookups(manager, new_id=lambda p: p, max_chunks=64, lease_ttl_s=ttl)
 
 
 def test_the_end_of_an_owner_ends_its_leases_only(

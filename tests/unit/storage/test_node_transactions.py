@@ -6,7 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvmesh.common.errors import NotFound
+from kvmesh.common.errors import Aborted, NotFound
+from kvmesh.storage.core.l1.results import L1Result
 from kvmesh.storage.core.manager import StorageManager
 from kvmesh.storage.core.node import StorageNode
 from kvmesh.storage.core.options import StorageOptions
@@ -68,3 +69,25 @@ def test_uncommitted_retrieve_expires_after_the_read_ttl(
         node.commit_retrieve(read, [])
     # The lapsed read lock no longer blocks a plain delete.
     assert node.delete(keys, None, "", False)[0] == 1
+
+
+def test_a_retrieve_committed_after_its_locks_lapsed_is_aborted_and_releases_nothing(
+    node: StorageNode, clock: FakeClock
+) -> None:
+    # The sweep has not come by yet; meanwhile the lock lapsed and a new reader
+    # locked the chunk afresh. The late commit must neither report success (what the
+    # engine read may have been overwritten) nor release the new reader's lock.
+    keys = [make_key(5)]
+    txn, _, _, _ = node.prepare_store(keys, 4096)
+    node.commit_store(txn)
+    read, slots = node.prepare_retrieve(keys, 4096)
+    assert len(slots) == 1
+    clock.advance(31.0)
+    assert node.manager.reserve_read(keys, 1) == [L1Result.SUCCESS]
+    with pytest.raises(Aborted, match="lapsed") as err:
+        node.commit_retrieve(read, [])
+    assert err.value.reason == "LOCKS_LAPSED"
+    assert node.manager.l1.read_lock_count(keys[0]) == 1
+    with pytest.raises(NotFound):
+        node.commit_retrieve(read, [])
+    assert node.expire_transactions() == 0

@@ -14,9 +14,14 @@ by the first of:
 - **end** — EndSession: everything left, and the lease is forgotten (a
   lease whose prefetch is still running abandons it: its locks are released
   when it finishes);
-- **expiry** — a lease unused for ``ttl_s`` ends by itself; the TTL is kept
-  below the L1 read-lock TTL, so a lease always ends before its locks could
-  lapse under it;
+- **expiry** — a lease ends by itself ``ttl_s`` after its lookup started,
+  however much it is used, since the locks it holds were taken then and
+  lapse at the L1 read-lock TTL whatever the lease does. ``ttl_s`` is kept
+  below that TTL and the node sweeps often enough that a lease ends before
+  its locks could lapse under it. Should one be reached later anyway (a
+  stalled sweep), its locks are dropped, not released: a lapsed lock's
+  count may already be a newer reader's, and releasing it would let
+  eviction reuse memory that reader is copying;
 - **its owner going away** — a lookup names its owner (the engine instance);
   :meth:`LookupLeases.end_owner` ends all of them when the gateway reaps it.
 
@@ -46,7 +51,16 @@ class _Lease:
     #: Locks still held per key, and each key's chunk in the prompt's prefix.
     held: dict[ObjectKey, int]
     chunk_of: dict[ObjectKey, int]
+    #: When the lease ends (its lookup's start + ttl_s), and when its locks lapse in
+    #: L1 (the start + the read-lock TTL; no lock of it was taken before the start).
     deadline: float
+    lapses_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    owner: str
+    started: float
 
 
 @dataclass
@@ -59,6 +73,8 @@ class LeaseStats:
     ended_by_owner: int = 0
     consumed_locks: int = 0
     released_locks: int = 0
+    #: Locks a lease still held when they lapsed in L1, dropped unreleased.
+    lapsed_locks: int = 0
 
 
 @dataclass
@@ -67,11 +83,20 @@ class LookupLeases:
 
     manager: StorageManager
     ttl_s: float
+    #: The L1 read-lock TTL, on the same clock: a lease's locks lapse this long after its lookup.
+    read_ttl_s: float
     clock: Callable[[], float] = time.monotonic
     stats: LeaseStats = field(default_factory=LeaseStats)
     _leases: dict[str, _Lease] = field(default_factory=dict)
-    #: Owners of lookups whose prefetch has not been delivered yet.
-    _pending: dict[str, str] = field(default_factory=dict)
+    #: Lookups whose prefetch has not been delivered yet: owner and start.
+    _pending: dict[str, _Pending] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ttl_s < self.read_ttl_s:
+            raise ValueError(
+                f"the lease TTL ({self.ttl_s} s) must be positive and below the L1 read-lock "
+                f"TTL ({self.read_ttl_s} s)"
+            )
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -89,28 +114,46 @@ class LookupLeases:
 
     def expect(self, lease_id: str, owner: str) -> None:
         """A lookup started under ``lease_id`` for ``owner`` (its prefetch runs)."""
-        self._pending[lease_id] = owner
+        self._pending[lease_id] = _Pending(owner, self.clock())
 
     def grant(self, lease_id: str, result: PrefetchResult) -> None:
         """The prefetch's result was delivered: its locks become the lease."""
         if lease_id not in self._pending:
             return  # not a leased lookup (a peer's LockPrefix takes its locks itself)
-        owner = self._pending.pop(lease_id)
+        pending = self._pending.pop(lease_id)
         hit = result.hit_chunks
         held: dict[ObjectKey, int] = {}
         chunk_of: dict[ObjectKey, int] = {}
         for i, key in enumerate(result.locked_keys):
             held[key] = held.get(key, 0) + result.num_kv_readers
             chunk_of[key] = i % hit if hit else 0  # row-major over the prefix: the column
-        self._leases[lease_id] = _Lease(lease_id, owner, held, chunk_of, self._deadline())
+        self._leases[lease_id] = _Lease(
+            lease_id,
+            pending.owner,
+            held,
+            chunk_of,
+            deadline=pending.started + self.ttl_s,
+            lapses_at=pending.started + self.read_ttl_s,
+        )
         self.stats.granted += 1
 
     def forget_pending(self, lease_id: str) -> str | None:
         """A lookup whose prefetch was abandoned before delivery: its owner, if it had one."""
-        return self._pending.pop(lease_id, None)
+        pending = self._pending.pop(lease_id, None)
+        return pending.owner if pending is not None else None
 
-    def _deadline(self) -> float:
-        return self.clock() + self.ttl_s
+    def remaining_s(self, lease_id: str) -> float:
+        """Seconds until the lease ends by itself (0 when it is not alive)."""
+        lease = self._leases.get(lease_id)
+        return max(0.0, lease.deadline - self.clock()) if lease is not None else 0.0
+
+    def _alive(self, lease_id: str) -> _Lease | None:
+        """The lease, unless it is unknown or past its deadline (then it ends now)."""
+        lease = self._leases.get(lease_id) if lease_id else None
+        if lease is not None and lease.deadline <= self.clock():
+            self._expire(lease)
+            return None
+        return lease
 
     def _release(self, keys: list[ObjectKey], counts: list[int]) -> int:
         """Give locks back to L1, grouped by count (one call per distinct count)."""
@@ -132,10 +175,9 @@ class LookupLeases:
         or not). An unknown lease (ended, expired, another incarnation's, or
         "") consumes nothing.
         """
-        lease = self._leases.get(lease_id) if lease_id else None
+        lease = self._alive(lease_id)
         if lease is None:
             return [False] * len(keys)
-        lease.deadline = self._deadline()
         mask = []
         for key in keys:
             left = lease.held.get(key, 0)
@@ -147,10 +189,9 @@ class LookupLeases:
 
     def release(self, lease_id: str, first_chunk: int, last_chunk: int) -> int:
         """Release the locks the lease still holds on chunks [first, last); how many."""
-        lease = self._leases.get(lease_id)
+        lease = self._alive(lease_id)
         if lease is None:
             return 0
-        lease.deadline = self._deadline()
         keys = [
             k
             for k, n in lease.held.items()
@@ -173,6 +214,18 @@ class LookupLeases:
         keys = [k for k, n in lease.held.items() if n > 0]
         counts = [lease.held[k] for k in keys]
         lease.held.clear()
+        if keys and self.clock() >= lease.lapses_at:
+            # Lapsed in L1: the counts may be newer readers' by now (see the module doc).
+            logger.warning(
+                "lookup lease %s (owner %r) outlived its %d read locks (read TTL %.0f s); "
+                "dropped them without releasing",
+                lease.lease_id,
+                lease.owner,
+                sum(counts),
+                self.read_ttl_s,
+            )
+            self.stats.lapsed_locks += sum(counts)
+            return 0
         return self._release(keys, counts)
 
     def end_owner(self, owner: str) -> tuple[int, list[str]]:
@@ -186,22 +239,25 @@ class LookupLeases:
                 self._end(lease)
                 ended += 1
         self.stats.ended_by_owner += ended
-        running = [lid for lid, who in self._pending.items() if who == owner]
+        running = [lid for lid, pending in self._pending.items() if pending.owner == owner]
         return ended, running
 
     def expire(self) -> int:
-        """End the leases unused for the TTL; how many."""
+        """End the leases past their deadline; how many."""
         now = self.clock()
-        expired = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
-        for lease_id in expired:
-            lease = self._leases.pop(lease_id)
-            released = self._end(lease)
-            logger.info(
-                "lookup lease %s (owner %r) unused for %.0f s: released its %d locks",
-                lease_id,
-                lease.owner,
-                self.ttl_s,
-                released,
-            )
-        self.stats.expired += len(expired)
+        expired = [lease for lease in self._leases.values() if lease.deadline <= now]
+        for lease in expired:
+            self._expire(lease)
         return len(expired)
+
+    def _expire(self, lease: _Lease) -> None:
+        del self._leases[lease.lease_id]
+        released = self._end(lease)
+        self.stats.expired += 1
+        logger.info(
+            "lookup lease %s (owner %r) reached its %.0f s TTL: released its %d locks",
+            lease.lease_id,
+            lease.owner,
+            self.ttl_s,
+            released,
+        )

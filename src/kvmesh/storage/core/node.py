@@ -57,9 +57,11 @@ from kvmesh.storage.core.transfer.layout import KVLayout, chunk_nbytes
 logger = logging.getLogger(__name__)
 
 MAX_DELETE_KEYS = 10_000
-#: A lookup's lease ends after this much idleness: below the L1 read-lock TTL's
-#: default (300 s), so a lease always ends before its locks could lapse.
+#: A lookup's lease ends this long after the lookup: below the L1 read-lock TTL's
+#: default (300 s), so a lease ends before its locks could lapse.
 DEFAULT_LEASE_TTL_S = 240.0
+#: A lease's TTL is at most this share of the read-lock TTL (a shorter read TTL).
+LEASE_SHARE_OF_READ_TTL = 0.8
 
 
 class StorageNode:
@@ -84,7 +86,9 @@ class StorageNode:
         self._ids = itertools.count(1)
         self.lookups = NodeLookups(
             manager, new_id=self._new_id, max_chunks=max_chunks_per_request,
-            lease_ttl_s=lease_ttl_s,
+            # A lease must end before the L1 read locks it holds could lapse.
+            lease_ttl_s=min(lease_ttl_s, LEASE_SHARE_OF_READ_TTL * manager.l1.read_ttl_s),
+            clock=clock,
         )  # fmt: skip
         self._txns = EngineTransactions(manager, clock=clock, new_id=self._new_id)
         self._copier = ChunkCopier(manager, transfer, copy_executor, load_executor)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 
 from kvmesh.common.errors import InvalidArgument
@@ -34,10 +35,13 @@ class NodeLookups:
         new_id: Callable[[str], str],
         max_chunks: int,
         lease_ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.manager = manager
         self.max_chunks = max_chunks
-        self.leases = LookupLeases(manager, ttl_s=lease_ttl_s)
+        self.leases = LookupLeases(
+            manager, ttl_s=lease_ttl_s, read_ttl_s=manager.l1.read_ttl_s, clock=clock
+        )
         self.prefetches = PrefetchIds(manager, new_id=new_id, on_complete=self.leases.grant)
 
     async def lookup_and_lock(
@@ -99,7 +103,8 @@ class NodeLookups:
         """Status of a prefetch; a completed result is delivered once (and leased, if it is)."""
         state = await self.prefetches.status(prefetch_id, wait_ms)
         if state.completed and prefetch_id in self.leases.ids():
-            return dataclasses.replace(state, lease_ttl_ms=int(self.leases.ttl_s * 1000))
+            remaining_ms = int(self.leases.remaining_s(prefetch_id) * 1000)
+            return dataclasses.replace(state, lease_ttl_ms=remaining_ms)
         return state
 
     def release_prefetch(self, prefetch_id: str) -> bool:
@@ -122,7 +127,7 @@ class NodeLookups:
         return ended + len(running)
 
     def expire(self) -> int:
-        """End leases unused for their TTL, forget prefetches expired unqueried; leases ended."""
+        """End leases past their TTL, forget prefetches expired unqueried; leases ended."""
         for prefetch_id in self.prefetches.forget_expired():
             self.leases.forget_pending(prefetch_id)
         return self.leases.expire()

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvmesh.common.errors import NotFound, ResourceExhausted
+from kvmesh.common.errors import Aborted, NotFound, ResourceExhausted
 from kvmesh.common.keys import ObjectKey
 from kvmesh.common.node_types import Slot
 from kvmesh.storage.core.l1.results import L1Result
@@ -151,9 +151,10 @@ class EngineTransactions:
         """Release a prepared retrieve's locks and the flagged lookup locks."""
         with self._lock:
             txn = self._read_txns.pop(transaction_id, None)
-            self._txn_deadlines.pop(transaction_id, None)
+            deadline = self._txn_deadlines.pop(transaction_id, None)
+            lapsed = deadline is not None and self._clock() >= deadline
             repeat = txn is None and transaction_id in self._committed
-            if txn is not None:
+            if txn is not None and not lapsed:
                 self._remember_committed(transaction_id)
         if repeat:
             return 0  # a retried commit (lost reply): idempotent, releases nothing
@@ -161,10 +162,20 @@ class EngineTransactions:
             raise NotFound(
                 f"unknown retrieve transaction {transaction_id!r}", reason="UNKNOWN_TRANSACTION"
             )
-        self.manager.finish_read(txn.held, 1)
         flagged = [k for k, flag in zip(txn.keys, release_mask, strict=False) if flag]
         if flagged:
-            self.manager.finish_read(flagged, 1)
+            self.manager.finish_read(flagged, 1)  # the lease's: alive when they were consumed
+        if lapsed:
+            # The prepare's locks lapsed before the commit (the sweep had not come by):
+            # eviction may have reused the slots while the engine read them, and their
+            # counts may be newer readers' now, so they are not released either.
+            raise Aborted(
+                f"retrieve transaction {transaction_id!r} committed after its read locks "
+                f"lapsed ({self.manager.l1.read_ttl_s:g} s after the prepare): what the "
+                "engine read may have been overwritten; discard it and prepare again",
+                reason="LOCKS_LAPSED",
+            )
+        self.manager.finish_read(txn.held, 1)
         return len(txn.held)
 
     def _remember_committed(self, transaction_id: str) -> None:

@@ -357,8 +357,9 @@ Global___PrefetchStatus: _TypeAlias = PrefetchStatus  # noqa: Y015
 @_typing.final
 class Lease(_message.Message):
     """The read locks of a lookup, held by storage until a retrieve consumes them,
-    FreeLookupLocks or EndSession releases them, the TTL passes (each use
-    refreshes it), or the engine instance that looked up is reaped.
+    FreeLookupLocks or EndSession releases them, the TTL passes (counted from
+    the lookup; use does not extend it, since the locks lapse at the node's
+    read-lock TTL), or the engine instance that looked up is reaped.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

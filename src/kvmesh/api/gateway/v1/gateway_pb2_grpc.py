@@ -390,7 +390,9 @@ class GatewayServiceServicer:
 
     def CommitRetrieve(self, request, context):
         """Releases the read locks of a PrepareRetrieve (or a PrepareSegmentRetrieve).
-        Idempotent. Errors: NOT_FOUND (unknown transaction). Deadline: 10 s.
+        Idempotent. Errors: NOT_FOUND (unknown transaction), ABORTED (reason
+        LOCKS_LAPSED: committed after the node's read-lock TTL, so what the
+        engine read may have been overwritten; discard it). Deadline: 10 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

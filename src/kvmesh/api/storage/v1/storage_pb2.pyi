@@ -222,7 +222,9 @@ class PrefetchResult(_message.Message):
     l1_hit_chunks: _builtins.int
     l2_hit_chunks: _builtins.int
     lease_ttl_ms: _builtins.int
-    """The lease (under the prefetch id) ends after this much idleness."""
+    """The lease (under the prefetch id) ends this many ms from now, however
+    much it is used (its locks were taken at the lookup's start).
+    """
     def __init__(
         self,
         *,

@@ -446,7 +446,9 @@ class StorageServiceServicer:
         """Releases a PrepareRetrieve's locks, and the lookup locks lease_id holds
         on its keys (as RetrieveChunks). Idempotent: a second commit of
         the same transaction releases nothing. Errors: NOT_FOUND (unknown
-        transaction). Deadline: 10 s.
+        transaction), ABORTED (reason LOCKS_LAPSED: committed after the read
+        TTL, so what the engine read may have been overwritten; discard it).
+        Deadline: 10 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -219,7 +219,9 @@ class StorageServiceStub:
     """Releases a PrepareRetrieve's locks, and the lookup locks lease_id holds
     on its keys (as RetrieveChunks). Idempotent: a second commit of
     the same transaction releases nothing. Errors: NOT_FOUND (unknown
-    transaction). Deadline: 10 s.
+    transaction), ABORTED (reason LOCKS_LAPSED: committed after the read
+    TTL, so what the engine read may have been overwritten; discard it).
+    Deadline: 10 s.
     """
 
 @_typing.type_check_only
@@ -399,7 +401,9 @@ class StorageServiceAsyncStub(StorageServiceStub):
     """Releases a PrepareRetrieve's locks, and the lookup locks lease_id holds
     on its keys (as RetrieveChunks). Idempotent: a second commit of
     the same transaction releases nothing. Errors: NOT_FOUND (unknown
-    transaction). Deadline: 10 s.
+    transaction), ABORTED (reason LOCKS_LAPSED: committed after the read
+    TTL, so what the engine read may have been overwritten; discard it).
+    Deadline: 10 s.
     """
 
 class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -732,7 +736,9 @@ class StorageServiceServicer(metaclass=_abc_1.ABCMeta):
         """Releases a PrepareRetrieve's locks, and the lookup locks lease_id holds
         on its keys (as RetrieveChunks). Idempotent: a second commit of
         the same transaction releases nothing. Errors: NOT_FOUND (unknown
-        transaction). Deadline: 10 s.
+        transaction), ABORTED (reason LOCKS_LAPSED: committed after the read
+        TTL, so what the engine read may have been overwritten; discard it).
+        Deadline: 10 s.
         """
 
 def add_StorageServiceServicer_to_server(servicer: StorageServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
