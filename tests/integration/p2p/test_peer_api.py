@@ -146,6 +146,7 @@ def test_a_read_refused_for_its_frame_size_ends_the_lease_at_once(fleet: Fleet) 
     a.store(hashes)
     granted = lock(a, grid(hashes), lease_ttl_ms=600_000)  # a TTL far beyond the test
     assert granted.locked_chunks == 3
+    assert granted.lease_ttl_ms == 240_000  # 0.8 of the 300 s read TTL: ends before a lapse
     assert a.read_locked() == 3
     with pytest.raises(grpc.RpcError) as info:
         list(

@@ -422,11 +422,28 @@ def test_an_unqueried_result_expires_and_releases_its_locks(
     m = make_manager()
     write(m, KEYS[:1])
     handle = m.submit_prefetch("r", [KEYS[:1]], 1)
-    clock.advance(301)
+    clock.advance(241)  # 0.8 of the 300 s read TTL: before the lock could lapse
+    assert m.l1.read_lock_count(KEYS[0]) == 1
     m.submit_prefetch("other", [], 1)  # any call sweeps
     assert m.status()["prefetch"]["expired_results"] == 1
+    assert m.l1.read_lock_count(KEYS[0]) == 0  # released, not left to lapse
     with pytest.raises(NotFound):
         m.query_prefetch(handle)
+
+
+def test_an_unqueried_result_swept_after_its_locks_lapsed_spares_newer_readers(
+    make_manager: MakeManager, clock: FakeClock
+) -> None:
+    # No call swept the result until its lock lapsed, and a new reader locked the
+    # chunk afresh: releasing the result's count would take that reader's lock.
+    m = make_manager()
+    write(m, KEYS[:1])
+    m.submit_prefetch("r", [KEYS[:1]], 2)
+    clock.advance(301)
+    assert m.reserve_read(KEYS[:1], 1) == [L1Result.SUCCESS]
+    m.submit_prefetch("other", [], 1)
+    assert m.status()["prefetch"]["expired_results"] == 1
+    assert m.l1.read_lock_count(KEYS[0]) == 1
 
 
 def test_the_memory_adapter_round_trips_through_l2(make_manager: MakeManager) -> None:

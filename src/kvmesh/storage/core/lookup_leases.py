@@ -112,9 +112,12 @@ class LookupLeases:
 
     # ------------------------------------------------------------------ life
 
-    def expect(self, lease_id: str, owner: str) -> None:
-        """A lookup started under ``lease_id`` for ``owner`` (its prefetch runs)."""
-        self._pending[lease_id] = _Pending(owner, self.clock())
+    def expect(self, lease_id: str, owner: str, started: float | None = None) -> None:
+        """A lookup started under ``lease_id`` for ``owner`` (its prefetch runs).
+
+        ``started``: when it started, before it took any lock (default: now).
+        """
+        self._pending[lease_id] = _Pending(owner, self.clock() if started is None else started)
 
     def grant(self, lease_id: str, result: PrefetchResult) -> None:
         """The prefetch's result was delivered: its locks become the lease."""

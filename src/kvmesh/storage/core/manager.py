@@ -52,6 +52,10 @@ from kvmesh.storage.core.ports import CapacityModule, EventSink
 
 logger = logging.getLogger(__name__)
 
+#: An unqueried prefetch result releases its locks this share of the read TTL after it
+#: is published, so the node's sweep gets to it before they lapse.
+RESULT_SHARE_OF_READ_TTL = 0.8
+
 
 class StorageManager:
     """Facade of the storage node: L1 writes and reads, prefetch, deletes, quotas, status.
@@ -132,7 +136,8 @@ class StorageManager:
                 self.pins,
                 policy=opts.prefetch_policy,
                 max_in_flight=opts.prefetch_max_in_flight,
-                result_ttl_s=opts.read_ttl_s,
+                # Unqueried results release their locks before those could lapse.
+                result_ttl_s=RESULT_SHARE_OF_READ_TTL * opts.read_ttl_s,
                 clock=clock,
             )
         except BaseException:

@@ -394,9 +394,10 @@ class StorageNode:
         of either is NOT_FOUND. Prefetch ids whose result expired unqueried
         are forgotten too. Returns how many transactions expired.
         """
-        expired = self._txns.expire()
-        self.lookups.expire()
-        return expired
+        try:
+            return self._txns.expire()
+        finally:
+            self.lookups.expire()  # leases end on time even if the transactions' sweep fails
 
     # -------------------------------------------------------------- commands
 

@@ -85,12 +85,13 @@ class NodeLookups:
         if chunk_bytes > MAX_CHUNK_BYTES:
             raise InvalidArgument("chunk_bytes is too large", field="chunk_bytes")
         row_nbytes = [chunk_bytes] * len(rows) if chunk_bytes else None
+        started = self.leases.clock()  # before the prefetch takes any lock
         handle = self.manager.submit_prefetch(
             request_id, rows, max(readers, 1), row_nbytes=row_nbytes, allow_peers=allow_peers
         )
         prefetch_id = self.prefetches.add(handle)
         if leased:
-            self.leases.expect(prefetch_id, owner)
+            self.leases.expect(prefetch_id, owner, started)
         try:
             return await self.prefetch_status(prefetch_id, wait_ms)
         except asyncio.CancelledError:

@@ -111,6 +111,7 @@ class EngineTransactions:
         self, keys: Sequence[ObjectKey], chunk_bytes: int
     ) -> tuple[str, list[Slot]]:
         """Read-lock the resident prefix and return its slots."""
+        locked_at = self._clock()  # the locks lapse a read TTL after this, at the latest
         results = self.manager.reserve_read(keys, 1) if keys else []
         prefix = 0
         while prefix < len(keys) and results[prefix] is L1Result.SUCCESS:
@@ -138,7 +139,7 @@ class EngineTransactions:
         txn = self._new_id("read")
         with self._lock:
             self._read_txns[txn] = _ReadTxn(list(keys), held)
-            self._txn_deadlines[txn] = self._clock() + self.manager.l1.read_ttl_s
+            self._txn_deadlines[txn] = locked_at + self.manager.l1.read_ttl_s
         return txn, slots
 
     def retrieve_keys(self, transaction_id: str) -> list[ObjectKey]:

@@ -114,7 +114,9 @@ class LockPrefixResponse(_message.Message):
     instance_id: _builtins.str
     incarnation: _builtins.int
     lease_ttl_ms: _builtins.int
-    """The lease's TTL in effect (the request's, clamped to the node's read TTL)."""
+    """The lease's TTL in effect: the request's, clamped to 0.8 of the node's
+    read-lock TTL (240 000 by default) so it ends before its locks lapse.
+    """
     data_port: _builtins.int
     """The TCP port of this node's data plane ("tcp-stream" above), on the host
     of its advertised address; 0 when it offers none (read with ReadChunks).

@@ -27,7 +27,9 @@ prefix of counting columns is served (as in LMCache 0.5.6):
    the request finishes when it answers. A peer's own request never goes
    to peers (``allow_peers=False``).
 6. The result is kept until it is queried, exactly once (or until
-   ``result_ttl_s`` passes unqueried: then its locks are released). Whoever
+   ``result_ttl_s`` passes unqueried: then its locks are released, or
+   dropped unreleased if they lapsed first, since a lapsed lock's count may
+   be a newer reader's; the node keeps the TTL below the read TTL). Whoever
    needs to know when it is ready registers ``add_done_callback``; the
    worker calls it on completion, so no thread ever parks waiting for a
    prefetch (``wait`` remains for synchronous callers and tests).
@@ -104,7 +106,8 @@ class PrefetchController:
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
         self._jobs: dict[int, PrefetchJob] = {}
-        self._results: OrderedDict[int, tuple[float, PrefetchResult]] = OrderedDict()
+        #: Unqueried results in publish order: (published, job started, result).
+        self._results: OrderedDict[int, tuple[float, float, PrefetchResult]] = OrderedDict()
         self._callbacks: dict[int, list[DoneCallback]] = {}
         self._closing = False
         self._peers: PeerSource | None = None
@@ -171,6 +174,7 @@ class PrefetchController:
             handle = PrefetchHandle(next(self._ids), request_id)
             self.submitted += 1
         job = PrefetchJob(handle, rows, readers, nbytes, [[False] * len(r) for r in rows])
+        job.started = self._clock()  # before any lock of it is taken
         peers = self._peers
         job.allow_peers = allow_peers and peers is not None and not peers.alone()
         if job.num_chunks:
@@ -225,7 +229,7 @@ class PrefetchController:
         with self._cond:
             entry = self._results.pop(handle.id, None)
             if entry is not None:
-                return entry[1]
+                return entry[2]
             if handle.id in self._jobs:
                 return None
         raise NotFound(
@@ -393,13 +397,14 @@ class PrefetchController:
             locked_keys=locked,
             error=error,
         )
-        self._publish(job.handle, result, completed=True)
+        self._publish(job, result, completed=True)
 
-    def _publish(self, handle: PrefetchHandle, result: PrefetchResult, completed: bool) -> None:
+    def _publish(self, job: PrefetchJob, result: PrefetchResult, completed: bool) -> None:
         """Make the result queryable, wake ``wait``, then run the done callbacks."""
+        handle = job.handle
         with self._cond:
             self._jobs.pop(handle.id, None)
-            self._results[handle.id] = (self._clock(), result)
+            self._results[handle.id] = (self._clock(), job.started, result)
             if completed:
                 self.completed += 1
             callbacks = self._callbacks.pop(handle.id, [])
@@ -416,7 +421,7 @@ class PrefetchController:
         except Exception:
             logger.exception("cleanup of prefetch %s failed", job.handle.request_id)
             self._publish(
-                job.handle,
+                job,
                 PrefetchResult(
                     request_id=job.handle.request_id,
                     hit_chunks=0,
@@ -434,23 +439,34 @@ class PrefetchController:
     def _sweep_results(self) -> int:
         """Drop results nobody queried within the TTL, releasing their locks; how many."""
         now = self._clock()
-        expired: list[PrefetchResult] = []
+        expired: list[tuple[float, PrefetchResult]] = []
         with self._cond:
             while self._results:
-                hid, (at, result) = next(iter(self._results.items()))
+                hid, (at, started, result) = next(iter(self._results.items()))
                 if now - at < self.result_ttl_s:
                     break
                 del self._results[hid]
-                expired.append(result)
+                expired.append((started, result))
             self.expired_results += len(expired)
-        for result in expired:
+        for started, result in expired:
+            if not result.locked_keys:
+                continue
+            if now - started >= self.l1.read_ttl_s:
+                # Lapsed in L1 already: their counts may be newer readers' now, and
+                # releasing those would let eviction reuse memory still being read.
+                logger.warning(
+                    "prefetch result of request %r was never queried; its %d locks "
+                    "lapsed first and are dropped",
+                    result.request_id,
+                    len(result.locked_keys),
+                )
+                continue
             logger.warning(
                 "prefetch result of request %r was never queried; releasing its %d locks",
                 result.request_id,
                 len(result.locked_keys),
             )
-            if result.locked_keys:
-                self.l1.finish_read(list(result.locked_keys), result.num_kv_readers)
+            self.l1.finish_read(list(result.locked_keys), result.num_kv_readers)
         return len(expired)
 
 

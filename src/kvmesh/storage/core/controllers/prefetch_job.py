@@ -52,6 +52,8 @@ class PrefetchJob:
     pins: dict[Cell, L2Tier] = field(default_factory=dict)
     #: May ask peers for the columns L1 and L2 miss (False for a peer's own request).
     allow_peers: bool = True
+    #: When it was submitted, before it took any lock (its locks lapse a read TTL later).
+    started: float = 0.0
 
     @property
     def num_chunks(self) -> int:

@@ -45,7 +45,7 @@ from typing import Any
 
 from kvmesh.common.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from kvmesh.common.keys import ObjectKey, validate_object_keys
-from kvmesh.storage.core.node import StorageNode
+from kvmesh.storage.core.node import LEASE_SHARE_OF_READ_TTL, StorageNode
 
 logger = logging.getLogger(__name__)
 
@@ -115,13 +115,13 @@ class PeerLeases:
 
     @property
     def max_ttl_s(self) -> float:
-        """The L1 read-lock TTL less a margin: a lease must end before its locks could lapse.
+        """The share of the L1 read-lock TTL a lookup lease gets too (240 of 300 s).
 
-        The margin (a tenth of the TTL, at most a second) covers a sender's last
-        ``sendall`` running a little past its deadline.
+        A lease must end before its locks could lapse; the margin covers a
+        sender's last ``sendall`` running past its deadline and an event loop
+        that runs the expiry timer late (a second's margin did not).
         """
-        read_ttl = float(self.node.manager.l1.read_ttl_s)
-        return read_ttl - min(1.0, read_ttl / 10)
+        return LEASE_SHARE_OF_READ_TTL * float(self.node.manager.l1.read_ttl_s)
 
     async def lock(
         self,
