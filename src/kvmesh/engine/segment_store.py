@@ -197,13 +197,30 @@ class SegmentStore:
             with _mapped(prepared.region, write=False) as view:
                 data = torch.frombuffer(bytearray(view), dtype=self.dtype).view(self._shape(rows))
         finally:
+            protected = self._commit_retrieve(prepared.transaction_id)
+        if not protected:
+            return None  # what the copy read may be another segment's bytes: computed
+        return SequenceKV(list(data[0].unbind(0)), list(data[1].unbind(0)))
+
+    def _commit_retrieve(self, transaction_id: str) -> bool:
+        """Release a prepared retrieve; False when its locks did not last to the commit.
+
+        ABORTED: they lapsed before it; NOT_FOUND: the node's sweep forgot the
+        transaction when they lapsed (or the node restarted). Either way the
+        copy was not protected to its end.
+        """
+        try:
             self._client.commit_retrieve(
                 gateway_pb2.CommitRetrieveRequest(
-                    engine_id=self.engine_id, transaction_id=prepared.transaction_id
+                    engine_id=self.engine_id, transaction_id=transaction_id
                 ),
                 timeout=self.timeout_s,
             )
-        return SequenceKV(list(data[0].unbind(0)), list(data[1].unbind(0)))
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND):
+                raise
+            return False
+        return True
 
     def find(self, tokens: Sequence[int], stride: int = 1) -> list[tuple[int, int]]:
         """Stored segments inside the prompt ``tokens``: (start, length) in prompt order.

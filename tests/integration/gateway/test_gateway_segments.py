@@ -8,6 +8,11 @@ it runs over gRPC to two servers, one ``kvmesh node``, and the local lane.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import grpc
 import pytest
 import torch
@@ -17,6 +22,7 @@ from kvmesh.api.gateway.v1 import gateway_pb2
 from kvmesh.api.storage.v1 import storage_pb2
 from kvmesh.common.hashing import segment_key
 from kvmesh.common.keys import worker_kv_rank
+from kvmesh.engine import segment_store
 from kvmesh.engine.llama import SequenceKV
 from kvmesh.engine.segment_store import SegmentStore
 from kvmesh.kernels.rope import RopeParams, apply_rope
@@ -248,3 +254,30 @@ def test_a_segment_gone_from_l1_is_read_back_from_l2(make_stack: StackFactory) -
         torch.testing.assert_close(got.keys[0], apply_rope(raw[0], zero, ROPE))
         assert torch.equal(got.values[2], kv.values[2])
         assert stack.locked() == 0
+
+
+def test_a_segment_read_slower_than_the_read_lock_ttl_is_not_used(
+    make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The lock lapsed while the engine copied: eviction could have reused the slot, so
+    # what it read cannot be trusted; the segment is computed instead.
+    stack = make_stack(storage={"read_ttl_seconds": 0.5})
+    tokens = list(range(4000, 4040))
+    kv, _ = _segment(len(tokens), start=0, seed=11)
+    real = segment_store._mapped
+
+    @contextmanager
+    def slow(region: Any, write: bool) -> Iterator[memoryview]:
+        with real(region, write=write) as view:
+            time.sleep(1.0)  # twice the read TTL
+            yield view
+
+    with _store(stack) as store:
+        assert store.put(tokens, kv, source_start=0)
+        monkeypatch.setattr(segment_store, "_mapped", slow)
+        assert store.get(tokens) is None
+        monkeypatch.setattr(segment_store, "_mapped", real)
+        got = store.get(tokens)  # a read that ends in time is used
+        assert got is not None
+        assert torch.equal(got.values[0], kv.values[0])
+    wait_until(lambda: stack.locked() == 0)

@@ -390,9 +390,10 @@ class GatewayServiceServicer:
 
     def CommitRetrieve(self, request, context):
         """Releases the read locks of a PrepareRetrieve (or a PrepareSegmentRetrieve).
-        Idempotent. Errors: NOT_FOUND (unknown transaction), ABORTED (reason
-        LOCKS_LAPSED: committed after the node's read-lock TTL, so what the
-        engine read may have been overwritten; discard it). Deadline: 10 s.
+        Idempotent. Errors: NOT_FOUND (unknown transaction, including one the
+        node forgot when its read locks lapsed), ABORTED (reason LOCKS_LAPSED:
+        committed after the node's read-lock TTL). After either, what the engine
+        read may have been overwritten: it discards it. Deadline: 10 s.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

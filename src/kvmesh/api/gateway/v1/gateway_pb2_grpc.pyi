@@ -197,9 +197,10 @@ class GatewayServiceStub:
     """
     CommitRetrieve: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.CommitRetrieveRequest, _gateway_pb2.CommitRetrieveResponse]
     """Releases the read locks of a PrepareRetrieve (or a PrepareSegmentRetrieve).
-    Idempotent. Errors: NOT_FOUND (unknown transaction), ABORTED (reason
-    LOCKS_LAPSED: committed after the node's read-lock TTL, so what the
-    engine read may have been overwritten; discard it). Deadline: 10 s.
+    Idempotent. Errors: NOT_FOUND (unknown transaction, including one the
+    node forgot when its read locks lapsed), ABORTED (reason LOCKS_LAPSED:
+    committed after the node's read-lock TTL). After either, what the engine
+    read may have been overwritten: it discards it. Deadline: 10 s.
     """
     PrepareSegmentStore: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.PrepareSegmentStoreRequest, _gateway_pb2.PrepareSegmentStoreResponse]
     """Engine-driven CacheBlend path (docs/blend.md): reserves one L1 slot for a
@@ -407,9 +408,10 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """
     CommitRetrieve: _aio.UnaryUnaryMultiCallable[_gateway_pb2.CommitRetrieveRequest, _gateway_pb2.CommitRetrieveResponse]  # type: ignore[assignment]
     """Releases the read locks of a PrepareRetrieve (or a PrepareSegmentRetrieve).
-    Idempotent. Errors: NOT_FOUND (unknown transaction), ABORTED (reason
-    LOCKS_LAPSED: committed after the node's read-lock TTL, so what the
-    engine read may have been overwritten; discard it). Deadline: 10 s.
+    Idempotent. Errors: NOT_FOUND (unknown transaction, including one the
+    node forgot when its read locks lapsed), ABORTED (reason LOCKS_LAPSED:
+    committed after the node's read-lock TTL). After either, what the engine
+    read may have been overwritten: it discards it. Deadline: 10 s.
     """
     PrepareSegmentStore: _aio.UnaryUnaryMultiCallable[_gateway_pb2.PrepareSegmentStoreRequest, _gateway_pb2.PrepareSegmentStoreResponse]  # type: ignore[assignment]
     """Engine-driven CacheBlend path (docs/blend.md): reserves one L1 slot for a
@@ -734,9 +736,10 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.CommitRetrieveResponse, _abc.Awaitable[_gateway_pb2.CommitRetrieveResponse]]:
         """Releases the read locks of a PrepareRetrieve (or a PrepareSegmentRetrieve).
-        Idempotent. Errors: NOT_FOUND (unknown transaction), ABORTED (reason
-        LOCKS_LAPSED: committed after the node's read-lock TTL, so what the
-        engine read may have been overwritten; discard it). Deadline: 10 s.
+        Idempotent. Errors: NOT_FOUND (unknown transaction, including one the
+        node forgot when its read locks lapsed), ABORTED (reason LOCKS_LAPSED:
+        committed after the node's read-lock TTL). After either, what the engine
+        read may have been overwritten: it discards it. Deadline: 10 s.
         """
 
     @_abc_1.abstractmethod
