@@ -49,9 +49,7 @@ from tests.support.zmqproxy import DroppingProxy
 
 CHUNK = 64
 BLOCK = 16
-#: ScoreEngines' own deadline is 1 s, sized for a router; a loaded 2-core CI
-#: host running vLLM beside these tests can stall the coordinator past it.
-SCORE_DEADLINE_S = 10.0
+SCORE_DEADLINE_S = 10.0  # its own 1 s (a router's) ran out on a loaded CI host
 
 
 def _prompt(n_chunks: int, seed: int) -> list[int]:

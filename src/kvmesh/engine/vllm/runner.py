@@ -55,7 +55,7 @@ def results_and_log(
             f"vLLM ran past {timeout_s:.0f} s:\n{(stdout + stderr)[-4000:]}"
         ) from None
     except BaseException:
-        # Ctrl-C or SIGTERM (a benchmark turns it into KeyboardInterrupt) while waiting:
+        # Ctrl-C or SIGTERM (a benchmark turns it into SystemExit) while waiting:
         # the engine runs in a session of its own, so nothing else would stop it.
         kill(proc)
         raise

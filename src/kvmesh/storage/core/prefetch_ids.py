@@ -114,7 +114,8 @@ class PrefetchIds:
             entry = self._prefetches.pop(prefetch_id, None)
         if entry is None:
             return False
-        # NotFound: its result expired unqueried, and the controller released its locks then.
+        # NotFound: its result expired unqueried, and the controller released its locks
+        # then (or dropped them, had they lapsed).
         with contextlib.suppress(NotFound):
             self.manager.prefetch.add_done_callback(entry.handle, self._release_abandoned)
         return True
@@ -124,12 +125,13 @@ class PrefetchIds:
         try:
             result = self.manager.query_prefetch(handle)
         except NotFound:
-            return  # expired meanwhile (locks released by the controller)
+            return  # expired meanwhile (its locks went with the controller's sweep)
         if result is not None:
             self.manager.finish_read(result.locked_keys, result.num_kv_readers)
 
     def forget_expired(self) -> list[str]:
-        """Forget prefetch ids whose result expired unqueried (the controller freed its locks)."""
+        """Forget prefetch ids whose result expired unqueried (the controller's sweep took
+        their locks)."""
         self.manager.prefetch.sweep()
         with self._lock:
             entries = list(self._prefetches.items())

@@ -17,7 +17,7 @@ chunk nor a slow reader ever holds the loop. The lease is opened and closed on t
 L1 memory by the lease's deadline, which its socket timeout enforces, so a
 reader that stops reading costs one thread until the lease's TTL, never a
 lock past it (a reader that never reads holds its thread until the lease's
-TTL, which the asker chose, up to the L1 read TTL). Connections beyond
+TTL, which the asker chose, up to 0.8 of the L1 read TTL). Connections beyond
 ``max_connections`` (waiting for their request, or streaming), and streams
 beyond ``max_streams``, are refused with RESOURCE_EXHAUSTED; the asker then
 reads the same lease over ReadChunks.

@@ -70,7 +70,8 @@ from kvmesh.storage.core.pins import PinTable
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_IN_FLIGHT = 8
-DEFAULT_RESULT_TTL_S = 300.0
+#: 0.8 of the default read-lock TTL: an unqueried result's locks go back before they lapse.
+DEFAULT_RESULT_TTL_S = 240.0
 
 
 DoneCallback = Callable[[PrefetchHandle], None]

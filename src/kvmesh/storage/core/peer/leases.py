@@ -10,8 +10,9 @@ that ends, releasing every lock once, on the first of:
   cancelled by the peer: the generator's ``finally``, or the refusal of a
   bad frame size);
 - ``Unlock``;
-- its TTL (a timer on the event loop; the TTL is clamped to the L1 read-lock
-  TTL so the lease always ends before the L1 locks could lapse).
+- its TTL (a timer on the event loop; the TTL is clamped to 0.8 of the L1
+  read-lock TTL so the lease ends before the L1 locks could lapse, with room
+  for a late timer).
 
 Two kinds of stream read a lease (each lease is read once):
 
