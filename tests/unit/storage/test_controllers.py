@@ -556,3 +556,29 @@ def test_peers_are_asked_unless_the_node_is_known_to_be_alone(
     assert result.hit_chunks == 0
     assert peers.asked == ([] if lonely else ["req"])
     assert m.status()["prefetch"]["completed_by_index"] == (1 if lonely else 0)
+
+
+def test_a_prefetch_finishing_past_the_read_ttl_spares_newer_readers_of_its_hits(
+    make_manager: MakeManager, clock: FakeClock
+) -> None:
+    # Row 0 holds both chunks in L1, row 1 only the first; row 1's second comes from
+    # an L2 load that outlasts the read TTL and fails. The prefix is then one chunk,
+    # and the lock the prefetch took at its start on row 0's second chunk lapsed
+    # meanwhile: a new reader holds it now, and the prefetch must not release that.
+    a, b = [make_key(100), make_key(101)], [make_key(200), make_key(201)]
+    adapter = FakeL2()
+    seed(adapter, b[1:])
+    adapter.fail_get.add(b[1])
+    adapter.block_get = threading.Event()
+    m = make_manager([adapter])
+    write(m, [*a, b[0]])
+    handle = m.submit_prefetch("r", [a, b], 1, row_nbytes=[CHUNK, CHUNK])
+    assert adapter.get_entered.wait(10)
+    clock.advance(301)
+    assert m.reserve_read(a[1:], 1) == [S]
+    adapter.block_get.set()
+    assert m.wait_prefetch(handle, 10)
+    result = m.query_prefetch(handle)
+    assert result is not None
+    assert result.hit_chunks == 1
+    assert m.l1.read_lock_count(a[1]) == 1

@@ -240,3 +240,30 @@ def test_a_cancelled_copy_is_waited_for_before_the_caller_sees_the_cancellation(
     node.close()  # the executor is the caller's: still usable
     assert copies.submit(lambda: 1).result(10) == 1
     copies.shutdown()
+
+
+def test_an_abandoned_prefetch_finishing_past_the_read_ttl_spares_newer_readers(
+    make_manager: MakeManager, transfer: TransferEngine, clock: FakeClock
+) -> None:
+    # Its L1 hit was locked when it started; its L2 load outlasted the read TTL. The
+    # lock lapsed and a new reader took the chunk: the abandoned prefetch's release
+    # at its end must not take that reader's lock.
+    adapter = seeded_l2(KEYS[1:2])
+    m = make_manager([adapter])
+    objs = m.reserve_write(KEYS[:1], CHUNK)
+    assert set(objs) == {KEYS[0]}
+    assert m.finish_write(KEYS[:1]) == [L1Result.SUCCESS]
+    assert m.flush_l2_writes(10)  # the write-through's own read lock is gone
+    node = StorageNode(m, transfer, clock=clock)
+    started = asyncio.run(node.lookup_and_lock("r", [KEYS[:2]], 1, 0, CHUNK))
+    assert not started.completed
+    assert adapter.get_entered.wait(10)
+    assert node.release_prefetch(started.prefetch_id)  # its caller went away
+    clock.advance(31)  # the 30 s read TTL
+    assert m.reserve_read(KEYS[:1], 1) == [L1Result.SUCCESS]
+    adapter.block_get.set()  # type: ignore[union-attr]
+    # Done, and its result taken by the abandonment's callback (which releases or drops).
+    wait_until(lambda: m.status()["prefetch"]["completed"] == 1)
+    wait_until(lambda: m.status()["prefetch"]["unconsumed_results"] == 0)
+    assert m.l1.read_lock_count(KEYS[0]) == 1
+    node.close()

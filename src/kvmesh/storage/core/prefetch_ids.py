@@ -126,8 +126,20 @@ class PrefetchIds:
             result = self.manager.query_prefetch(handle)
         except NotFound:
             return  # expired meanwhile (its locks went with the controller's sweep)
-        if result is not None:
-            self.manager.finish_read(result.locked_keys, result.num_kv_readers)
+        if result is None or not result.locked_keys:
+            return
+        l1 = self.manager.l1
+        if result.started is not None and l1.clock() - result.started >= l1.read_ttl_s:
+            # It ran past the read TTL: its first locks lapsed, and their counts may be
+            # newer readers' now (the rest lapse on their own).
+            logger.warning(
+                "abandoned prefetch of %r finished after the read TTL; its %d locks are "
+                "dropped, not released",
+                result.request_id,
+                len(result.locked_keys),
+            )
+            return
+        self.manager.finish_read(result.locked_keys, result.num_kv_readers)
 
     def forget_expired(self) -> list[str]:
         """Forget prefetch ids whose result expired unqueried (the controller's sweep took

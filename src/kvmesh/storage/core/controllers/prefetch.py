@@ -174,8 +174,9 @@ class PrefetchController:
                 raise FailedPrecondition("the prefetch controller is closed")
             handle = PrefetchHandle(next(self._ids), request_id)
             self.submitted += 1
-        job = PrefetchJob(handle, rows, readers, nbytes, [[False] * len(r) for r in rows])
-        job.started = self._clock()  # before any lock of it is taken
+        unheld = [[False] * len(r) for r in rows]
+        # Its start is taken before any lock of it (they lapse a read TTL after, at the soonest).
+        job = PrefetchJob(handle, rows, readers, nbytes, unheld, started=self._clock())
         peers = self._peers
         job.allow_peers = allow_peers and peers is not None and not peers.alone()
         if job.num_chunks:
@@ -397,6 +398,7 @@ class PrefetchController:
             l2_hit_cells=l2_cells,
             locked_keys=locked,
             error=error,
+            started=job.started,
         )
         self._publish(job, result, completed=True)
 

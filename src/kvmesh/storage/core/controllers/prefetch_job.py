@@ -259,10 +259,25 @@ class PrefetchLoader:
             self.pins.unpin(name, keys)
 
     def release(self, job: PrefetchJob, end: int) -> None:
-        """Release the read locks held on cells at or after column ``end``."""
+        """Release the read locks held on cells at or after column ``end``.
+
+        A job that ran past the read TTL (a long queue of slow loads) does not
+        release the locks it took at its start: they lapsed, and their counts
+        may be newer readers' now. What it loaded was locked later, at the load.
+        """
         cells = [(r, c) for r, row in enumerate(job.held) for c in range(end, len(row)) if row[c]]
-        if cells:
-            self.l1.finish_read([job.key(c) for c in cells], job.readers)
-            for r, c in cells:
-                job.held[r][c] = False
-                job.loaded.discard((r, c))
+        lapsed = self.l1.clock() - job.started >= self.l1.read_ttl_s
+        kept = [c for c in cells if c in job.loaded] if lapsed else cells
+        if kept:
+            self.l1.finish_read([job.key(c) for c in kept], job.readers)
+        if lapsed and len(kept) < len(cells):
+            logger.warning(
+                "prefetch %s ran %.0f s, past the read TTL: %d locks it took at its start "
+                "lapsed and are dropped, not released",
+                job.handle.request_id,
+                self.l1.clock() - job.started,
+                len(cells) - len(kept),
+            )
+        for r, c in cells:
+            job.held[r][c] = False
+            job.loaded.discard((r, c))

@@ -63,3 +63,6 @@ class PrefetchResult:
     l2_hit_cells: int
     locked_keys: tuple[ObjectKey, ...]
     error: str = ""
+    #: When its job was submitted, before it took any lock: its earliest locks lapse
+    #: one read TTL after (None: not known, as for a result made elsewhere).
+    started: float | None = None
