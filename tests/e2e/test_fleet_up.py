@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.harness import spawn_cli
+from tests.support.processes import alive
 from tests.support.waiting import wait_until
 
 LINE = re.compile(r"^\s+(\S+)\s+grpc (\S+)\s+metrics http://(\S+)/metrics\s+pid (\d+)$")
@@ -63,19 +64,6 @@ def _grpcurl() -> str:
     return binary
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it is gone for our purpose.
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.fixture
 def fleet() -> Iterator[RunningFleet]:
     proc = spawn_cli("up", "--nodes", "2", "--l1-size", "64MiB")
@@ -111,7 +99,7 @@ def fleet() -> Iterator[RunningFleet]:
                 proc.kill()
                 proc.wait(timeout=10)
         for service in services:
-            if _alive(service.pid):
+            if alive(service.pid):
                 os.kill(service.pid, signal.SIGKILL)
 
 
@@ -169,7 +157,7 @@ def test_sigterm_stops_the_whole_fleet_cleanly(fleet: RunningFleet) -> None:
     took = time.monotonic() - start
     assert took < 20, f"kvmesh up took {took:.1f} s to stop"
     for service in fleet.services:
-        wait_until(lambda pid=service.pid: not _alive(pid), timeout=5)
+        wait_until(lambda pid=service.pid: not alive(pid), timeout=5)
     assert not fleet.shm_dir.exists(), "shared memory left behind"
     assert not fleet.data_dir.exists(), "the temporary data directory was not removed"
     assert fleet.process.stdout is not None

@@ -26,20 +26,10 @@ import pytest
 from kvmesh.cli.reaper import LOCK_NAME, FleetLock, reclaim_abandoned
 from kvmesh.storage.core.l1.pool import reclaim_dead_pools
 from tests.support.harness import REPO_ROOT
+from tests.support.processes import alive
 from tests.support.waiting import wait_until
 
 BOUND_S = 60.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], dict[str, object]]:
@@ -76,7 +66,7 @@ def test_killed_or_hung_up_fleet_leaves_nothing(tmp_path: Path, sig: signal.Sign
     shm_dir = Path(str(fleet["shm_dir"]))
     data_dir = Path(str(fleet["data_dir"]))
     assert len(pids) == 3
-    assert all(_alive(pid) for pid in [*pids, reaper])
+    assert all(alive(pid) for pid in [*pids, reaper])
     assert shm_dir.is_dir()
     assert any(p.name.startswith("kvmesh-l1-") for p in shm_dir.iterdir())
     assert data_dir.is_dir()
@@ -87,7 +77,7 @@ def test_killed_or_hung_up_fleet_leaves_nothing(tmp_path: Path, sig: signal.Sign
 
     def everything_gone() -> bool:
         return (
-            not any(_alive(pid) for pid in [*pids, reaper])
+            not any(alive(pid) for pid in [*pids, reaper])
             and not shm_dir.exists()
             and not data_dir.exists()
             and not (tmp_path / "fleet.json").exists()
@@ -97,7 +87,7 @@ def test_killed_or_hung_up_fleet_leaves_nothing(tmp_path: Path, sig: signal.Sign
         everything_gone,
         timeout=BOUND_S,
         message=f"left behind after {sig.name}: "
-        f"processes {[p for p in [*pids, reaper] if _alive(p)]}, "
+        f"processes {[p for p in [*pids, reaper] if alive(p)]}, "
         f"shm {shm_dir.exists()}, data {data_dir.exists()}, "
         f"fleet file {(tmp_path / 'fleet.json').exists()}",
     )
@@ -146,7 +136,7 @@ def test_killed_demo_leaves_nothing(tmp_path: Path) -> None:
         demo.wait()
 
     def everything_gone() -> bool:
-        return not any(_alive(pid) for pid in [*pids, *reapers]) and not any(
+        return not any(alive(pid) for pid in [*pids, *reapers]) and not any(
             p.exists() for p in [shm_dir, *data_dirs]
         )
 

@@ -7,7 +7,6 @@ The runner's reading of real vLLM output is covered by tests/e2e/with_vllm.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 
 from kvmesh.engine.vllm import runner
+from tests.support.processes import alive
 from tests.support.waiting import wait_until
 
 #: A parent that starts a child in its group and sleeps: vLLM's worker and its engine core.
@@ -42,18 +42,6 @@ def _engine(tmp_path: Path) -> tuple[subprocess.Popen[str], int, Path]:
     return proc, child, spec
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # A zombie (killed, not yet reaped by its killed parent's reaper) is gone too.
-    try:
-        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-
-
 def test_an_interrupted_wait_kills_the_engine_and_its_children(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -66,7 +54,7 @@ def test_an_interrupted_wait_kills_the_engine_and_its_children(
     with pytest.raises(SystemExit):
         runner.results_and_log(proc, timeout_s=60)
     assert proc.poll() is not None
-    wait_until(lambda: _gone(child))
+    wait_until(lambda: not alive(child))
     assert not spec.exists()
 
 
@@ -75,5 +63,5 @@ def test_an_engine_past_its_limit_is_killed_and_named(tmp_path: Path) -> None:
     with pytest.raises(runner.EngineRunError, match="vLLM ran past 1 s"):
         runner.results_and_log(proc, timeout_s=1)
     assert proc.poll() is not None
-    wait_until(lambda: _gone(child))
+    wait_until(lambda: not alive(child))
     assert not spec.exists()

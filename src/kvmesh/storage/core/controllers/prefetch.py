@@ -107,8 +107,8 @@ class PrefetchController:
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
         self._jobs: dict[int, PrefetchJob] = {}
-        #: Unqueried results in publish order: (published, job started, result).
-        self._results: OrderedDict[int, tuple[float, float, PrefetchResult]] = OrderedDict()
+        #: Unqueried results in publish order, with when each was published.
+        self._results: OrderedDict[int, tuple[float, PrefetchResult]] = OrderedDict()
         self._callbacks: dict[int, list[DoneCallback]] = {}
         self._closing = False
         self._peers: PeerSource | None = None
@@ -231,7 +231,7 @@ class PrefetchController:
         with self._cond:
             entry = self._results.pop(handle.id, None)
             if entry is not None:
-                return entry[2]
+                return entry[1]
             if handle.id in self._jobs:
                 return None
         raise NotFound(
@@ -400,14 +400,13 @@ class PrefetchController:
             error=error,
             started=job.started,
         )
-        self._publish(job, result, completed=True)
+        self._publish(job.handle, result, completed=True)
 
-    def _publish(self, job: PrefetchJob, result: PrefetchResult, completed: bool) -> None:
+    def _publish(self, handle: PrefetchHandle, result: PrefetchResult, completed: bool) -> None:
         """Make the result queryable, wake ``wait``, then run the done callbacks."""
-        handle = job.handle
         with self._cond:
             self._jobs.pop(handle.id, None)
-            self._results[handle.id] = (self._clock(), job.started, result)
+            self._results[handle.id] = (self._clock(), result)
             if completed:
                 self.completed += 1
             callbacks = self._callbacks.pop(handle.id, [])
@@ -424,7 +423,7 @@ class PrefetchController:
         except Exception:
             logger.exception("cleanup of prefetch %s failed", job.handle.request_id)
             self._publish(
-                job,
+                job.handle,
                 PrefetchResult(
                     request_id=job.handle.request_id,
                     hit_chunks=0,
@@ -442,19 +441,19 @@ class PrefetchController:
     def _sweep_results(self) -> int:
         """Drop results nobody queried within the TTL, releasing their locks; how many."""
         now = self._clock()
-        expired: list[tuple[float, PrefetchResult]] = []
+        expired: list[PrefetchResult] = []
         with self._cond:
             while self._results:
-                hid, (at, started, result) = next(iter(self._results.items()))
+                hid, (at, result) = next(iter(self._results.items()))
                 if now - at < self.result_ttl_s:
                     break
                 del self._results[hid]
-                expired.append((started, result))
+                expired.append(result)
             self.expired_results += len(expired)
-        for started, result in expired:
+        for result in expired:
             if not result.locked_keys:
                 continue
-            if now - started >= self.l1.read_ttl_s:
+            if result.started is not None and now - result.started >= self.l1.read_ttl_s:
                 # Lapsed in L1 already: their counts may be newer readers' now, and
                 # releasing those would let eviction reuse memory still being read.
                 logger.warning(
