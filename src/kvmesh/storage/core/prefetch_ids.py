@@ -128,8 +128,7 @@ class PrefetchIds:
             return  # expired meanwhile (its locks went with the controller's sweep)
         if result is None or not result.locked_keys:
             return
-        l1 = self.manager.l1
-        if result.started is not None and l1.clock() - result.started >= l1.read_ttl_s:
+        if self.manager.l1.lapsed(result.started):
             # It ran past the read TTL: its first locks lapsed, and their counts may be
             # newer readers' now (the rest lapse on their own).
             logger.warning(

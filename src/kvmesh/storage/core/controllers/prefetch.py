@@ -453,7 +453,7 @@ class PrefetchController:
         for result in expired:
             if not result.locked_keys:
                 continue
-            if result.started is not None and now - result.started >= self.l1.read_ttl_s:
+            if self.l1.lapsed(result.started):
                 # Lapsed in L1 already: their counts may be newer readers' now, and
                 # releasing those would let eviction reuse memory still being read.
                 logger.warning(

@@ -266,7 +266,7 @@ class PrefetchLoader:
         may be newer readers' now. What it loaded was locked later, at the load.
         """
         cells = [(r, c) for r, row in enumerate(job.held) for c in range(end, len(row)) if row[c]]
-        lapsed = self.l1.clock() - job.started >= self.l1.read_ttl_s
+        lapsed = self.l1.lapsed(job.started)
         kept = [c for c in cells if c in job.loaded] if lapsed else cells
         if kept:
             self.l1.finish_read([job.key(c) for c in kept], job.readers)

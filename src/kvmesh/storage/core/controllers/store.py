@@ -285,7 +285,7 @@ class StoreController:
                 except L2Unavailable:
                     self.failed_keys += len(items)
                     continue
-                if self.l1.clock() - locked_at >= self.l1.read_ttl_s:
+                if self.l1.lapsed(locked_at):
                     # The L1 lock lapsed while the adapter wrote (a stalled disk, say):
                     # eviction may have given the buffers to other objects meanwhile, so
                     # what was written may be another chunk's bytes under these keys.

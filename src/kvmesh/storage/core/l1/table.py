@@ -152,6 +152,16 @@ class L1Table:
                 record(entries[start : start + batch])
         return len(entries)
 
+    def lapsed(self, locked_at: float | None) -> bool:
+        """True when read locks taken at ``locked_at`` (on :attr:`clock`) may have lapsed.
+
+        Their holder must then drop them rather than release them: once a lock
+        lapses, the next reader's lock restarts its count, so a late release
+        would take that reader's lock and let eviction reuse memory it is
+        copying. ``None`` (the time is not known) never counts as lapsed.
+        """
+        return locked_at is not None and self._clock() - locked_at >= self.read_ttl_s
+
     def read_lock_count(self, key: ObjectKey) -> int:
         """Live read locks on a resident key (0 when expired or absent)."""
         with self._lock:
