@@ -20,7 +20,8 @@ Wiring (fixed, no plug-in discovery):
 * ``InstanceRegistry`` is not a consumer. Deregistration and heartbeat
   expiry both call ``EventGate.drop_instance`` (fence L1 everywhere, forget
   the cursor) **and** ``ServerConfigRegistry.forget``, and tell the
-  ``ResyncPlanner``.
+  ``ResyncPlanner``; so does the sweep of ids that are neither registered
+  nor heard from (``EventGate.drop_if_quiet``).
 * Resyncs: the gate tells the :class:`~.resync.ResyncPlanner` about every
   fresh cursor and every seq gap.
 * Persistence: checkpoint sections ``stream_cursors``, ``key_directory``,
@@ -71,6 +72,10 @@ class CoreComponents:
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = s = settings if settings is not None else CoordinatorSettings()
+        self.clock = clock
+        #: When this coordinator was built, then when it started serving (``clock``):
+        #: an id it holds state of without ever hearing from it counts as quiet since.
+        self.started = clock()
         self.hasher = TokenHasher(s.chunk_size)
         self.spaces = KeySpaces()
         self.usage = CacheUsageManager()
@@ -119,6 +124,7 @@ class CoreComponents:
             self.broadcaster,
             self.quiesce,
             wall_clock=wall_clock,
+            clock=clock,
             on_cursor=self.resync.cursor_event,
         )
         self.metadata = MetadataStore(s.metadata_path or None, wall_clock=wall_clock)

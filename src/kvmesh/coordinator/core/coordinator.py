@@ -109,7 +109,7 @@ class Coordinator(OperatorMetadata):
             eviction=self.eviction,
             wall_clock=wall_clock,
             timers=[
-                ("health-sweep", s.health_check_interval, self.sweep_stale_instances),
+                ("health-sweep", s.health_check_interval, self.sweep_membership),
                 (
                     "checkpoint",
                     s.checkpoint_interval if s.checkpoint_path else 0.0,
@@ -128,8 +128,15 @@ class Coordinator(OperatorMetadata):
         return self.runtime.load_state()
 
     def start(self) -> None:
-        """Load state if not done yet, arm the eviction readiness gate, start the timers."""
+        """Load state if not done yet, arm the eviction readiness gate, start the timers.
+
+        Every emitter the loaded state names counts as heard from now: a node
+        re-registers only once the coordinator serves, however long the
+        checkpoint took to load (:meth:`sweep_unregistered`).
+        """
         self.runtime.start()
+        self.started = self.clock()
+        self.gate.hear_all()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the timers, then write the final checkpoint (when a path is set). Idempotent.
@@ -337,6 +344,11 @@ class Coordinator(OperatorMetadata):
         """Every registered node, sorted by id."""
         return self.registry.all_instances()
 
+    def sweep_membership(self) -> None:
+        """The health sweep: nodes whose heartbeat expired, then unregistered quiet ids."""
+        self.sweep_stale_instances()
+        self.sweep_unregistered()
+
     def sweep_stale_instances(self) -> list[str]:
         """Reap nodes whose heartbeat expired: deregister, fence L1, forget cursor and capacity."""
         removed = evict_stale(self.registry, self.settings.instance_timeout)
@@ -345,6 +357,45 @@ class Coordinator(OperatorMetadata):
             self.gate.drop_instance(iid)
             self.capacity.forget(iid)
         return removed
+
+    def sweep_unregistered(self) -> list[str]:
+        """Drop what is held of ids neither registered nor heard from for ``instance_timeout``.
+
+        Cursors, capacity and L1 placements can outlive a node's registration:
+        a checkpoint restores them for nodes that never come back (a node
+        replaced under a new id while the coordinator was down), and an event
+        that arrives after a deregistration starts them again. A node that
+        lives re-registers within two heartbeats of the coordinator's start,
+        and an emitter that never registers (a tool feeding ``IngestBatches``)
+        keeps its state while it sends; any other id is dropped as a node
+        whose heartbeat expired is (docs/coordinator.md, "Membership").
+        Returns the ids dropped.
+        """
+        timeout = self.settings.instance_timeout
+        held = (
+            set(self.gate.cursors())
+            | set(self.capacity.get_all())
+            | set(self.usage.get_bytes_by_instance(Tier.L1))
+        )
+        held.discard("")  # shared L1 pools: usage owned by no node
+        dropped: list[str] = []
+        for iid in sorted(held):
+            if self.registry.contains(iid) or not self.gate.is_quiet(
+                iid, timeout, since=self.started
+            ):
+                continue
+            self.resync.instance_dropped(iid)  # first, as in deregister_instance
+            if self.gate.drop_if_quiet(iid, timeout, since=self.started):
+                self.capacity.forget(iid)
+                dropped.append(iid)
+        if dropped:
+            logger.warning(
+                "Dropped the state of %d unregistered id(s) not heard from for over %.1fs: %s",
+                len(dropped),
+                timeout,
+                ", ".join(dropped[:8]) + (" ..." if len(dropped) > 8 else ""),
+            )
+        return dropped
 
     # -- usage (read models in .reports) -----------------------------------------
 

@@ -11,7 +11,9 @@ Behaviour is LMCache 0.5.6's EventGate exactly (docs/coordinator.md, "Event gate
 * a jump ``seq > last_seq + 1`` sets the sticky ``gap_detected`` flag but the
   batch is still admitted (consumers apply idempotently);
 * ``drop_instance`` fences and forgets the cursor, so any incarnation,
-  even a lower one, starts fresh afterwards.
+  even a lower one, starts fresh afterwards; ``drop_if_quiet`` does the
+  same for an emitter not heard from for a while (kvmesh: the coordinator
+  sweeps unregistered ids with it, docs/coordinator.md, "Membership").
 
 Lock order: ``QuiesceLock.applying()`` outside, the gate lock inside, then
 the consumers' own locks. The gate lock is held through the fan-out so one
@@ -68,6 +70,10 @@ class Cursor:
     stale: int = 0
     incarnation_changes: int = 0
     last_admit_time: float = 0.0
+    #: Monotonic time of the last batch admitted or dropped as a duplicate (or of
+    #: the restore, for a restored cursor): what :meth:`EventGate.drop_if_quiet`
+    #: reads. Not saved.
+    heard: float = 0.0
 
 
 CursorListener = Callable[[str, bool, bool], None]
@@ -86,9 +92,11 @@ class EventGate:
         quiesce: QuiesceLock | None = None,
         *,
         wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
         on_cursor: CursorListener | None = None,
     ) -> None:
         self._fanout = fanout
+        self._clock = clock
         self.on_cursor = on_cursor
         self._quiesce = quiesce if quiesce is not None else QuiesceLock()
         self._lock = threading.Lock()
@@ -127,6 +135,7 @@ class EventGate:
                     fresh = True
                 elif batch.seq <= c.last_seq:
                     c.duplicate += 1
+                    c.heard = self._clock()
                     return IngestResult.DUPLICATE
             else:
                 c = Cursor(incarnation=batch.incarnation)
@@ -146,6 +155,7 @@ class EventGate:
             c.last_seq = batch.seq
             c.admitted += 1
             c.last_admit_time = self._wall()
+            c.heard = self._clock()
             self._fanout.broadcast(batch)
         listener = self.on_cursor
         if listener is not None and (fresh or gap):
@@ -175,6 +185,39 @@ class EventGate:
         with self._quiesce.applying(), self._lock:
             self._fanout.fence_instance(instance_id)
             self._cursors.pop(instance_id, None)
+
+    def drop_if_quiet(self, instance_id: str, quiet_s: float, *, since: float) -> bool:
+        """:meth:`drop_instance` unless ``instance_id`` was heard from in the last ``quiet_s``.
+
+        Heard from: a batch admitted or dropped as a duplicate; a restored
+        cursor counts as heard at its restore. An id without a cursor counts
+        from ``since`` (a monotonic time, the caller's start). Checked and
+        dropped under the gate lock, so a batch cannot land in between.
+        True when it was dropped.
+        """
+        with self._quiesce.applying(), self._lock:
+            if not self._quiet(instance_id, quiet_s, since):
+                return False
+            self._fanout.fence_instance(instance_id)
+            self._cursors.pop(instance_id, None)
+            return True
+
+    def hear_all(self) -> None:
+        """Count every cursor as heard from now (the coordinator starts serving)."""
+        now = self._clock()
+        with self._lock:
+            for c in self._cursors.values():
+                c.heard = max(c.heard, now)
+
+    def is_quiet(self, instance_id: str, quiet_s: float, *, since: float) -> bool:
+        """Whether :meth:`drop_if_quiet` would drop ``instance_id`` now."""
+        with self._lock:
+            return self._quiet(instance_id, quiet_s, since)
+
+    def _quiet(self, instance_id: str, quiet_s: float, since: float) -> bool:
+        c = self._cursors.get(instance_id)
+        heard = c.heard if c is not None else since
+        return self._clock() - heard > quiet_s
 
     def has_cursor(self, instance_id: str) -> bool:
         """True when the gate holds a cursor for ``instance_id``."""
@@ -232,6 +275,7 @@ class EventGate:
         if not isinstance(rows, Mapping):
             raise TypeError("stream_cursors state has no 'cursors' mapping")
         loaded: dict[str, Cursor] = {}
+        now = self._clock()
         for iid, row in rows.items():
             if not isinstance(iid, str) or not isinstance(row, list | tuple) or len(row) < 3:
                 raise ValueError(f"malformed cursor row for {iid!r}")
@@ -248,6 +292,7 @@ class EventGate:
                 stale=extra[2],
                 incarnation_changes=extra[3],
                 last_admit_time=float(row[7]) if len(row) > 7 else 0.0,
+                heard=now,
             )
         with self._lock:
             if self._cursors or self._restored:

@@ -14,7 +14,9 @@ fenced by its new incarnation, not by registering (docs/coordinator.md, "Members
 kvmesh: the coordinator's sweep (:func:`evict_stale` plus the gate and
 capacity calls in ``Coordinator.sweep_stale_instances``) fences the reaped
 node's L1 *and* forgets its capacity declaration, which LMCache 0.5.6 left
-unwired on timeout (docs/coordinator.md, "Capacity").
+unwired on timeout (docs/coordinator.md, "Capacity"). The same sweep drops
+what is held of ids that are not registered at all and not heard from
+(``Coordinator.sweep_unregistered``).
 """
 
 from __future__ import annotations
