@@ -18,13 +18,17 @@ class Request:
     """An engine request as the connector sees it (vLLM's ``Request``, reduced).
 
     ``block_ids`` is the request's block table, filled in by the engine once
-    blocks are allocated.
+    blocks are allocated. ``lookup`` and ``store`` are the request's own
+    switches (:mod:`kvmesh.connector.request_options`): false keeps it from
+    being looked up in kvmesh, or stored there.
     """
 
     request_id: str
     prompt_token_ids: Sequence[int]
     cache_salt: str = ""
     block_ids: list[int] = field(default_factory=list)
+    lookup: bool = True
+    store: bool = True
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -122,6 +122,8 @@ class SchedulerHooks(ConnectorBase):
                 state.local_hit_tokens = num_computed_tokens
                 state.num_external_tokens = 0
                 return 0, False
+        if not request.lookup:
+            state.hit_tokens = 0  # the request's own switch: computed without kvmesh
         if state.hit_tokens is None:
             state.hit_tokens = self._poll_lookup(state)
             if state.hit_tokens is None:
@@ -363,6 +365,8 @@ class SchedulerHooks(ConnectorBase):
         if state.load_dropped or state.stale:
             state.load_dropped = False
             return  # computed over blocks no load filled (drop_load), or before a reset
+        if not request.store:
+            return  # the request's own switch: kept out of kvmesh
         if (
             self.config.store_after_prefill
             and state.num_computed_tokens < request.num_prompt_tokens
@@ -447,6 +451,8 @@ class SchedulerHooks(ConnectorBase):
         self._require(KVConnectorRole.SCHEDULER)
         state = self._requests.pop(request.request_id, None)
         request_id = request.request_id
+        if state is not None and not request.lookup and not state.stores_emitted:
+            return False  # switched off and never stored: the gateway holds no session
         self._releases.submit(request_id, lambda: self._end_session(request_id))
         return state is not None and state.stores_emitted
 

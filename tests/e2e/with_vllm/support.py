@@ -61,11 +61,18 @@ TOP_K = 5
 
 
 def complete(
-    base: str, model: str, prompt: list[int], max_tokens: int = 4, cache_salt: str = ""
+    base: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int = 4,
+    cache_salt: str = "",
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One greedy completion of token ids by vLLM's OpenAI server, with top-k logprobs.
 
-    ``cache_salt`` (vLLM's request field) keys the prompt's KV apart from other salts'.
+    ``cache_salt`` (vLLM's request field) keys the prompt's KV apart from other salts';
+    ``kv_transfer_params`` (also a request field) carries the connectors' per-request
+    switches.
     """
     body: dict[str, Any] = {
         "model": model,
@@ -76,6 +83,8 @@ def complete(
     }
     if cache_salt:
         body["cache_salt"] = cache_salt
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
     request = urllib.request.Request(
         f"{base}/v1/completions",
         data=json.dumps(body).encode(),

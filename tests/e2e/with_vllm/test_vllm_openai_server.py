@@ -10,6 +10,7 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,9 +72,32 @@ def test_openai_server_with_kv_transfer_config_serves_a_prompt_from_kvmesh(
         storage = fleet.endpoint("node-0-storage")
         wait_until(lambda: resident_chunks(storage) >= CACHED // 256, 60)
         warm = complete(base, str(tiny_model), prompt, max_tokens=1)
+        # The request's own switches (docs/vllm.md, "Per-request switches"): not looked
+        # up, the same prompt is computed; not stored, a prompt is not found later.
+        unasked = complete(
+            base, str(tiny_model), prompt, max_tokens=1, kv_transfer_params=OFF["lookup"]
+        )
+        private, other = ([rng.randrange(3, 32000) for _ in range(PROMPT_TOKENS)] for _ in range(2))
+        complete(base, str(tiny_model), private, max_tokens=1, kv_transfer_params=OFF["store"])
+        complete(base, str(tiny_model), other, max_tokens=1)
+        # The later prompt's stores are done, and the node holds its chunks and the
+        # first prompt's, and nothing of the private one.
+        wait_until(lambda: resident_chunks(storage) >= 2 * CACHED // 256, 60)
+        assert resident_chunks(storage) == 2 * CACHED // 256
+        private_again = complete(base, str(tiny_model), private, max_tokens=1)
     finally:
         stop_group(server)
         fleet.stop()
     assert_same_completion(cold, warm)
-    details = warm["usage"].get("prompt_tokens_details") or {}
-    assert details.get("cached_tokens") == CACHED, warm["usage"]
+    assert cached_tokens(warm) == CACHED, warm["usage"]
+    assert_same_completion(cold, unasked)
+    assert cached_tokens(unasked) == 0, unasked["usage"]
+    assert cached_tokens(private_again) == 0, private_again["usage"]
+
+
+OFF = {switch: {"kvmesh": {switch: False}} for switch in ("lookup", "store")}
+
+
+def cached_tokens(answer: dict[str, Any]) -> int:
+    details = answer["usage"].get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)

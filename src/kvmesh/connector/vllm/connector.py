@@ -55,6 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvmesh.api.common.v1 import common_pb2
 from kvmesh.connector.core import KVMeshConnector as Hooks
 from kvmesh.connector.metadata import ConnectorMetadata, Request, SchedulerOutput
+from kvmesh.connector.request_options import request_options
 from kvmesh.connector.types import KVConnectorRole, KVMeshConnectorConfig, rpc_failure
 from kvmesh.connector.vllm.cuda import StreamEvents
 from kvmesh.connector.vllm.layouts import cache_salt
@@ -193,10 +194,15 @@ class KVMeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _plain(self, request: VLLMRequest) -> Request:
         plain = self._requests.get(request.request_id)
         if plain is None:
+            options = request_options(
+                getattr(request, "kv_transfer_params", None), request.request_id
+            )
             plain = Request(
                 request_id=request.request_id,
                 prompt_token_ids=list(request.prompt_token_ids or ()),
                 cache_salt=cache_salt(request),
+                lookup=options.lookup,
+                store=options.store,
             )
             self._requests[request.request_id] = plain
         return plain
