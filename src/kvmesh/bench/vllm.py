@@ -13,8 +13,19 @@ was 10-20 % slower than the rest here when the warm-up was short).
 2. ``prefix_cache``: no connector, vLLM's prefix caching on, each prompt twice in
    one process: the second run is vLLM's own prefix-cache hit (the floor);
 3. ``miss``: kvmesh's connector against an empty cache: every lookup misses and
-   the prompt's chunks are stored (what kvmesh costs when it cannot help);
-4. ``warm``: a fresh process with the connector: the prompts come from kvmesh.
+   the prompt's chunks are stored (what kvmesh costs when it cannot help). The
+   same process also runs each prompt with kvmesh switched off for that
+   request (docs/vllm.md, "Per-request switches"): a cold prefill of that
+   process, before or after the miss, alternating;
+4. ``warm``: a fresh process with the connector and vLLM's prefix caching on:
+   each prompt comes from kvmesh, then, run again, from vLLM's own cache (the
+   floor of that process).
+
+Processes of one VM run the same prompts at speeds up to a fifth apart
+(docs/performance.md, "One process's cold and miss, and its warm and floor"),
+so besides the ratios across arrangements the figures include the same two
+ratios within one process: each prompt's miss over its own cold run, and its
+warm run over its own prefix-cache hit (medians of those per-prompt ratios).
 
 The fleet is a local one of the benchmark's own (one node, ``kvmesh node`` by
 default or ``--arrangement processes``, the engines on the gateway's lane)
@@ -123,6 +134,13 @@ def _median_ms(runs: list[dict[str, Any]]) -> float:
     return round(float(statistics.median(r["ttft_s"] for r in runs)) * 1e3, 2)
 
 
+def _paired(runs: list[dict[str, Any]], baselines: list[dict[str, Any]]) -> float:
+    """The median over prompts of each run's time over its own baseline's (same process)."""
+    return float(
+        statistics.median(r["ttft_s"] / b["ttft_s"] for r, b in zip(runs, baselines, strict=True))
+    )
+
+
 def _figures(one: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
     """Medians and ratios of a set of runs (one round's, or every round's pooled)."""
     cold, floor = _median_ms(one["cold"]), _median_ms(one["floor"])
@@ -134,7 +152,34 @@ def _figures(one: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
         "ttft_warm_ms": warm,
         "warm_over_prefix_cache": round(warm / floor, 2),
         "miss_cost_fraction_of_cold": round((miss - cold) / cold, 3),
+        # Within one process: kvmesh switched off for a request, and vLLM's own hit.
+        "ttft_cold_same_process_ms": _median_ms(one["cold_same_process"]),
+        "ttft_prefix_cache_same_process_ms": _median_ms(one["floor_same_process"]),
+        "warm_over_prefix_cache_same_process": round(
+            _paired(one["warm"], one["floor_same_process"]), 2
+        ),
+        "miss_cost_fraction_same_process": round(
+            _paired(one["miss"], one["cold_same_process"]) - 1.0, 3
+        ),
     }
+
+
+#: A request's switches keeping kvmesh out of it (docs/vllm.md, "Per-request switches").
+KVMESH_OFF = {"kvmesh": {"lookup": False, "store": False}}
+
+
+def _miss_spec(warmup: list[int], prompts: list[list[int]]) -> tuple[dict[str, Any], list[bool]]:
+    """The miss process's prompts: each as a miss and with kvmesh off, which first
+    alternating; and, per run after the warm-up, whether it was the miss."""
+    runs: list[tuple[list[int], dict[str, Any] | None]] = []
+    for index, prompt in enumerate(prompts):
+        pair = [(prompt, None), (prompt, KVMESH_OFF)]
+        runs += pair if index % 2 == 0 else pair[::-1]
+    spec = {
+        "prompts": [warmup, *(p for p, _ in runs)],
+        "kv_transfer_params": [None, *(t for _, t in runs)],
+    }
+    return spec, [t is None for _, t in runs]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -226,35 +271,50 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     timeout_s=limit,
                 )
                 floor = floor_runs[2::2]
-                progress.phase(f"{step}: miss: kvmesh connector, empty cache ({runs})")
+                progress.phase(
+                    f"{step}: miss: kvmesh connector, empty cache, each prompt also with "
+                    f"kvmesh off ({2 * len(prompts) + 1} prompts)"
+                )
                 before = node_figures.scrape(node_urls)
-                miss = run_engine(
-                    {**spec, "gateway": gateway, "prompts": [warmup, *prompts]}, timeout_s=limit
-                )[1:]
+                miss_spec, is_miss = _miss_spec(warmup, prompts)
+                both = run_engine({**spec, **miss_spec, "gateway": gateway}, timeout_s=limit)[1:]
+                miss = [r for r, on in zip(both, is_miss, strict=True) if on]
+                cold_here = [r for r, on in zip(both, is_miss, strict=True) if not on]
                 between = node_figures.scrape(node_urls)
-                progress.phase(f"{step}: warm: a fresh vLLM process, prompts from kvmesh ({runs})")
-                warm = run_engine(
-                    {**spec, "gateway": gateway, "prompts": [warmup, *prompts]}, timeout_s=limit
-                )[1:]
+                progress.phase(
+                    f"{step}: warm: a fresh vLLM process, prompts from kvmesh, each then from "
+                    f"vLLM's own cache ({len(twice) + 1} prompts)"
+                )
+                warm_runs = run_engine(
+                    {**spec, "gateway": gateway, "prefix_caching": True,
+                     "prompts": [warmup, *twice]},
+                    timeout_s=limit,
+                )  # fmt: skip
+                warm, floor_here = warm_runs[1::2], warm_runs[2::2]
                 node_figures.accumulate(node_phases["miss"], before, between)
                 node_figures.accumulate(
                     node_phases["warm"], between, node_figures.scrape(node_urls)
                 )
-                rounds.append({"cold": cold, "floor": floor, "miss": miss, "warm": warm})
+                rounds.append(
+                    {"cold": cold, "floor": floor, "miss": miss, "warm": warm,
+                     "cold_same_process": cold_here, "floor_same_process": floor_here}
+                )  # fmt: skip
         finally:
             if fleet is not None:
                 progress.phase("stopping the fleet")
                 fleet.stop()
-    cold = [r for one in rounds for r in one["cold"]]
-    floor = [r for one in rounds for r in one["floor"]]
-    miss = [r for one in rounds for r in one["miss"]]
-    warm = [r for one in rounds for r in one["warm"]]
+    pooled = {name: [r for one in rounds for r in one[name]] for name in rounds[0]}
+    cold, floor, warm = pooled["cold"], pooled["floor"], pooled["warm"]
     result: dict[str, Any] = {
         "prompt_tokens": args.prompt_tokens,
         "connector_options": options,
-        **_figures({"cold": cold, "floor": floor, "miss": miss, "warm": warm}),
+        **_figures(pooled),
         "tokens_from_cache": min(r["cached_tokens"] for r in warm),
         "prefix_cache_tokens": min(r["cached_tokens"] for r in floor),
+        # The warm process's second runs: vLLM's own hit there (what its ratio divides by).
+        "prefix_cache_same_process_tokens": min(
+            r["cached_tokens"] for r in pooled["floor_same_process"]
+        ),
         "outputs_match": all(
             w["token_ids"] == c["token_ids"] for w, c in zip(warm, cold, strict=True)
         ),
@@ -312,6 +372,12 @@ def format_table(result: dict[str, Any]) -> str:
         f"  tokens from kvmesh {result['tokens_from_cache']}, outputs match: "
         f"{result['outputs_match']}"
     )
+    lines.append(
+        f"  within one process: warm / its own prefix-cache hit "
+        f"{result['warm_over_prefix_cache_same_process']:.2f}x, miss cost "
+        f"{result['miss_cost_fraction_same_process'] * 100:+.1f} % of its own cold run "
+        f"(medians of per-prompt ratios)"
+    )
     for phase, node in result.get("node", {}).items():
         lines.append(f"  {phase}: {node_figures.describe(node)}")
     if len(result["rounds"]) > 1:
@@ -320,6 +386,8 @@ def format_table(result: dict[str, Any]) -> str:
                 f"  round {index}: cold {one['ttft_cold_ms']:.1f}, floor "
                 f"{one['ttft_prefix_cache_ms']:.1f}, miss {one['ttft_miss_ms']:.1f}, warm "
                 f"{one['ttft_warm_ms']:.1f} ms; warm / floor {one['warm_over_prefix_cache']:.2f}x, "
-                f"miss {one['miss_cost_fraction_of_cold'] * 100:+.1f} %"
+                f"miss {one['miss_cost_fraction_of_cold'] * 100:+.1f} %; within one process "
+                f"{one['warm_over_prefix_cache_same_process']:.2f}x, "
+                f"{one['miss_cost_fraction_same_process'] * 100:+.1f} %"
             )
     return "\n".join(lines)

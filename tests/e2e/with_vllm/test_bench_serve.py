@@ -41,6 +41,11 @@ def test_bench_serve_reports_every_arrangement() -> None:
         assert figures["query_prefill_ms_mean"] > 0, (name, figures)
         assert figures["query_queue_ms_mean"] >= 0, (name, figures)
     assert len(result["query_ttft_vs_floor_by_round"]) == 2
+    # kvmesh's warm-up round against both arrangements that compute every document cold.
+    warmup_s = result["arrangements"]["kvmesh"]["warmup_round_s"]
+    for reference in ("vllm_alone", "floor"):
+        expected = round(warmup_s / result["arrangements"][reference]["warmup_round_s"], 3)
+        assert result[f"warmup_round_vs_{reference}"] == expected
     mesh = result["arrangements"]["kvmesh"]
     # Each document is 4 chunks; each query round finds at least the ones vLLM evicted.
     assert mesh["tokens_from_kvmesh"] >= 2 * 1024

@@ -38,7 +38,10 @@ def test_after_vllm_resets_its_caches_kvmesh_hands_back_nothing_from_before(
     engine = start_engine(
         {
             "model": str(tiny_model),
-            "prompts": [prompt] * 4,
+            "prompts": [prompt] * 5,
+            # The last run switches kvmesh's lookup off for itself (docs/vllm.md,
+            # "Per-request switches"), offline, through SamplingParams.extra_args.
+            "kv_transfer_params": [None] * 4 + [{"kvmesh": {"lookup": False}}],
             "one_process": True,
             "gateway": fleet.endpoint("node-0-gateway"),
             "pause_before": [
@@ -60,9 +63,10 @@ def test_after_vllm_resets_its_caches_kvmesh_hands_back_nothing_from_before(
     finally:
         kill(engine)
         fleet.stop()
-    cold, warm, reset, after, again = runs
+    cold, warm, reset, after, again, unasked = runs
     assert reset == {"reset": True}
     assert cold["cached_tokens"] == 0
     assert warm["cached_tokens"] >= (WHOLE - 1) * CHUNK, warm
     assert after["cached_tokens"] == 0, "KV from before the reset was loaded"
     assert again["cached_tokens"] >= (WHOLE - 1) * CHUNK, again
+    assert unasked["cached_tokens"] == 0, unasked

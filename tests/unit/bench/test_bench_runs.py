@@ -167,11 +167,25 @@ def test_bench_vllm_reports_progress_and_no_lmcache_figure(
 
     limits: list[float] = []
 
+    specs: list[dict[str, Any]] = []
+
     def fake_engine(spec: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
         calls.append(len(spec["prompts"]))
+        specs.append(spec)
         limits.append(timeout_s)
         ttft = 0.3 if "gateway" not in spec else 0.05 * len(calls)
-        return [{"ttft_s": ttft, "cached_tokens": 512, "token_ids": [7]} for _ in spec["prompts"]]
+        # With kvmesh switched off for a request, the miss process's run takes 0.1 s; in
+        # the warm process each prompt's second run (vLLM's own hit) takes 0.1 s.
+        off = spec.get("kv_transfer_params") or [None] * len(spec["prompts"])
+        own_hit = "gateway" in spec and spec.get("prefix_caching")
+        return [
+            {
+                "ttft_s": 0.1 if params or (own_hit and i > 0 and i % 2 == 0) else ttft,
+                "cached_tokens": 512,
+                "token_ids": [7],
+            }
+            for i, params in enumerate(off)
+        ]
 
     monkeypatch.setattr(vllm_bench, "run_engine", fake_engine)
     monkeypatch.setattr(vllm_bench, "make_tiny_model", lambda path: tmp_path / "model")
@@ -191,6 +205,16 @@ def test_bench_vllm_reports_progress_and_no_lmcache_figure(
     assert any("round 1/1: warm" in line for line in lines), lines
     assert lines[-1].startswith("vllm: done in ")
     assert len(calls) == 4
+    # The miss process runs each prompt as a miss and with kvmesh off, alternating which
+    # goes first; the warm process runs each twice with vLLM's prefix caching on.
+    off = vllm_bench.KVMESH_OFF
+    miss, warm = specs[2], specs[3]
+    assert miss["kv_transfer_params"] == [None, None, off, off, None]
+    assert miss["prompts"][1] == miss["prompts"][2] != miss["prompts"][3] == miss["prompts"][4]
+    assert warm["prefix_caching"] is True
+    assert len(warm["prompts"]) == 5
+    assert result["miss_cost_fraction_same_process"] == 0.5  # 0.15 s over 0.1 s
+    assert result["warm_over_prefix_cache_same_process"] == 2.0  # 0.2 s over 0.1 s
     table = vllm_bench.format_table(result)
     assert "lmcache" not in table.lower(), table
     assert "lmcache" not in json.dumps(result).lower()

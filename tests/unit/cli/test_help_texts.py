@@ -113,8 +113,17 @@ def test_bench_vllm_gives_each_round_its_own_ratios() -> None:
             "floor": runs(20, 30, 25),
             "miss": runs(330, 300, 320),
             "warm": runs(40, 35, 30),
+            # Within the miss and warm processes: each prompt's own baseline.
+            "cold_same_process": runs(300, 300, 320),
+            "floor_same_process": runs(20, 35, 25),
         }
     )
+    same_process = {
+        "ttft_cold_same_process_ms": 300.0,
+        "ttft_prefix_cache_same_process_ms": 25.0,
+        "warm_over_prefix_cache_same_process": 1.2,  # median of 2.0, 1.0, 1.2
+        "miss_cost_fraction_same_process": 0.0,  # median of 1.1, 1.0, 1.0
+    }
     assert one == {
         "ttft_cold_ms": 300.0,
         "ttft_prefix_cache_ms": 25.0,
@@ -122,6 +131,7 @@ def test_bench_vllm_gives_each_round_its_own_ratios() -> None:
         "ttft_warm_ms": 35.0,
         "warm_over_prefix_cache": 1.4,
         "miss_cost_fraction_of_cold": 0.067,
+        **same_process,
     }
     result = {
         "prompt_tokens": 8000,
@@ -131,6 +141,7 @@ def test_bench_vllm_gives_each_round_its_own_ratios() -> None:
         "ttft_warm_ms": 35.0,
         "warm_over_prefix_cache": 1.4,
         "miss_cost_fraction_of_cold": 0.067,
+        **same_process,
         "speedup_warm_vs_cold": 8.6,
         "tokens_from_cache": 7936,
         "outputs_match": True,

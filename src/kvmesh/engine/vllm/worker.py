@@ -15,6 +15,8 @@ Spec keys: ``model`` (folder), ``prompts`` (lists of token ids), ``max_tokens``
 ``one_process`` (default false: vLLM's engine core and worker run in this
 process, as ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with the ``uni`` executor;
 a start then costs about a third of the CPU: 15 s instead of 34 s here),
+``kv_transfer_params`` (one entry per prompt, null for none: the request's
+``kv_transfer_params``, such as kvmesh's per-request switches),
 ``gap_s`` (seconds to sleep after each run: the connector's background stores
 then finish before the next prompt's prefill instead of competing with it),
 ``pause_before`` (``{"index": i, "path": P}``, or a list of them: before
@@ -86,17 +88,22 @@ def run(spec: dict[str, Any]) -> None:
             **transfer_config(spec["gateway"], spec.get("connector"))
         )
     llm = LLM(**kwargs)
-    params = SamplingParams(
-        max_tokens=int(spec.get("max_tokens", 1)),
-        temperature=0.0,
-        logprobs=int(spec.get("logprobs", 0)) or None,
-    )
+    sampling = {
+        "max_tokens": int(spec.get("max_tokens", 1)),
+        "temperature": 0.0,
+        "logprobs": int(spec.get("logprobs", 0)) or None,
+    }
+    transfer = spec.get("kv_transfer_params") or [None] * len(spec["prompts"])
+    if len(transfer) != len(spec["prompts"]):
+        raise ValueError("kv_transfer_params needs one entry per prompt")
     pauses = spec.get("pause_before") or []
     if isinstance(pauses, dict):
         pauses = [pauses]
     paths = {int(p["index"]): str(p["path"]) for p in pauses}
     resets = {int(i) for i in spec.get("reset_before") or ()}
     for index, prompt in enumerate(spec["prompts"]):
+        extra = {"kv_transfer_params": transfer[index]} if transfer[index] is not None else None
+        params = SamplingParams(**sampling, extra_args=extra)
         if index in paths:
             _pause(paths[index])
             print(f"{RESUMED} {index}", file=sys.stderr, flush=True)
