@@ -9,9 +9,10 @@ under :data:`MIN_PARALLEL_BYTES` stay on the calling thread (docs/kernels.md,
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -28,6 +29,7 @@ _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_workers = 0
 _copy_threads: int | None = None
+_this_thread = threading.local()  # .limit: the cap of copies_limited_to, if any
 
 
 def set_copy_threads(threads: int | None) -> None:
@@ -38,14 +40,34 @@ def set_copy_threads(threads: int | None) -> None:
     ones); two threads reach it. Copies smaller than 1 MiB always use one.
     """
     global _copy_threads  # noqa: PLW0603 - process-wide setting, like torch.set_num_threads
-    if threads is not None and (isinstance(threads, bool) or threads < 1):
-        raise ValueError(f"copy threads must be >= 1 or None, got {threads!r}")
+    _check_threads(threads)
     _copy_threads = threads
 
 
+def _check_threads(threads: int | None) -> None:
+    if threads is not None and (isinstance(threads, bool) or threads < 1):
+        raise ValueError(f"copy threads must be >= 1 or None, got {threads!r}")
+
+
+@contextlib.contextmanager
+def copies_limited_to(threads: int | None) -> Iterator[None]:
+    """Copies the calling thread starts inside the block use at most ``threads``
+    threads (None: no cap). A node's stores run so (docs/architecture.md,
+    "Loads never wait behind stores"); other threads are not affected."""
+    _check_threads(threads)
+    before = getattr(_this_thread, "limit", None)
+    _this_thread.limit = threads
+    try:
+        yield
+    finally:
+        _this_thread.limit = before
+
+
 def copy_threads() -> int:
-    """Threads one CPU copy may use (see :func:`set_copy_threads`)."""
-    return _copy_threads if _copy_threads is not None else max(1, torch.get_num_threads())
+    """Threads one CPU copy may use (see :func:`set_copy_threads`, :func:`copies_limited_to`)."""
+    threads = _copy_threads if _copy_threads is not None else max(1, torch.get_num_threads())
+    limit: int | None = getattr(_this_thread, "limit", None)
+    return threads if limit is None else min(threads, limit)
 
 
 def _helper_pool(workers: int) -> ThreadPoolExecutor:

@@ -72,6 +72,12 @@ class StorageConfig(ServerSettings):
         "threads copying chunks from engines into L1 (stores), and as many again copying "
         "chunks into engines (loads) (0 = one per core, 2 to 8)",
     )
+    store_copy_threads: int = setting(
+        1,
+        "threads one store's copy uses (0 = as many as a load's copy: torch's thread "
+        "count); engines wait for loads, not for stores, so by default a store leaves the "
+        "other cores to the engine and to loads (docs/architecture.md)",
+    )
     realtime_priority: int = setting(
         0,
         "run the event loop and the copy threads under SCHED_FIFO at this priority (1-99), "
@@ -239,6 +245,8 @@ class StorageConfig(ServerSettings):
             raise ConfigError("max_chunks_per_request must be >= 1")
         if self.copy_threads < 0:
             raise ConfigError("copy_threads must be >= 0 (0 = one per core, 2 to 8)")
+        if self.store_copy_threads < 0:
+            raise ConfigError("store_copy_threads must be >= 0 (0 = as many as a load's copy)")
         if not 0 <= self.realtime_priority <= MAX_REALTIME_PRIORITY:
             raise ConfigError(
                 f"realtime_priority must be 0 (off) or 1..{MAX_REALTIME_PRIORITY} (SCHED_FIFO)"

@@ -185,3 +185,11 @@ def test_the_copy_threads_setting_sizes_the_store_and_the_load_executors(
     assert node.app.copy_threads == 3
     assert node.app.copy_executor._max_workers == 3
     assert node.app.load_executor._max_workers == 3
+
+
+@pytest.mark.parametrize(("setting", "cap"), [(None, 1), (0, None), (2, 2)])
+def test_the_store_copy_threads_setting_caps_each_store_copy(
+    make_node: NodeFactory, setting: int | None, cap: int | None
+) -> None:
+    node = make_node() if setting is None else make_node(store_copy_threads=setting)
+    assert node.app.node._copier.store_copy_threads == cap  # None: as many as a load's

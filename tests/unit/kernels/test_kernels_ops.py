@@ -423,3 +423,41 @@ def test_parallel_pieces_each_run_once_and_a_failure_reaches_the_caller() -> Non
         assert sorted(runs) == list(range(12))  # the failure did not stop the other pieces
     finally:
         set_copy_threads(None)
+
+
+def test_a_thread_limited_copy_runs_its_pieces_on_the_calling_thread_alone() -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvmesh.kernels.parallel import copies_limited_to, run_parallel
+
+    def threads_used() -> set[int]:
+        seen: set[int] = set()
+        lock = threading.Lock()
+
+        def piece() -> None:
+            with lock:
+                seen.add(threading.get_ident())
+            threading.Event().wait(0.002)  # long enough for a helper to take some pieces
+
+        run_parallel([piece] * 16, nbytes=1 << 30)
+        return seen
+
+    set_copy_threads(2)
+    try:
+        with copies_limited_to(1):
+            assert copy_threads() == 1
+            assert threads_used() == {threading.get_ident()}
+            with copies_limited_to(None):  # nested: lifted inside, back after
+                assert copy_threads() == 2
+            assert copy_threads() == 1
+            # Another thread's copies keep the process setting.
+            with ThreadPoolExecutor(1) as other:
+                assert other.submit(copy_threads).result() == 2
+        assert copy_threads() == 2
+        with copies_limited_to(5):  # a cap, never a raise
+            assert copy_threads() == 2
+    finally:
+        set_copy_threads(None)
+    with pytest.raises(ValueError, match="copy threads"), copies_limited_to(0):
+        pass

@@ -99,3 +99,53 @@ def test_a_load_runs_while_stores_hold_every_copy_thread(manager: StorageManager
         transfer.release.set()
         copier.close()
         stores.shutdown(wait=True)
+
+
+class ThreadCountingTransfer:
+    """Records how many threads each copy may use (``copy_threads()`` on its thread)."""
+
+    def __init__(self) -> None:
+        self.gathers: list[int] = []
+        self.scatters: list[int] = []
+
+    def gather_chunks(self, *args: object) -> None:
+        from kvmesh.kernels.parallel import copy_threads
+
+        outs: Sequence[torch.Tensor] = args[3]  # type: ignore[assignment]
+        self.gathers.append(copy_threads())
+        for out in outs:
+            out.fill_(ord("k"))
+
+    def scatter_chunks(self, *_: object) -> None:
+        from kvmesh.kernels.parallel import copy_threads
+
+        self.scatters.append(copy_threads())
+
+
+@pytest.mark.parametrize(("store_threads", "expected"), [(1, 1), (None, 2)])
+def test_a_store_copies_on_store_copy_threads_and_a_load_on_every_copy_thread(
+    manager: StorageManager, store_threads: int | None, expected: int
+) -> None:
+    from kvmesh.kernels.parallel import set_copy_threads
+
+    transfer = ThreadCountingTransfer()
+    copier = ChunkCopier(manager, transfer, store_copy_threads=store_threads)  # type: ignore[arg-type]
+    key = make_key(0)
+
+    async def scenario() -> None:
+        assert await copier.store("e", [key], [[0]], 16, CHUNK) == [StoreOutcome.STORED]
+        assert await copier.retrieve("e", [key], [[5]], 16, CHUNK, 0, [False]) == 1
+
+    set_copy_threads(2)
+    try:
+        asyncio.run(scenario())
+    finally:
+        set_copy_threads(None)
+        copier.close()
+    assert transfer.gathers == [expected]
+    assert transfer.scatters == [2]  # loads are never capped: the engine waits for them
+
+
+def test_store_copy_threads_below_one_are_refused(manager: StorageManager) -> None:
+    with pytest.raises(ValueError, match="store_copy_threads"):
+        ChunkCopier(manager, ThreadCountingTransfer(), store_copy_threads=0)  # type: ignore[arg-type]

@@ -22,3 +22,11 @@ def test_copy_threads_of_zero_or_more_are_valid(threads: int) -> None:
 def test_negative_copy_threads_are_refused() -> None:
     with pytest.raises(ConfigError, match="copy_threads must be >= 0"):
         StorageConfig(copy_threads=-1).validate()
+
+
+def test_a_store_copies_on_one_thread_by_default() -> None:
+    config = StorageConfig()
+    assert config.store_copy_threads == 1
+    StorageConfig(store_copy_threads=0).validate()  # 0 = as many as a load's copy
+    with pytest.raises(ConfigError, match="store_copy_threads must be >= 0"):
+        StorageConfig(store_copy_threads=-1).validate()

@@ -110,11 +110,17 @@ class ChunkCopier:
         transfer: TransferEngine,
         copy_executor: Executor | None = None,
         load_executor: Executor | None = None,
+        store_copy_threads: int | None = 1,
     ) -> None:
         """``copy_executor`` runs the gathers (stores) and ``load_executor`` the scatters
-        (retrieves), so a load never queues behind stores; each None = own."""
+        (retrieves), so a load never queues behind stores; each None = own.
+        ``store_copy_threads``: threads one store's CPU copy uses (None: as many as a
+        load's); an engine waits for its loads, not for its stores."""
+        if store_copy_threads is not None and store_copy_threads < 1:
+            raise ValueError(f"store_copy_threads must be >= 1 or None, got {store_copy_threads}")
         self.manager = manager
         self.transfer = transfer
+        self.store_copy_threads = store_copy_threads
         self._owned = [
             ThreadPoolExecutor(max_workers=default_copy_threads(), thread_name_prefix=name)
             for name, given in (("kvmesh-transfer", copy_executor), ("kvmesh-load", load_executor))
@@ -179,7 +185,7 @@ class ChunkCopier:
                 await self.run(
                     functools.partial(
                         _timed, self.stats, "store", len(todo) * nbytes,
-                        functools.partial(gather, todo, views),
+                        functools.partial(self._store_copy, gather, todo, views),
                     )
                 )  # fmt: skip
             except BaseException:
@@ -197,6 +203,19 @@ class ChunkCopier:
                 cached = self.manager.l1.contains([key])[0]
                 outcomes.append(StoreOutcome.ALREADY_CACHED if cached else StoreOutcome.NO_MEMORY)
         return outcomes
+
+    def _store_copy(
+        self,
+        gather: Callable[[list[int], list[torch.Tensor]], None],
+        todo: list[int],
+        views: list[torch.Tensor],
+    ) -> None:
+        """``gather(todo, views)`` on this copy thread, on at most ``store_copy_threads``."""
+        # Loaded with the copies, when the first engine registered (it imports torch).
+        from kvmesh.kernels.parallel import copies_limited_to
+
+        with copies_limited_to(self.store_copy_threads):
+            gather(todo, views)
 
     async def retrieve(
         self,

@@ -77,9 +77,11 @@ class StorageNode:
         clock: Callable[[], float] = time.monotonic,
         copy_executor: Executor | None = None,
         load_executor: Executor | None = None,
+        store_copy_threads: int | None = 1,
     ) -> None:
         """``copy_executor`` runs the stores' gathers, ``load_executor`` the retrieves'
-        scatters (the app sizes both); None = own."""
+        scatters (the app sizes both); None = own. ``store_copy_threads``: threads one
+        store's CPU copy uses (None: as many as a load's)."""
         self.manager = manager
         self.transfer = transfer
         self.max_chunks = max_chunks_per_request
@@ -91,7 +93,9 @@ class StorageNode:
             clock=clock,
         )  # fmt: skip
         self._txns = EngineTransactions(manager, clock=clock, new_id=self._new_id)
-        self._copier = ChunkCopier(manager, transfer, copy_executor, load_executor)
+        self._copier = ChunkCopier(
+            manager, transfer, copy_executor, load_executor, store_copy_threads
+        )
         self.segments = NodeSegments(manager, self._copier, self._layout)
         self._copies_loaded = False
 
