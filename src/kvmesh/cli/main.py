@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from kvmesh.cli.startup import StartupLogs, follow_parent, one_line, reserve_port
-from kvmesh.common.config import add_config_arguments, describe, require_module, resolve
+from kvmesh.common.config import (
+    ConfigError,
+    add_config_arguments,
+    describe,
+    require_module,
+    resolve,
+)
 from kvmesh.common.sigterm import exit_on_sigterm
 from kvmesh.common.telemetry import TRACING_HELP, configure_logging
 from kvmesh.rpc.server import ServerSettings, ServiceApp, create_server, run_until_signalled
@@ -197,7 +203,10 @@ def run_bench(argv: Sequence[str]) -> int:
     exit_on_sigterm()
     # Progress goes to stderr while it runs (see kvmesh.bench.common.Progress); stdout
     # is the result alone.
-    result = module.run(options)
+    try:
+        result = module.run(options)
+    except ConfigError as exc:  # an option the benchmark refused: one line, exit 2
+        return _fail(f"bench {chosen.name}", exc)
     print(json.dumps(result, indent=2) if options.json else module.format_table(result))
     return 0
 

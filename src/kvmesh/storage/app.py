@@ -16,8 +16,8 @@ abandoned prefetch gives its locks back from the same done callback. The
 only blocking work an RPC hands off is its copy (the gather of StoreChunks,
 the scatter of RetrieveChunks). That copy runs on the node's own copy
 executor, ``kvmesh-transfer``, made here with the ``copy_threads`` setting's
-threads (0, the default: one per core, 2 to 8; one store's copy uses
-``store_copy_threads`` of them, by default 1). So a copy never queues
+threads (0, the default: one per core, 2 to 8; one store's copy is split
+over ``store_copy_threads`` threads, by default 1). So a copy never queues
 behind a wait, an L2 call or start-up work. The same executor maps a newly
 registered engine's KV memory once (``TransferEngine.prefault``, about 0.3 s
 per GiB), so the engine's first loads fault no page, and before the first

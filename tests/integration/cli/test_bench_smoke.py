@@ -77,6 +77,7 @@ def test_bench_datapath_reports_the_same_run_copy_limit(shm_dir: Path) -> None:
     for key in ("store_gbps", "retrieve_gbps", "memcpy_gbps", "store_ratio", "retrieve_ratio"):
         assert key in result
     assert result["memcpy_gbps"] > 0
+    assert result["parameters"]["store_copy_threads"] == 1  # as a node runs its stores
     assert result["chunk_bytes"] == 2 * 2 * 16 * 1 * 8 * 2  # K and V, layers, tokens, heads, dim
     assert result["chunks"] == 2
     assert result["parameters"]["block_size"] == 16

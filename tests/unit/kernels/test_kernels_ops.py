@@ -461,3 +461,15 @@ def test_a_thread_limited_copy_runs_its_pieces_on_the_calling_thread_alone() -> 
         set_copy_threads(None)
     with pytest.raises(ValueError, match="copy threads"), copies_limited_to(0):
         pass
+
+
+def test_a_copy_cap_is_lifted_when_its_block_raises() -> None:
+    from kvmesh.kernels.parallel import copies_limited_to
+
+    set_copy_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="copy failed"), copies_limited_to(1):
+            raise RuntimeError("copy failed")
+        assert copy_threads() == 2  # the thread's next copy is not capped
+    finally:
+        set_copy_threads(None)

@@ -122,14 +122,10 @@ class ThreadCountingTransfer:
         self.scatters.append(copy_threads())
 
 
-@pytest.mark.parametrize(("store_threads", "expected"), [(1, 1), (None, 2)])
-def test_a_store_copies_on_store_copy_threads_and_a_load_on_every_copy_thread(
-    manager: StorageManager, store_threads: int | None, expected: int
-) -> None:
+def _store_then_load(copier: ChunkCopier) -> None:
+    """One store, then a load of it, with the process's copies set to two threads."""
     from kvmesh.kernels.parallel import set_copy_threads
 
-    transfer = ThreadCountingTransfer()
-    copier = ChunkCopier(manager, transfer, store_copy_threads=store_threads)  # type: ignore[arg-type]
     key = make_key(0)
 
     async def scenario() -> None:
@@ -142,8 +138,28 @@ def test_a_store_copies_on_store_copy_threads_and_a_load_on_every_copy_thread(
     finally:
         set_copy_threads(None)
         copier.close()
+
+
+@pytest.mark.parametrize(("store_threads", "expected"), [(1, 1), (None, 2)])
+def test_a_store_copies_on_store_copy_threads_and_a_load_on_every_copy_thread(
+    manager: StorageManager, store_threads: int | None, expected: int
+) -> None:
+    transfer = ThreadCountingTransfer()
+    _store_then_load(ChunkCopier(manager, transfer, store_copy_threads=store_threads))  # type: ignore[arg-type]
     assert transfer.gathers == [expected]
     assert transfer.scatters == [2]  # loads are never capped: the engine waits for them
+
+
+def test_a_load_after_a_store_on_the_same_copy_thread_is_not_capped(
+    manager: StorageManager,
+) -> None:
+    transfer = ThreadCountingTransfer()
+    one = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-one")  # stores and loads
+    try:
+        _store_then_load(ChunkCopier(manager, transfer, one, one))  # type: ignore[arg-type]
+    finally:
+        one.shutdown(wait=True)
+    assert (transfer.gathers, transfer.scatters) == ([1], [2])
 
 
 def test_store_copy_threads_below_one_are_refused(manager: StorageManager) -> None:

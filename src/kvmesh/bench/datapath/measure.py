@@ -292,6 +292,10 @@ def measure(
             "layout": "flash_attn",
             "chunks_per_request": per_request,
             "copy_threads": kernels.copy_threads(),
+            # The node caps a store's copy (store_copy_threads; 0 = no cap).
+            "store_copy_threads": min(
+                kernels.copy_threads(), args.store_copy_threads or kernels.copy_threads()
+            ),
             "l1_bytes": int(app.manager.pool.capacity_bytes),
             "l1_prefault_s": _round(grow_s, 3),
             "engine_bytes": shape.layer_bytes * shape.num_layers,

@@ -53,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="threads one copy may use (0 = the kernels' default: torch's thread count)",
     )
     parser.add_argument(
+        "--store-copy-threads",
+        type=int,
+        default=1,
+        help="threads one store's copy may use, the node's store_copy_threads (1 as a node "
+        "runs them; 0 = as many as a load's copy)",
+    )
+    parser.add_argument(
         "--shm-dir", default="/dev/shm", help="where the engine file and L1 segments live"
     )
     parser.add_argument(

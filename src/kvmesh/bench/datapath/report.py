@@ -15,7 +15,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"({p['chunk_tokens']} tokens x {p['num_layers']} layers x {p['kv_heads']} heads x "
         f"{p['head_dim']} x {p['dtype']}, {p['layout']}, block {p['block_size']}), "
         f"{result['repetitions']} repetitions, {p['chunks_per_request']} chunks/request, "
-        f"{p['copy_threads']} copy threads",
+        f"{p['copy_threads']} copy threads ({p['store_copy_threads']} for a store)",
         "",
         f"{'':10} {'median GB/s':>12} {'best GB/s':>10} {'vs memcpy':>10} {'best vs':>8}",
         f"{'memcpy':10} {result['memcpy_gbps']:>12.2f} {result['best_memcpy_gbps']:>10.2f}",

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from kvmesh import kernels
 from kvmesh.bench.common import LoopThread, Progress, size_text
+from kvmesh.common.config import ConfigError
 from kvmesh.rpc.server import Server, create_server
 from kvmesh.storage.app import StorageApp
 from kvmesh.storage.client import StorageClient
@@ -66,9 +67,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
     )
     if shape.chunks < 1 or args.repetitions < 1:
-        raise ValueError("--chunks and --repetitions must be >= 1")
+        raise ConfigError("--chunks and --repetitions must be >= 1")
+    if args.store_copy_threads < 0:
+        raise ConfigError("--store-copy-threads must be >= 0")
     if shape.chunk_tokens % shape.block_size:
-        raise ValueError("--chunk-tokens must be a multiple of --block-size")
+        raise ConfigError("--chunk-tokens must be a multiple of --block-size")
     per_request = args.chunks_per_request or shape.chunks
     with Progress.for_args("datapath", args) as progress:
         progress.say(
@@ -120,6 +123,7 @@ def _run(
         l2=["none"],
         eviction_watermark=0.95,
         max_chunks_per_request=max(4096, shape.chunks),
+        store_copy_threads=args.store_copy_threads,
         log_level="WARNING",
     )
     progress.phase(f"starting a storage node (L1 {size_text(l1_bytes)})")
