@@ -2,7 +2,8 @@
 
 A benchmark scrapes the node (or its storage and gateway processes) before and
 after it runs, and reports per call kind (lookup, retrieve, store) how many
-calls the node served, its handler's mean time (``kvmesh_rpc_latency_seconds``)
+calls the node served, its handler's mean time and a bound on its slowest call
+(the smallest bucket of ``kvmesh_rpc_latency_seconds`` that holds them all)
 and, for the data path, the copy's own mean time and throughput
 (``kvmesh_storage_copy_*_total``, docs/observability.md), and the store calls
 that waited for L1 to grow (``kvmesh_storage_l1_growth_waits_total``). The handler's time
@@ -91,6 +92,10 @@ def figures(
         row: dict[str, Any] = {
             "calls": int(calls),
             "handler_ms_mean": round(1e3 * seconds / calls, 2) if calls else None,
+            # A bound on the slowest call: one slow call hides in a mean.
+            "handler_ms_at_most": _at_most_ms(
+                delta, after, "kvmesh_rpc_latency_seconds", calls, method=method
+            ),
         }
         if kind == "retrieve":
             # Loads the engine's scheduler started (RetrieveAhead) and Retrieves that
@@ -121,26 +126,49 @@ def _loop_lag(delta: Callable[..., float], after: Mapping[SampleKey, float]) -> 
     """The event loop's late wake-ups between the scrapes (summed over the pages scraped)."""
     name = "kvmesh_event_loop_lag_seconds"
     wake_ups = delta(f"{name}_count")
-    bounds = sorted(
-        {
-            float(dict(labels)["le"])
-            for (n, labels), _ in after.items()
-            if n == f"{name}_bucket" and dict(labels).get("le") not in (None, "+Inf")
-        }
-    )
+    bounds = _bounds(after, name)
 
     def late(at_least: float) -> int:
         within = delta(f"{name}_bucket", le=_le(at_least)) if at_least in bounds else wake_ups
         return int(wake_ups - within)
 
-    # The smallest bucket that holds every wake-up bounds the longest lag.
-    worst = next((b for b in bounds if delta(f"{name}_bucket", le=_le(b)) >= wake_ups), None)
     return {
         "wake_ups": int(wake_ups),
         "late_20ms": late(0.02),
         "late_100ms": late(0.1),
-        "longest_at_most_ms": round(worst * 1e3, 1) if worst is not None and wake_ups else None,
+        "longest_at_most_ms": _at_most_ms(delta, after, name, wake_ups),
     }
+
+
+def _bounds(after: Mapping[SampleKey, float], name: str, **labels: str) -> list[float]:
+    """The finite bucket bounds of histogram ``name`` (series with ``labels``)."""
+    wanted = set(labels.items())
+    return sorted(
+        {
+            float(dict(ls)["le"])
+            for (n, ls), _ in after.items()
+            if n == f"{name}_bucket"
+            and wanted <= set(ls)
+            and dict(ls).get("le") not in (None, "+Inf")
+        }
+    )
+
+
+def _at_most_ms(
+    delta: Callable[..., float],
+    after: Mapping[SampleKey, float],
+    name: str,
+    count: float,
+    **labels: str,
+) -> float | None:
+    """The smallest bucket bound of ``name`` that holds all ``count`` observations made
+    between the scrapes, in ms; None with none, or when some lie beyond the last bound."""
+    if not count:
+        return None
+    for bound in _bounds(after, name, **labels):
+        if delta(f"{name}_bucket", le=_le(bound), **labels) >= count:
+            return round(bound * 1e3, 1)
+    return None
 
 
 def _le(bound: float) -> str:
@@ -156,6 +184,8 @@ def describe(node: Mapping[str, Mapping[str, Any]]) -> str:
         if not row.get("calls"):
             continue
         text = f"{kind} {row['calls']}× {row['handler_ms_mean']} ms"
+        if row.get("handler_ms_at_most") is not None:
+            text += f" (slowest ≤ {row['handler_ms_at_most']} ms)"
         if row.get("started_ahead"):
             text += f", {row['joined']} joined a load started ahead"
         if row.get("growth_waits"):

@@ -43,6 +43,7 @@ def test_figures_are_the_calls_between_two_scrapes() -> None:
     assert node["retrieve"] == {
         "calls": 4,
         "handler_ms_mean": 6.0,
+        "handler_ms_at_most": None,  # these pages have no buckets
         "started_ahead": 0,
         "joined": 0,
         "copies": 4,
@@ -51,7 +52,7 @@ def test_figures_are_the_calls_between_two_scrapes() -> None:
         "copy_gb_s": 4.0,
     }
     # Nothing changed for lookups and stores between the scrapes: no mean to report.
-    assert node["lookup"] == {"calls": 0, "handler_ms_mean": None}
+    assert node["lookup"] == {"calls": 0, "handler_ms_mean": None, "handler_ms_at_most": None}
     assert node["store"]["calls"] == 0
     assert node["store"]["copy_gb_s"] is None
     assert describe(node) == (
@@ -137,3 +138,44 @@ def test_store_calls_that_waited_for_l1_to_grow_are_counted() -> None:
     )
     # No growth between the scrapes: nothing said about it.
     assert "grow" not in describe(figures(after, after | parse(_store_page(6, 0.42, 6, 0.012, 3))))
+
+
+def _latency_page(method: str, buckets: dict[str, float]) -> str:
+    series = f'method="{method}",service="node"'
+    lines = [
+        f'kvmesh_rpc_latency_seconds_bucket{{le="{le}",{series}}} {n}' for le, n in buckets.items()
+    ]
+    lines.append(f"kvmesh_rpc_latency_seconds_count{{{series}}} {buckets['+Inf']}")
+    lines.append(f"kvmesh_rpc_latency_seconds_sum{{{series}}} {0.01 * buckets['+Inf']}")
+    return "\n".join(lines)
+
+
+def test_the_slowest_call_between_two_scrapes_is_bounded_by_its_bucket() -> None:
+    before = parse(
+        "\n".join(
+            [
+                _latency_page("Retrieve", {"0.005": 5, "0.01": 5, "0.025": 6, "0.1": 6, "+Inf": 6}),
+                _latency_page("Lookup", {"0.005": 9, "0.01": 9, "0.025": 9, "0.1": 9, "+Inf": 9}),
+            ]
+        )
+    )
+    # Four more loads: three under 5 ms, one of 25-100 ms (the mean alone hides it).
+    after = parse(
+        "\n".join(
+            [
+                _latency_page(
+                    "Retrieve", {"0.005": 8, "0.01": 8, "0.025": 9, "0.1": 10, "+Inf": 10}
+                ),
+                _latency_page("Lookup", {"0.005": 9, "0.01": 9, "0.025": 9, "0.1": 9, "+Inf": 11}),
+            ]
+        )
+    )
+    node = figures(before, after)
+    assert node["retrieve"]["handler_ms_at_most"] == 100.0
+    assert describe(node) == (
+        "node handlers: lookup 2× 10.0 ms; retrieve 4× 10.0 ms (slowest ≤ 100.0 ms)"
+    )
+    # Two lookups beyond the last bound: no bound to give.
+    assert node["lookup"]["calls"] == 2
+    assert node["lookup"]["handler_ms_at_most"] is None
+    assert figures(after, after)["retrieve"]["handler_ms_at_most"] is None
